@@ -1,0 +1,1 @@
+"""Inference backends behind one interface (backends.base.Backend)."""
