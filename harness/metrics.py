@@ -50,6 +50,7 @@ def compare(ref: np.ndarray, x: np.ndarray) -> dict:
     t5r, t5x = topk(r, 5), topk(y, 5) if nonfinite == 0 else topk(np.nan_to_num(y, nan=-np.inf), 5)
     out = {
         "top1_ref": int(t5r[0]),
+        "top5": [[int(i), float(y[i])] for i in t5x],
         "top1": int(t5x[0]),
         "top1_agree": bool(t5r[0] == t5x[0]),
         "top5_overlap": len(set(t5r.tolist()) & set(t5x.tolist())) / 5.0,

@@ -1,0 +1,91 @@
+"""Machine and software facts recorded in every result (CPU, GPU if any, versions, git)."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+PACKAGES = ("numpy", "gguf", "llama-cpp-python", "matplotlib", "jinja2", "cupy-cuda13x",
+            "cupy-cuda12x", "cupy")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def git_info(cwd: Path | None = None) -> dict:
+    """{'sha': ..., 'dirty': bool} of the checkout holding this package, or sha None."""
+    cwd = cwd or Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        return {"sha": sha, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"sha": None, "dirty": None}
+
+
+def gpu_info() -> dict | None:
+    """GPU name, memory, driver, CUDA runtime and clocks through CuPy; None without a GPU."""
+    try:
+        import cupy as cp  # optional dependency (extra `gpu`)
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            return None
+        dev = cp.cuda.Device()
+        props = cp.cuda.runtime.getDeviceProperties(dev.id)
+        free, total = cp.cuda.runtime.memGetInfo()
+        return {
+            "name": props["name"].decode(errors="replace"),
+            "cc": f"{props['major']}.{props['minor']}",
+            "sms": props["multiProcessorCount"],
+            "memory_total_bytes": total, "memory_free_bytes": free,
+            "l2_bytes": props.get("l2CacheSize"),
+            "clock_khz": props.get("clockRate"), "memory_clock_khz": props.get("memoryClockRate"),
+            "driver": cp.cuda.runtime.driverGetVersion(),
+            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+        }
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU" here
+        return None
+
+
+def machine_info() -> dict:
+    """Everything a report needs to say where a result came from."""
+    return {
+        "hostname": platform.node(),
+        "os": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": _mem_total_bytes(),
+        "gpu": gpu_info(),
+        "versions": versions(),
+        "git": git_info(),
+    }

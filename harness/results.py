@@ -1,0 +1,69 @@
+"""Result JSON: versioned schema, atomic writes, one new folder per run (never overwritten).
+
+Layout: out/runs/<UTC time>-<short git sha>[-N]/result.json (+ report.html beside it).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+SCHEMA = "gguf-harness/run/1"
+
+
+def new_run_dir(root: Path, sha: str | None) -> Path:
+    """Create and return a fresh run folder under root; never reuses an existing one."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    base = f"{stamp}-{(sha or 'nogit')[:10]}"
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        path = root / (base if n == 0 else f"{base}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a new run folder under {root}")
+
+
+def _clean(x):
+    """JSON has no NaN/Inf: write them as strings so the file stays standard JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy scalars
+        return _clean(x.item())
+    return x
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: dict) -> None:
+    write_atomic(path, json.dumps(_clean(obj), indent=1, allow_nan=False).encode())
+
+
+def read_json(path: Path) -> dict:
+    """Load a result; ValueError if it is not a gguf-harness result of a known schema."""
+    obj = json.loads(Path(path).read_text())
+    if not isinstance(obj, dict) or not str(obj.get("schema", "")).startswith("gguf-harness/"):
+        raise ValueError(f"{path} is not a gguf-harness result")
+    return obj
