@@ -1,0 +1,99 @@
+"""Command line: `harness run | verify | models | report`.
+
+Top-down map of the project:
+  harness run     -> harness.run.verify_model (reference + backends, step by step)
+                       -> harness.verify (greedy / teacher-forced loops), harness.metrics
+                       -> backends.registry (llamacpp in a child process, oracle, engine)
+                  -> harness.results (atomic JSON) -> reports.html (report.html)
+  harness models  -> harness.models (real models from PyPI chunk packages)
+Errors of the user's input (HarnessError) print one line and exit 2; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from . import models
+from .errors import HarnessError
+
+console = Console(stderr=True)
+
+
+def _add_verify_args(p: argparse.ArgumentParser, *, standard: bool) -> None:
+    p.add_argument("--model", default=models.DEFAULT_MODEL,
+                   help=f"registry name or GGUF path (default {models.DEFAULT_MODEL})")
+    p.add_argument("--backends", default=None,
+                   help="comma list (default: every backend available on this machine)")
+    p.add_argument("--reference", default="oracle", help="backend all others are compared to")
+    p.add_argument("--n-predict", type=int, default=129, help="generated tokens (default 129)")
+    p.add_argument("--contexts", default="512,2048", help="context sizes, comma list")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for llama.cpp")
+    p.add_argument("--n-gpu-layers", type=int, default=None,
+                   help="llama.cpp layers on the GPU (default: 99 with a GPU, else 0)")
+    p.add_argument("--no-flash-attn", action="store_true", help="llama.cpp flash attention off")
+    p.add_argument("--kv-type", default="f16", help="KV cache type: f16, f32, q8_0")
+    p.add_argument("--no-teacher-forced", action="store_true", help="greedy runs only")
+    p.add_argument("--out", default="out", help="output root (runs go to OUT/runs/...)")
+    p.add_argument("--no-report", action="store_true", help="write result.json only")
+    if not standard:
+        p.add_argument("--prompt", default=None, help="prompt text instead of the standard one")
+        p.add_argument("--prompt-tokens", type=int, default=70,
+                       help="cut the standard prompt to this many tokens (default 70)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="harness", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", help="standard verification on the default model + report")
+    _add_verify_args(p, standard=True)
+    p = sub.add_parser("verify", help="verification with every knob exposed")
+    _add_verify_args(p, standard=False)
+    p = sub.add_parser("models", help="list real models or print a model's path")
+    p.add_argument("action", choices=["list", "path"])
+    p.add_argument("name", nargs="?")
+    p = sub.add_parser("report", help="(re-)render report.html from a result.json")
+    p.add_argument("result", type=Path)
+    return ap
+
+
+def _cmd_models(args) -> int:
+    if args.action == "list":
+        print(f"{'name':30} {'arch':8} {'bytes':>14}  {'status':10} extra")
+        for m in models.REGISTRY.values():
+            print(f"{m.name:30} {m.arch:8} {m.size:>14,}  {models.status(m):10} .[{m.extra}]")
+        print(f"cache: {models.cache_dir()}")
+        return 0
+    if not args.name:
+        raise HarnessError("usage: harness models path NAME")
+    print(models.resolve(args.name, progress=None).path)
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from reports.html import render_report_from_json
+    print(render_report_from_json(args.result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "models":
+            return _cmd_models(args)
+        if args.cmd == "report":
+            return _cmd_report(args)
+        from .main_job import run_job
+        return run_job(args, console)
+    except HarnessError as e:
+        console.print(f"[bold red]error:[/] {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""`harness run` / `harness verify`: resolve the model, tokenise, verify, write JSON + report."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from . import models, results
+from .config import ProtocolConfig, RunConfig
+from .errors import ConfigError, HarnessError
+from .gguf_file import open_gguf
+from .machine import git_info, gpu_info
+from .progress import Progress
+from .prompt import STANDARD_PROMPT, STANDARD_PROMPT_TOKENS
+from .run import verify_model
+
+
+def _model_meta(info) -> dict:
+    """Architecture facts and the tensor-type histogram of the GGUF (for the report)."""
+    types: dict[str, int] = {}
+    for t in info.tensors.values():
+        types[t.type_name] = types.get(t.type_name, 0) + 1
+    arch = info.arch
+    keys = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+            "attention.head_count_kv", "context_length")
+    return {"arch": arch, "gguf_version": info.version, "tensor_types": types,
+            "n_tensors": len(info.tensors), "description": info.get("general.name"),
+            **{k: info.get(f"{arch}.{k}") for k in keys}}
+
+
+def _choose_backends(spec: str | None, reference: str) -> tuple[list[str], dict]:
+    from backends.registry import available_backends
+    avail = available_backends()
+    if spec:
+        names = [s.strip() for s in spec.split(",") if s.strip()]
+        unknown = [n for n in names if n not in avail]
+        if unknown:
+            raise ConfigError(f"unknown backend(s) {unknown}; known: {sorted(avail)}")
+        missing = {n: avail[n] for n in names if avail[n]}
+        if missing:
+            raise ConfigError(f"backend(s) not available here: {missing}")
+    else:
+        names = [n for n, why in avail.items() if why is None]
+    if reference not in names:
+        names = [reference] + names
+    if avail.get(reference):
+        raise ConfigError(f"reference backend {reference!r} unavailable: {avail[reference]}")
+    return names, {n: why for n, why in avail.items() if why}
+
+
+def _contexts(spec: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--contexts must be a comma list of integers, got {spec!r}") from None
+
+
+def _tokenize(model, text: str, n_tokens: int | None):
+    """Prompt ids through llama.cpp (child process), and a detokeniser for the report."""
+    from backends.registry import create
+    tok = create("llamacpp", in_child=True)
+    tok.load(model, RunConfig(n_ctx=64, n_batch=64, n_ubatch=64))
+    ids = tok.tokenize(text)
+    if n_tokens is not None:
+        if len(ids) < n_tokens:
+            raise ConfigError(f"the prompt gives only {len(ids)} tokens, need {n_tokens}")
+        ids = ids[:n_tokens]
+    if not ids:
+        raise ConfigError("the prompt is empty: it tokenises to no ids")
+    return tok, ids
+
+
+def run_job(args, console: Console) -> int:
+    if args.n_predict <= 0:
+        raise ConfigError(f"--n-predict must be > 0, got {args.n_predict}")
+    prompt = getattr(args, "prompt", None)
+    if prompt is not None and not prompt.strip():
+        raise ConfigError("the prompt is empty")
+    model = models.resolve(args.model)
+    info = open_gguf(model.path)
+    names, unavailable = _choose_backends(args.backends, args.reference)
+    gpu = gpu_info()
+    ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (99 if gpu else 0)
+    base = RunConfig(n_threads=args.threads, n_gpu_layers=ngl, flash_attn=not args.no_flash_attn,
+                     kv_type=args.kv_type)
+    text = prompt if prompt is not None else STANDARD_PROMPT
+    n_tok = None if prompt is not None else getattr(args, "prompt_tokens", STANDARD_PROMPT_TOKENS)
+    console.print(f"model [bold]{model.name}[/] ({info.arch}, {model.size:,} B) "
+                  f"backends {names} reference {args.reference}")
+    tok, ids = _tokenize(model, text, n_tok)
+    try:
+        proto = ProtocolConfig(prompt_ids=tuple(ids), n_predict=args.n_predict,
+                               contexts=_contexts(args.contexts),
+                               teacher_forced=not args.no_teacher_forced,
+                               extra={"text": text})
+        from backends.registry import create
+        with Progress(console) as prog:
+            result = verify_model(model, _model_meta(info), proto, base, names,
+                                  lambda n: create(n, in_child=(n != "oracle")),
+                                  reference=args.reference, prog=prog)
+        result["unavailable_backends"] = unavailable
+        result["prompt"]["pieces"] = _pieces(tok, result)
+    finally:
+        tok.close()
+    run_dir = results.new_run_dir(Path(args.out) / "runs", git_info().get("sha"))
+    results.write_json(run_dir / "result.json", result)
+    _print_summary(console, result)
+    console.print(f"result: {run_dir / 'result.json'}")
+    if not args.no_report:
+        from reports.html import render_report
+        console.print(f"report: {render_report(result, run_dir / 'report.html')}")
+    failed = [v for v in result["verdicts"] if v["verdict"] != "PASS"]
+    return 1 if failed else 0
+
+
+def _pieces(tok, result: dict) -> dict[str, str]:
+    """Token text of every id that appears in the prompt or any run (for the report)."""
+    ids = set(result["prompt"]["ids"]) | set(result["reference"]["ids"])
+    for r in result["runs"]:
+        ids |= set(r.get("ids") or [])
+    return {str(i): tok.detokenize([i]) for i in sorted(ids)}
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _print_summary(console: Console, result: dict) -> None:
+    ref = result["reference"]
+    t = Table(title=f"{result['model']['name']}: reference {ref['backend']} "
+                    f"ids sha256 {ref['ids_sha256'][:16]}")
+    for col in ("backend", "ctx", "mode", "status", "match", "top-1", "KL mean", "KL max",
+                "max-abs", "decode tok/s"):
+        t.add_column(col)
+    for r in result["runs"]:
+        s, tm = r.get("summary") or {}, r.get("timing") or {}
+        t.add_row(r["backend"], str(r["n_ctx"]), r["mode"], r["status"],
+                  f"{s.get('match_prefix', '-')}/{s.get('n_generated', '-')}",
+                  _fmt(s.get("top1_agreement"), ".3f"), _fmt(s.get("kl_mean"), ".2e"),
+                  _fmt(s.get("kl_max"), ".2e"), _fmt(s.get("max_abs"), ".3g"),
+                  _fmt(tm.get("decode_tok_s"), ".1f"))
+    console.print(t)
+    for v in result["verdicts"]:
+        colour = "green" if v["verdict"] == "PASS" else "red"
+        console.print(f"[{colour}]{v['verdict']}[/] {v['backend']} c={v['n_ctx']}: {v['reason']}")

@@ -1,0 +1,57 @@
+"""Progress display for long work (rich progress bars on a terminal, plain lines otherwise)."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
+                           TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+
+
+class Progress:
+    """Context manager; `task(label, total)` returns a callable that advances by one."""
+
+    def __init__(self, console: Console | None = None, enabled: bool = True):
+        self.console = console or Console(stderr=True)
+        self.enabled = enabled
+        self._rich: RichProgress | None = None
+
+    @classmethod
+    def quiet(cls) -> "Progress":
+        return cls(Console(stderr=True, quiet=True), enabled=False)
+
+    def __enter__(self) -> "Progress":
+        if self.enabled:
+            self._rich = RichProgress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
+                transient=False)
+            self._rich.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._rich is not None:
+            self._rich.__exit__(*exc)
+            self._rich = None
+
+    def task(self, label: str, total: int) -> Callable[[], None]:
+        if self._rich is None:
+            return lambda: None
+        tid = self._rich.add_task(label, total=total)
+        return lambda: self._rich.advance(tid)
+
+    def log(self, msg: str) -> None:
+        self.console.print(msg)
+
+
+def bytes_progress(console: Console, label: str, total: int):
+    """A rich progress bar counting bytes (assembling / hashing a model); use as a context."""
+    bar = RichProgress(TextColumn(label), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                       TimeElapsedColumn(), console=console, transient=True)
+    tid = bar.add_task(label, total=total)
+    return bar, (lambda n: bar.advance(tid, n))
+
+
+def is_interactive() -> bool:
+    return sys.stderr.isatty()

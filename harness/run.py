@@ -1,0 +1,121 @@
+"""One verification run: reference first, then every other backend at every context size.
+
+Flow (top-down): validate the GGUF -> tokenise the standard prompt through llama.cpp ->
+greedy run of the reference (float64 oracle) -> for each backend and context: greedy and
+teacher-forced runs compared step by step -> summaries and gate verdicts -> result dict.
+A backend that crashes or refuses the model is recorded and the run goes on.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+
+import numpy as np
+
+from . import machine, metrics
+from .config import ModelRef, ProtocolConfig, RunConfig
+from .errors import HarnessError
+from .progress import Progress
+from .results import SCHEMA
+from .summary import Gate, gate, summarize
+from .verify import GREEDY, TEACHER_FORCED, Trace, run_compared, run_reference
+
+
+def _trace_json(t: Trace) -> dict:
+    return {"backend": t.backend, "mode": t.mode, "n_ctx": t.n_ctx, "status": t.status,
+            "error": t.error, "ids": t.ids, "steps": t.steps, "prefill_s": t.prefill_s,
+            "decode_s": t.decode_s}
+
+
+def _timing(t: Trace, n_prompt: int) -> dict:
+    n_dec = max(len(t.ids) - 1, 0)
+    return {"prefill_tok_s": n_prompt / t.prefill_s if t.prefill_s > 0 else None,
+            "decode_tok_s": n_dec / t.decode_s if t.decode_s > 0 and n_dec else None,
+            "ms_per_token": 1e3 * t.decode_s / n_dec if n_dec else None}
+
+
+def _run_backend(create, name: str, model: ModelRef, cfg: RunConfig, proto: ProtocolConfig,
+                 ref: Trace, ref_logits: np.ndarray, prog: Progress) -> list[Trace]:
+    """Greedy (+ teacher-forced) traces of one backend at one context; failures recorded."""
+    modes = [GREEDY] + ([TEACHER_FORCED] if proto.teacher_forced else [])
+    traces: list[Trace] = []
+    backend = None
+    try:
+        backend = create(name)
+        backend.load(model, cfg)
+        for mode in modes:
+            task = prog.task(f"{name} c={cfg.n_ctx} {mode}", len(ref.ids))
+            traces.append(run_compared(backend, name, mode, proto.prompt_ids, ref.ids,
+                                       ref_logits, cfg.n_ctx, progress=task))
+    except (HarnessError, OSError, RuntimeError, ValueError, MemoryError) as e:
+        done = {t.mode for t in traces}
+        for mode in modes:
+            if mode not in done:
+                tr = Trace(name, mode, cfg.n_ctx, status="error", error=f"{type(e).__name__}: {e}")
+                traces.append(tr)
+                break  # one record of the failure; later modes were never attempted
+        prog.log(f"[red]{name} c={cfg.n_ctx} failed:[/] {type(e).__name__}: {e}")
+    finally:
+        if backend is not None:
+            try:
+                backend.close()
+            except Exception:  # a dead child cannot be closed; nothing left to free
+                pass
+    return traces
+
+
+def verify_model(model: ModelRef, model_meta: dict, proto: ProtocolConfig, base: RunConfig,
+                 backends: list[str], create, reference: str = "oracle",
+                 prog: Progress | None = None, gate_cfg: Gate = Gate()) -> dict:
+    """Run the protocol; returns the result dict (schema gguf-harness/run/1).
+
+    create(name) -> Backend. The reference runs once at the largest context (its maths do
+    not depend on the context size); every other backend runs at every context in proto.
+    """
+    prog = prog or Progress.quiet()
+    started = time.time()
+    ref_backend = create(reference)
+    ref_backend.load(model, replace(base, n_ctx=max(proto.contexts)))
+    task = prog.task(f"{reference} (reference) greedy", proto.n_predict)
+    try:
+        ref, ref_logits = run_reference(ref_backend, reference, proto.prompt_ids,
+                                        proto.n_predict, max(proto.contexts), progress=task)
+    finally:
+        ref_backend.close()
+    runs, verdicts = [], []
+    for name in [b for b in backends if b != reference]:
+        for n_ctx in proto.contexts:
+            traces = _run_backend(create, name, model, replace(base, n_ctx=n_ctx), proto, ref,
+                                  ref_logits, prog)
+            summaries = {}
+            for t in traces:
+                rec = _trace_json(t)
+                if t.status == "ok":
+                    rec["summary"] = summaries[t.mode] = summarize(t, ref, ref_logits)
+                    rec["timing"] = _timing(t, len(proto.prompt_ids))
+                runs.append(rec)
+            if GREEDY in summaries:
+                v = gate(summaries[GREEDY], summaries.get(TEACHER_FORCED), gate_cfg)
+            else:
+                v = {"verdict": "ERROR", "reason": traces[-1].error if traces else "no run"}
+            verdicts.append({"backend": name, "n_ctx": n_ctx, **v})
+    ref_json = _trace_json(ref)
+    ref_json.update(ids_sha256=metrics.ids_sha256(ref.ids), first_16=ref.ids[:16],
+                    last_id=ref.ids[-1], final_logits_sha256=ref.steps[-1]["logits_sha256"],
+                    timing=_timing(ref, len(proto.prompt_ids)))
+    return {
+        "schema": SCHEMA,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": time.time() - started,
+        "machine": machine.machine_info(),
+        "model": {**model.to_json(), **model_meta},
+        "settings": {"run": base.to_json(), "contexts": list(proto.contexts),
+                     "n_predict": proto.n_predict, "n_prompt": len(proto.prompt_ids),
+                     "teacher_forced": proto.teacher_forced, "reference": reference,
+                     "backends": backends, "gate": vars(gate_cfg)},
+        "prompt": {"ids": list(proto.prompt_ids), **proto.extra},
+        "reference": ref_json,
+        "runs": runs,
+        "verdicts": verdicts,
+    }
