@@ -1,0 +1,1 @@
+"""Float64 numpy reference (oracle): dequantisation via gguf-py, cross-checked against libggml."""
