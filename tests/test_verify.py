@@ -22,7 +22,7 @@ class Scripted:
     def _logits(self):
         rng = np.random.default_rng(1000 * self.pos + (self.fed[-1] if self.fed else 0))
         x = rng.normal(size=V)
-        if self.flip_at is not None and self.pos - 3 == self.flip_at  # 3 prompt tokens: position 3 predicts id 0:
+        if self.flip_at is not None and self.pos - 3 == self.flip_at:  # 3 prompt tokens: position 3 predicts id 0
             x[np.argsort(x)[-2]] = x.max() + 1.0  # promote the runner-up
         return (x + self.noise).astype(np.float32)
 
