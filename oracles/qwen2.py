@@ -1,0 +1,186 @@
+"""Float64 reference forward of llama.cpp's `qwen2` architecture (Qwen2 / Qwen2.5).
+
+Graph: llama.cpp src/models/qwen2.cpp (llm_build_qwen2); tensors and their shapes:
+src/llama-model.cpp load_tensors, case LLM_ARCH_QWEN2 (output.weight optional: tied to
+token_embd when absent; output.bias optional). Per layer il, for the batch x [n, d]:
+
+    h = rms_norm(x) * attn_norm                                    "attn_norm"
+    q, k, v = h Wq^T + bq, h Wk^T + bk, h Wv^T + bv               "Vcur" [n, Hkv, Dh]
+    q, k = rope_neox(q), rope_neox(k) at positions n_past..       "Qcur", "Kcur"
+    a = softmax(q k^T / sqrt(Dh) + causal mask) v (GQA)            "kqv_out" [n, H*Dh]
+    ffn_inp = a Wo^T + x                                           "attn_out" (before +x), "ffn_inp"
+    f = (silu(g Wg^T) * (g Wu^T)) Wd^T, g = rms_norm(ffn_inp) * ffn_norm   "ffn_norm", "ffn_out"
+    x = f + ffn_inp                                                "l_out"
+then logits = rms_norm(x[last]) * output_norm  Wout^T             "result_norm", "result_output"
+Capture names are llama.cpp's cb() names where it has one ("attn_out" = its wo product).
+All arithmetic float64 (oracles.ops); weights are exact dequantised values (oracles.weights).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+
+from harness.errors import ConfigError
+from harness.gguf_file import open_gguf
+from oracles import ops
+from oracles.qwen2_params import Qwen2Params, read_params
+from oracles.weights import GGUFWeights
+
+Capture = Callable[[str, int, np.ndarray], None]  # (name, layer or -1, float64 array)
+MAX_KV_BYTES = 16 << 30  # refuse a float64 KV cache larger than this (bounded allocation)
+UBATCH = 512  # prompt tokens per forward pass (bounds the [H, n, n_kv] score temporaries)
+LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_q.bias", "attn_k.weight",
+                 "attn_k.bias", "attn_v.weight", "attn_v.bias", "attn_output.weight",
+                 "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+def _expected_shapes(p: Qwen2Params, n_vocab: int) -> dict[str, tuple[int, ...]]:
+    """GGUF ne of every tensor the forward reads (llama-model.cpp, LLM_ARCH_QWEN2)."""
+    ne = {"token_embd.weight": (p.n_embd, n_vocab), "output_norm.weight": (p.n_embd,)}
+    layer = {"attn_norm.weight": (p.n_embd,), "attn_q.weight": (p.n_embd, p.n_embd_q),
+             "attn_q.bias": (p.n_embd_q,), "attn_k.weight": (p.n_embd, p.n_embd_kv),
+             "attn_k.bias": (p.n_embd_kv,), "attn_v.weight": (p.n_embd, p.n_embd_kv),
+             "attn_v.bias": (p.n_embd_kv,), "attn_output.weight": (p.n_embd_q, p.n_embd),
+             "ffn_norm.weight": (p.n_embd,), "ffn_gate.weight": (p.n_embd, p.n_ff),
+             "ffn_up.weight": (p.n_embd, p.n_ff), "ffn_down.weight": (p.n_ff, p.n_embd)}
+    for il in range(p.n_layer):
+        ne.update({f"blk.{il}.{k}": v for k, v in layer.items()})
+    return ne
+
+
+class Qwen2Oracle:
+    """Stateful float64 qwen2 forward with a float64 KV cache.
+
+    model_path: GGUF file; n_ctx: KV cache length in tokens (default min(context_length,
+    2048)); cache_dir / sha256: optional dequantised-weight cache (oracles.weights);
+    capture: optional callback(name, layer, array) for named intermediates (layer -1 for
+    the head). All weights are dequantised and shape-checked here, so errors surface at load.
+    Raises UnsupportedError (architecture, rope scaling, tensor type), ModelError (missing
+    key / tensor, wrong shape, malformed file), ConfigError (n_ctx out of range).
+    Attributes: params, n_vocab, n_ctx, n_past, load_seconds, weights.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, n_ctx: int | None = None,
+                 cache_dir: str | os.PathLike | None = None, sha256: str | None = None,
+                 capture: Capture | None = None) -> None:
+        import time
+        t0 = time.perf_counter()
+        info = open_gguf(model_path)
+        self.params = p = read_params(info)
+        self.weights = w = GGUFWeights(info, cache_dir=cache_dir, sha256=sha256)
+        self.n_vocab = int(info.tensor("token_embd.weight").ne[-1])
+        self._out_name = "output.weight" if w.has("output.weight") else "token_embd.weight"
+        shapes = _expected_shapes(p, self.n_vocab)
+        if self._out_name == "output.weight":
+            shapes["output.weight"] = (p.n_embd, self.n_vocab)
+        for name, ne in shapes.items():
+            w.check_shape(name, ne)
+        self._out_bias = "output.bias" if w.has("output.bias") else None
+        if self._out_bias:
+            w.check_shape("output.bias", (self.n_vocab,))
+        self.n_ctx = self._check_ctx(n_ctx)
+        for name in shapes:
+            if name != "token_embd.weight" or self._out_name == name:
+                w.get(name)  # dequantise everything now: errors and cost at load time
+        kv_shape = (p.n_layer, self.n_ctx, p.n_head_kv, p.head_dim)
+        self._k = np.zeros(kv_shape, dtype=np.float64)  # [n_layer, n_ctx, Hkv, Dh]
+        self._v = np.zeros(kv_shape, dtype=np.float64)
+        self.capture = capture
+        self.n_past = 0
+        self.load_seconds = time.perf_counter() - t0
+
+    def _check_ctx(self, n_ctx: int | None) -> int:
+        p = self.params
+        n = min(p.n_ctx_train, 2048) if n_ctx is None else int(n_ctx)
+        kv_bytes = 2 * p.n_layer * n * p.n_embd_kv * 8
+        if n < 1 or kv_bytes > MAX_KV_BYTES:
+            raise ConfigError(f"n_ctx {n}: need >= 1 and a float64 KV cache <= "
+                              f"{MAX_KV_BYTES >> 30} GiB (this would take {kv_bytes / 2**30:.1f} GiB)")
+        return n
+
+    def reset(self) -> None:
+        """Empty the KV cache (position back to 0); stale rows are never read again."""
+        self.n_past = 0
+
+    def prefill(self, tokens: Sequence[int]) -> np.ndarray:
+        """Feed tokens from the current position; float64 [n_vocab] logits after the last.
+
+        The prompt is processed in batches of UBATCH tokens (matrix products over the batch).
+        Raises ConfigError (empty input, context overflow, token id outside the vocabulary).
+        """
+        toks = [int(t) for t in tokens]
+        if not toks:
+            raise ConfigError("prefill needs at least one token")
+        if self.n_past + len(toks) > self.n_ctx:
+            raise ConfigError(f"context overflow: {self.n_past} cached + {len(toks)} new tokens "
+                              f"> n_ctx {self.n_ctx}")
+        for s in range(0, len(toks), UBATCH):
+            hidden = self._forward(toks[s:s + UBATCH])
+        return self._head(hidden[-1:])
+
+    def step(self, token: int) -> np.ndarray:
+        """Feed one token; float64 [n_vocab] logits for the next position."""
+        return self.prefill([token])
+
+    def _emit(self, name: str, layer: int, arr: np.ndarray) -> None:
+        if self.capture is not None:
+            self.capture(name, layer, arr)
+
+    def _forward(self, toks: list[int]) -> np.ndarray:
+        """Run all layers on a batch at positions n_past..; returns hidden [n, d] float64."""
+        x = self.weights.rows64("token_embd.weight", toks)  # [n, d] (ggml_get_rows)
+        self._emit("inp_embd", -1, x)
+        pos = np.arange(self.n_past, self.n_past + len(toks))
+        for il in range(self.params.n_layer):
+            x = self._layer(il, x, pos)
+        self.n_past += len(toks)
+        return x
+
+    def _layer(self, il: int, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        p, w, pre = self.params, self.weights, f"blk.{il}."
+        h = ops.rms_norm(x, w.vector64(pre + "attn_norm.weight"), p.eps)
+        self._emit("attn_norm", il, h)
+        a = self._attention(il, h, pos)
+        o = w.linear(pre + "attn_output.weight", a)
+        self._emit("attn_out", il, o)
+        ffn_inp = o + x
+        self._emit("ffn_inp", il, ffn_inp)
+        g = ops.rms_norm(ffn_inp, w.vector64(pre + "ffn_norm.weight"), p.eps)
+        self._emit("ffn_norm", il, g)
+        f = ops.swiglu(w.linear(pre + "ffn_gate.weight", g), w.linear(pre + "ffn_up.weight", g))
+        f = w.linear(pre + "ffn_down.weight", f)
+        self._emit("ffn_out", il, f)
+        out = f + ffn_inp
+        self._emit("l_out", il, out)
+        return out
+
+    def _attention(self, il: int, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """QKV projections, RoPE, KV-cache write, causal GQA attention -> [n, H*Dh]."""
+        p, w, pre, n = self.params, self.weights, f"blk.{il}.", h.shape[0]
+        q = w.linear(pre + "attn_q.weight", h, pre + "attn_q.bias").reshape(n, p.n_head, p.head_dim)
+        k = w.linear(pre + "attn_k.weight", h, pre + "attn_k.bias").reshape(n, p.n_head_kv, p.head_dim)
+        v = w.linear(pre + "attn_v.weight", h, pre + "attn_v.bias").reshape(n, p.n_head_kv, p.head_dim)
+        q = ops.rope_neox(q, pos, p.n_rot, p.freq_base, p.freq_scale)
+        k = ops.rope_neox(k, pos, p.n_rot, p.freq_base, p.freq_scale)
+        self._emit("Qcur", il, q)
+        self._emit("Kcur", il, k)
+        self._emit("Vcur", il, v)
+        self._k[il, pos] = k
+        self._v[il, pos] = v
+        kv_len = int(pos[-1]) + 1
+        a = ops.attention(q, self._k[il], self._v[il], pos, kv_len)  # [n, H, Dh]
+        a = a.reshape(n, p.n_embd_q)
+        self._emit("kqv_out", il, a)
+        return a
+
+    def _head(self, x_last: np.ndarray) -> np.ndarray:
+        """Output norm and LM head on [1, d]; float64 [n_vocab] logits."""
+        w = self.weights
+        h = ops.rms_norm(x_last, w.vector64("output_norm.weight"), self.params.eps)
+        self._emit("result_norm", -1, h)
+        logits = w.linear(self._out_name, h, self._out_bias)[0]
+        self._emit("result_output", -1, logits)
+        return logits
