@@ -1,0 +1,71 @@
+"""Self-contained HTML report of one verification result (schema gguf-harness/run/1).
+
+One file, no external CSS, JavaScript or images: styles are inline and plots are base64
+PNG data URIs, so the report can be mailed or archived as is. Jinja2 autoescaping is on for
+every value: model names, metadata, chat templates and token texts are untrusted.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+
+from harness.results import read_json, write_atomic
+
+from . import plots
+from .fmt import FILTERS
+from .view import build_context, plot_series
+
+TEMPLATE = "report.html.j2"
+PLOTS = (  # (step key, title, y label)
+    ("kl", "KL(reference ‖ backend) per step", "KL [nats]"),
+    ("max_abs", "max |logit − reference logit| per step", "max-abs"),
+    ("nmse", "NMSE of the logits per step", "NMSE"),
+)
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+        autoescape=True,  # on for every template, whatever its file extension
+        undefined=jinja2.StrictUndefined,  # a typo in the template fails loudly in tests
+        trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(FILTERS)
+    return env
+
+
+def _plots(result: dict) -> list[dict]:
+    """[{title, uri | None, note}] for KL, max-abs and NMSE per step (log y axis)."""
+    series = plot_series(result)
+    out = []
+    for key, title, ylabel in PLOTS:
+        png = plots.step_plot(series, key, title, ylabel) if series else None
+        out.append({"title": title, "uri": plots.data_uri(png) if png else None,
+                    "note": None if png else "no values to plot (no completed compared run)"})
+    return out
+
+
+def render_html(result: dict) -> str:
+    """The report as an HTML string. result: a dict as written by harness.run.verify_model
+    (optionally round-tripped through JSON, with "inf"/"nan" strings for non-finite floats)."""
+    ctx = build_context(result)
+    ctx["plots"] = _plots(result)
+    return _env().get_template(TEMPLATE).render(**ctx)
+
+
+def render_report(result: dict, out_path: Path) -> Path:
+    """Render `result` to `out_path` (written atomically, UTF-8); returns out_path."""
+    out_path = Path(out_path)
+    write_atomic(out_path, render_html(result).encode("utf-8"))
+    return out_path
+
+
+def render_report_from_json(json_path: Path) -> Path:
+    """Render the result JSON at json_path to report.html in the same folder.
+
+    Raises ValueError if the file is not a gguf-harness result (harness.results.read_json),
+    OSError if it cannot be read."""
+    json_path = Path(json_path)
+    return render_report(read_json(json_path), json_path.parent / "report.html")
