@@ -21,3 +21,7 @@ class ConfigError(HarnessError):
 
 class BackendCrash(HarnessError):
     """A backend's child process died or raised; recorded in the result, not fatal to a run."""
+
+
+class NumericError(HarnessError):
+    """NaN or Inf in activations or logits; the message names the first node producing it."""

@@ -1,0 +1,77 @@
+"""A decode step as a list of nodes, run eagerly (debug, per-node timing, finite checks) or
+captured once into a CUDA graph and replayed (token id and position live in device memory)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Node:
+    """One kernel launch. bytes: bytes it reads + writes (for GB/s); flops: multiply-adds x 2;
+    out: the device array it produces (finite checks, captures); fmt: GGML types it reads."""
+
+    name: str
+    kind: str
+    kernel: Any
+    grid: tuple
+    block: tuple
+    args: tuple
+    smem: int = 0
+    bytes: int = 0
+    flops: int = 0
+    out: Any = None
+    fmt: str = ""
+    keep: list = field(default_factory=list)  # device arrays the args point into (lifetime)
+
+    def launch(self) -> None:
+        self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
+
+
+class Executor:
+    """Runs `nodes` on `stream` (a cupy Stream); `capture()` builds the CUDA graph once."""
+
+    def __init__(self, nodes: list[Node], stream):
+        self.nodes, self.stream, self.graph = nodes, stream, None
+
+    def run_eager(self) -> None:
+        with self.stream:
+            for n in self.nodes:
+                n.launch()
+
+    def capture(self) -> None:
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                for n in self.nodes:
+                    n.launch()
+            finally:
+                self.graph = self.stream.end_capture()
+
+    def replay(self) -> None:
+        if self.graph is None:
+            self.capture()
+        self.graph.launch(stream=self.stream)
+
+    def first_nonfinite(self) -> Node | None:
+        """Re-run eagerly, synchronising after each node; the first whose output holds NaN/Inf."""
+        import cupy as cp
+        with self.stream:
+            for n in self.nodes:
+                n.launch()
+                if n.out is not None and not bool(cp.isfinite(n.out).all()):
+                    return n
+        return None
+
+    def time_nodes(self) -> list[tuple[Node, float]]:
+        """(node, microseconds) from a CUDA event pair around every node of one eager run."""
+        import cupy as cp
+        evs = [cp.cuda.Event() for _ in range(len(self.nodes) + 1)]
+        with self.stream:
+            evs[0].record(self.stream)
+            for n, e in zip(self.nodes, evs[1:]):
+                n.launch()
+                e.record(self.stream)
+        evs[-1].synchronize()
+        return [(n, 1e3 * cp.cuda.get_elapsed_time(a, b))
+                for n, a, b in zip(self.nodes, evs, evs[1:])]

@@ -1,0 +1,120 @@
+// Decode attention for one new token: NEOX RoPE of q and k, fp16 KV-cache write, GQA
+// attention over positions 0..pos with an online softmax, optionally split over the context.
+//
+// Semantics follow llama.cpp src/models/qwen2.cpp + ggml_rope_ext (mode NEOX: pairs
+// (i, i + n_rot/2), theta_i = pos * freq_base^(-2i/n_rot), freq_scale 1, no YaRN) and
+// build_attn (softmax(q.k * 1/sqrt(D)) . v; query head h reads KV head h / (n_head/n_kv)).
+// The current token's k and v are rounded to fp16 exactly as the cache stores them.
+// Online softmax: Milakov & Gimelshein 2018; split-context merge as in flash-decoding.
+#include "common.cuh"
+
+#define ATT_WARPS 4
+#define MAX_E 8   // head_dim <= 256: 8 dims per lane
+
+struct AttnArgs {
+    const float* q; const float* k; const float* v;   // [n_head*D], [n_kv*D], [n_kv*D]
+    u16* kc; u16* vc;                                 // [n_ctx, n_kv, D] fp16
+    const int* state;                                 // state[1] = position of the new token
+    float* out;                                       // [n_head*D] (no split) or unused
+    float* part;                                      // [n_head, n_split, D + 2] (split)
+    int n_head, n_kv, D, n_rot, chunk;
+    float freq_base, scale, freq_scale;   // freq_scale: linear RoPE scaling (1 = none)
+};
+
+// RoPE'd, scaled q and fp16-rounded k, v of the new token into shared memory; the first
+// query head of each KV group (and split 0) writes k, v into the cache.
+__device__ void prepare(const AttnArgs& a, int h, int g, int pos, float* qs, float* ks, float* vs) {
+    const int half = a.n_rot / 2, D = a.D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float qv = a.q[h * D + i], kv = a.k[g * D + i];
+        if (i < a.n_rot) {
+            const int p = i < half ? i : i - half;
+            const float theta = a.freq_scale * (float)pos * powf(a.freq_base, -2.f * (float)p / (float)a.n_rot);
+            float sn, cs;
+            sincosf(theta, &sn, &cs);
+            const float q0 = a.q[h * D + p], q1 = a.q[h * D + p + half];
+            const float k0 = a.k[g * D + p], k1 = a.k[g * D + p + half];
+            qv = i < half ? q0 * cs - q1 * sn : q0 * sn + q1 * cs;
+            kv = i < half ? k0 * cs - k1 * sn : k0 * sn + k1 * cs;
+        }
+        qs[i] = qv * a.scale;
+        const u16 kh = f2h(kv), vh = f2h(a.v[g * D + i]);
+        ks[i] = h2f(kh);
+        vs[i] = h2f(vh);
+        if (h % (a.n_head / a.n_kv) == 0 && blockIdx.y == 0) {
+            const size_t o = ((size_t)pos * a.n_kv + g) * D + i;
+            a.kc[o] = kh;
+            a.vc[o] = vh;
+        }
+    }
+    __syncthreads();
+}
+
+// Block (h, split): positions [split*chunk, min(pos+1, (split+1)*chunk)).
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_decode(const AttnArgs* __restrict__ ap) {
+    const AttnArgs a = *ap;
+    extern __shared__ float sm[];
+    const int D = a.D, h = blockIdx.x, g = h / (a.n_head / a.n_kv), pos = a.state[1];
+    float *qs = sm, *ks = qs + D, *vs = ks + D, *accw = vs + D, *mw = accw + ATT_WARPS * D, *lw = mw + ATT_WARPS;
+    prepare(a, h, g, pos, qs, ks, vs);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = D / 32;
+    const int t0 = blockIdx.y * a.chunk, t1 = min(pos + 1, t0 + a.chunk);
+    float qr[MAX_E], acc[MAX_E], m = -INFINITY, l = 0.f;
+#pragma unroll
+    for (int e = 0; e < MAX_E; ++e) { qr[e] = e < E ? qs[lane + 32 * e] : 0.f; acc[e] = 0.f; }
+    for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
+        const u16* kr = a.kc + ((size_t)t * a.n_kv + g) * D;
+        const u16* vr = a.vc + ((size_t)t * a.n_kv + g) * D;
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < MAX_E; ++e)
+            if (e < E) s += qr[e] * (t == pos ? ks[lane + 32 * e] : h2f(kr[lane + 32 * e]));
+        s = warp_sum(s);
+        const float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
+        l = l * corr + p;
+#pragma unroll
+        for (int e = 0; e < MAX_E; ++e)
+            if (e < E) acc[e] = acc[e] * corr + p * (t == pos ? vs[lane + 32 * e] : h2f(vr[lane + 32 * e]));
+        m = mn;
+    }
+    if (lane == 0) { mw[warp] = m; lw[warp] = l; }
+#pragma unroll
+    for (int e = 0; e < MAX_E; ++e)
+        if (e < E) accw[warp * D + lane + 32 * e] = acc[e];
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, mw[w]);
+    float L = 0.f;
+    for (int w = 0; w < ATT_WARPS; ++w) L += M == -INFINITY ? 0.f : lw[w] * expf(mw[w] - M);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float o = 0.f;
+        for (int w = 0; w < ATT_WARPS; ++w) o += M == -INFINITY ? 0.f : accw[w * D + d] * expf(mw[w] - M);
+        if (gridDim.y == 1) {
+            a.out[h * D + d] = o / L;
+        } else {  // partial: unnormalised sum, then (m, l) after the D values
+            float* pp = a.part + ((size_t)h * gridDim.y + blockIdx.y) * (D + 2);
+            pp[d] = o;
+            if (d == 0) { pp[D] = M; pp[D + 1] = L; }
+        }
+    }
+}
+
+// Merge n_split partials per head: out = sum_s o_s e^{m_s - M} / sum_s l_s e^{m_s - M}.
+extern "C" __global__ void attn_merge(const AttnArgs* __restrict__ ap, int n_split) {
+    const AttnArgs a = *ap;
+    const int h = blockIdx.x, D = a.D;
+    const float* pp = a.part + (size_t)h * n_split * (D + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < n_split; ++s) M = fmaxf(M, pp[s * (D + 2) + D]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float o = 0.f, L = 0.f;
+        for (int s = 0; s < n_split; ++s) {
+            const float ms = pp[s * (D + 2) + D];
+            if (ms == -INFINITY) continue;  // empty split (beyond the current position)
+            const float w = expf(ms - M);
+            o += pp[s * (D + 2) + d] * w;
+            L += pp[s * (D + 2) + D + 1] * w;
+        }
+        a.out[h * D + d] = o / L;
+    }
+}

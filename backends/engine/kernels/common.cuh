@@ -1,0 +1,85 @@
+// Shared device helpers for the engine's kernels (compiled by NVRTC through cupy.RawModule).
+// No CUDA headers: fp16 <-> fp32 use the hardware cvt instructions through inline PTX
+// (SEEDS.md §2: the hardware conversion, not a software routine).
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef signed char i8;
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+// Little-endian loads at 2-byte aligned addresses (Q8_0, Q5_0, Q6_K, Q3_K blocks are only
+// 2-byte aligned: 34, 22, 210, 110 bytes).
+__device__ __forceinline__ u16 ld_u16(const u8* p) { return *(const u16*)p; }
+__device__ __forceinline__ u32 ld_u32_a2(const u8* p) {
+    return (u32)ld_u16(p) | ((u32)ld_u16(p + 2) << 16);
+}
+// 8 bytes from a 2-byte aligned address -> two little-endian words.
+__device__ __forceinline__ void ld8_a2(const u8* p, u32& lo, u32& hi) {
+    lo = ld_u32_a2(p);
+    hi = ld_u32_a2(p + 4);
+}
+__device__ __forceinline__ void ld8_a8(const u8* p, u32& lo, u32& hi) {
+    uint2 v = *(const uint2*)p;
+    lo = v.x;
+    hi = v.y;
+}
+__device__ __forceinline__ int byte_of(u32 lo, u32 hi, int k) {
+    return (int)(((k < 4 ? lo : hi) >> (8 * (k & 3))) & 0xFF);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum; `scratch` holds >= 32 floats of shared memory. All threads get the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nw ? scratch[lane] : 0.f;
+    return warp_sum(v);
+}
+
+// ggml_vec_silu_f32: x / (1 + exp(-x)); expf (not __expf) for accuracy
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// GGML type ids (ggml.h enum ggml_type).
+#define T_F32 0
+#define T_F16 1
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q5_1 7
+#define T_Q8_0 8
+#define T_Q2_K 10
+#define T_Q3_K 11
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+#define T_BF16 30

@@ -1,0 +1,32 @@
+"""Compiles the engine's .cu files with cupy.RawModule (NVRTC, for the current device's
+architecture) once per process and hands out kernels by name."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).with_name("kernels")
+SOURCES = ("gemv.cu", "attention.cu", "misc.cu")
+SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory above this needs an opt-in attribute
+
+
+@lru_cache(maxsize=None)
+def _module(source: str):
+    import cupy as cp
+    code = (KERNEL_DIR / source).read_text()
+    return cp.RawModule(code=code, options=("--std=c++17", f"-I{KERNEL_DIR}"))
+
+
+@lru_cache(maxsize=None)
+def kernel(name: str):
+    """The RawKernel `name` from whichever source defines it (KeyError if none does)."""
+    for src in SOURCES:
+        if f" {name}(" in (KERNEL_DIR / src).read_text():
+            return _module(src).get_function(name)
+    raise KeyError(f"no engine kernel named {name!r}")
+
+
+def allow_smem(k, nbytes: int) -> None:
+    """Opt a kernel in to `nbytes` of dynamic shared memory when above the 48 KiB default."""
+    if nbytes > SMEM_DEFAULT_MAX and k.max_dynamic_shared_size_bytes < nbytes:
+        k.max_dynamic_shared_size_bytes = nbytes

@@ -1,0 +1,120 @@
+"""Node builders: each returns executor.Node(s) for one kernel of kernels/*.cu, with the
+argument structs packed exactly as the CUDA structs lay them out."""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import module
+from .arena import DeviceTensor
+from .executor import Node
+from .formats import ENGINE_TYPES, check_type
+
+WARPS = 4            # rows per GEMV block (kernels/gemv.cu WARPS)
+MAX_SEG = 4          # kernels/gemv.cu MAX_SEG
+ATT_WARPS = 4        # kernels/attention.cu ATT_WARPS
+ARGMAX_BLOCKS = 264  # 2 per SM on a 132-SM H200; grid-stride loop covers any vocab
+SEG_FMT = "<QQQii"   # struct Seg: w, bias, out, type, rows (32 bytes)
+ATTN_FMT = "<8Q5i3f"  # struct AttnArgs (96 bytes)
+
+
+@dataclass
+class Seg:
+    """One matrix of a multi-matrix GEMV: weights, optional f32 bias pointer, f32 output."""
+
+    w: DeviceTensor
+    out: object          # cupy float32 [rows]
+    bias: int = 0
+
+
+def _device_bytes(data: bytes):
+    import cupy as cp
+    return cp.asarray(np.frombuffer(data, dtype=np.uint8))
+
+
+def seg_table(segs: list[Seg]):
+    """Device copy of struct SegTable (152 bytes) for up to MAX_SEG segments."""
+    if not 1 <= len(segs) <= MAX_SEG:
+        raise ValueError(f"a GEMV node takes 1..{MAX_SEG} matrices, got {len(segs)}")
+    raw = b"".join(struct.pack(SEG_FMT, s.w.ptr, s.bias, int(s.out.data.ptr), s.w.type_id,
+                               s.w.rows) for s in segs)
+    raw += bytes(32 * (MAX_SEG - len(segs)))
+    raw += struct.pack("<i4i", len(segs), *([s.w.row_bytes for s in segs] + [0] * (MAX_SEG - len(segs))))
+    return _device_bytes(raw + bytes(152 - len(raw)))
+
+
+def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | None = None,
+         eps: float = 0.0) -> Node:
+    """y = W x for every segment (mode "store" | "add" | "swiglu", see kernels/gemv.cu).
+
+    x: cupy float32 [K]; every segment's weights must have ne[0] == K. norm: F32 [K] weight
+    of an RMSNorm applied to x first. Raises UnsupportedError / ValueError on bad input.
+    """
+    for s in segs:
+        check_type(s.w.type_id, s.w.name)
+        if s.w.ne[0] != K or s.out.size < s.w.rows:
+            raise ValueError(f"{s.w.name}: ne {s.w.ne} does not fit K={K} / output {s.out.size}")
+    if mode == "swiglu" and (len(segs) != 2 or segs[0].w.rows != segs[1].w.rows):
+        raise ValueError("swiglu takes a gate and an up matrix with equal rows")
+    rows = segs[0].w.rows if mode == "swiglu" else sum(s.w.rows for s in segs)
+    k = module.kernel(f"gemv_{mode}")
+    smem = 4 * K
+    module.allow_smem(k, smem)
+    table = seg_table(segs)
+    wbytes = sum(s.w.nbytes for s in segs)
+    act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
+    return Node(name, "gemv", k, (math.ceil(rows / WARPS),), (WARPS * 32,),
+                (table, x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
+                 np.int32(rows)), smem=smem, bytes=wbytes + act,
+                flops=2 * K * sum(s.w.rows for s in segs), out=segs[0].out,
+                fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[table])
+
+
+def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int, D: int,
+              n_rot: int, freq_base: float, freq_scale: float, n_ctx: int,
+              chunk: int = 0, part=None) -> list[Node]:
+    """Decode attention nodes (kernels/attention.cu): one pass when chunk == 0, else split
+    over the context in chunks of `chunk` positions plus a merge node (part: float32
+    [n_head * n_split * (D + 2)] workspace)."""
+    if D % 32 or D > 256 or n_head % n_kv or n_rot > D or n_rot % 2:
+        raise ValueError(f"attention shape not supported: D={D} n_head={n_head} n_kv={n_kv} n_rot={n_rot}")
+    n_split = 1 if chunk == 0 else math.ceil(n_ctx / chunk)
+    if n_split > 1 and (part is None or part.size < n_head * n_split * (D + 2)):
+        raise ValueError("split attention needs a partials workspace")
+    raw = struct.pack(ATTN_FMT, *(int(a.data.ptr) for a in (q, k, v, kc, vc, state, out)),
+                      int(part.data.ptr) if part is not None else 0, n_head, n_kv, D, n_rot,
+                      chunk if n_split > 1 else n_ctx, freq_base, 1.0 / math.sqrt(D), freq_scale)
+    args = _device_bytes(raw)
+    kv_bytes = 2 * 2 * n_ctx * n_kv * D  # upper bound: the whole cache of this layer, fp16
+    nodes = [Node(name, "attention", module.kernel("attn_decode"), (n_head, n_split),
+                  (ATT_WARPS * 32,), (args,), smem=4 * (7 * D + 2 * ATT_WARPS), bytes=kv_bytes,
+                  flops=4 * n_ctx * n_head * D, out=out if n_split == 1 else None, keep=[args])]
+    if n_split > 1:
+        nodes.append(Node(name + ".merge", "attention", module.kernel("attn_merge"), (n_head,),
+                          (min(D, 256),), (args, np.int32(n_split)),
+                          bytes=4 * n_head * n_split * (D + 2), out=out, keep=[args]))
+    return nodes
+
+
+def embed(name: str, table: DeviceTensor, state, x) -> Node:
+    """x [K] = dequantised row state[0] of the token embedding table (GGUF ne [K, n_vocab])."""
+    check_type(table.type_id, table.name)
+    K, n_vocab = table.ne[0], table.rows
+    return Node(name, "embed", module.kernel("embed_row"), (math.ceil(K / 256),), (32,),
+                (np.uint64(table.ptr), np.int32(table.type_id), np.int64(table.row_bytes),
+                 np.int32(K), np.int32(n_vocab), state, x),
+                bytes=table.row_bytes + 4 * K, out=x, fmt=ENGINE_TYPES[table.type_id])
+
+
+def argmax(name: str, logits, key, state) -> Node:
+    """Device argmax of logits into the u64 key; counts non-finite logits into state[2]."""
+    return Node(name, "argmax", module.kernel("argmax_logits"), (ARGMAX_BLOCKS,), (256,),
+                (logits, np.int32(logits.size), key, state), bytes=4 * logits.size)
+
+
+def finish(name: str, key, state) -> Node:
+    """state[0] = argmax token, state[1] += 1, key = 0 (kernels/misc.cu finish_step)."""
+    return Node(name, "finish", module.kernel("finish_step"), (1,), (1,), (key, state), bytes=24)
