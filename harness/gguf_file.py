@@ -32,6 +32,9 @@ from .errors import HarnessError, ModelError, UnsupportedError
 from .gguf_header import RawHeader, RawTensorInfo, read_header
 
 _MISSING = object()
+# gguf-py 0.19.0 sizes Q8_1 as 40 B per block; ggml's block_q8_1 is 2 fp16 + 32 int8 = 36 B
+# (ggml/src/ggml-common.h). ggml's size is what a file holds.
+_SIZE_FIXES = {GGMLQuantizationType.Q8_1: (32, 36)}
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ def _tensor_info(raw: RawTensorInfo, data_offset: int, alignment: int, where: st
     except ValueError:
         raise UnsupportedError(f"{where}: tensor {raw.name!r} has GGML type id {raw.type_id}, "
                                "unknown to gguf-py (gguf.GGMLQuantizationType)") from None
-    block, tsize = GGML_QUANT_SIZES[qtype]
+    block, tsize = _SIZE_FIXES.get(qtype) or GGML_QUANT_SIZES[qtype]
     row = raw.ne[0] if raw.ne else 1  # n_dims 0 is a scalar in ggml (all ne = 1)
     if row % block:
         raise ModelError(f"{where}: tensor {raw.name!r} of type {qtype.name} has rows of "
@@ -184,6 +187,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFInfo:
         size = p.stat().st_size
     except OSError as e:
         raise ModelError(f"{path}: cannot open model file ({e.strerror})") from None
+    if not p.is_file():
+        raise ModelError(f"{path}: cannot open model file (not a regular file)")
     if size < 4:
         with open(p, "rb") as f:
             head = f.read(4)

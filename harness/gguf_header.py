@@ -17,7 +17,9 @@ ggml src/gguf.cpp gguf_init_from_reader), all little-endian:
 Every count and length read here is checked against the bytes left in the file before
 anything is built from it, so a hostile header cannot make us allocate more than the file
 holds. Nested arrays are allowed by the spec but rejected by ggml's gguf.cpp; we reject them
-too. Big-endian files (version reads as 0xXXXX0000) are reported as unsupported.
+too. Big-endian files (version reads as 0xXXXX0000) are reported as unsupported. Keys and
+tensor names must be UTF-8; string values that are not (ggml does not check them) keep their
+bytes as surrogate escapes: value.encode("utf-8", "surrogateescape") gives the bytes back.
 """
 from __future__ import annotations
 
@@ -98,15 +100,18 @@ class _Cursor:
 
     def raw_string(self, what: str) -> bytes:
         n = self.scalar("<Q", f"length of {what}")
-        self.need(n, f"{what} ({n} bytes)")
+        if n > self.size - self.pos:
+            raise self.fail(f"{what} claims {n} bytes, but only {self.size - self.pos} remain "
+                            f"in the {self.size}-byte file (truncated or corrupt header)")
         b = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         return b
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, strict: bool = True) -> str:
+        """UTF-8 text; strict=False keeps invalid bytes as surrogate escapes (lossless)."""
         b = self.raw_string(what)
         try:
-            return b.decode("utf-8")
+            return b.decode("utf-8", "strict" if strict else "surrogateescape")
         except UnicodeDecodeError as e:
             raise self.fail(f"{what} is not valid UTF-8 ({e.reason})") from None
 
@@ -120,7 +125,7 @@ def _value(cur: _Cursor, type_id: int, key: str, in_array: bool = False) -> Any:
         v = cur.scalar(fmt, f"value of {key!r}")
         return bool(v) if name == "BOOL" else v
     if name == "STRING":
-        return cur.string(f"string value of {key!r}")
+        return cur.string(f"string value of {key!r}", strict=False)
     if in_array:
         raise UnsupportedError(f"{cur.where}: metadata key {key!r} is a nested array "
                                "(ggml's gguf.cpp rejects these too)")
