@@ -1,0 +1,28 @@
+"""Helpers for GPU tests: skip cleanly without CuPy or a device; upload raw blocks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def cupy_or_skip():
+    try:
+        import cupy as cp
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+        return cp
+    except Exception as e:  # ImportError, no driver, ...
+        pytest.skip(f"needs CuPy and an NVIDIA GPU ({type(e).__name__})")
+
+
+def device_tensor(cp, name: str, raw: np.ndarray, type_id: int, ne: tuple[int, ...], keep: list):
+    """Upload uint8 [rows, row_bytes] blocks into a fresh 256-aligned buffer -> DeviceTensor."""
+    from backends.engine.arena import DeviceTensor
+    buf = cp.asarray(np.ascontiguousarray(raw).reshape(-1))
+    keep.append(buf)
+    return DeviceTensor(name, int(buf.data.ptr), type_id, ne, raw.shape[1] if raw.ndim == 2 else raw.size,
+                        int(raw.size))
+
+
+def nan_poisoned(cp, n: int):
+    return cp.full(n, np.nan, dtype=cp.float32)

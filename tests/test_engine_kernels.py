@@ -1,0 +1,184 @@
+"""Engine kernels vs the float64 oracle on random valid blocks, NaN-poisoned outputs, odd
+shapes (rows not a multiple of the 4 rows per block, 1 row, K not a multiple of 256 for the
+32-value formats and of 8 for float types). GPU only.
+
+GEMV tolerance (why it is what it is): the kernel dequantises in fp32 exactly as ggml does
+(up to FMA contraction) and accumulates K/32 fp32 products per lane, then a 5-level warp
+tree. Rounding errors of such sums grow like sqrt(n) * eps32 * ||w|| ||x|| in practice; with
+n <= 17408/32 + 5 that is < 3e-6 * ||w|| ||x||. We allow 1e-5 * ||w_r|| ||x|| per row: a
+wrong scale, nibble or bit in one 32-value chunk moves a row by ~||w_chunk|| ||x_chunk||,
+orders of magnitude more, so the check still fails on any dequantisation bug.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from oracles import ops
+from oracles.blocks import random_blocks
+from oracles.dequant import dequantize, get_format
+
+from gpu_util import cupy_or_skip, device_tensor, nan_poisoned
+
+pytestmark = pytest.mark.gpu
+
+TYPES = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
+         "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+GEMV_TOL = 1e-5
+
+
+def _shapes(type_id):
+    bs = get_format(type_id).block_size
+    base = [(1, 256), (7, 512), (33, 1024), (130, 2048)]
+    if bs == 32:
+        base += [(5, 96), (9, 896), (3, 8960)]
+    if bs == 1:
+        base += [(5, 100), (3, 37)]
+    return base
+
+
+def _matrix(type_id, rows, K, seed):
+    rng = np.random.default_rng(seed)
+    f = get_format(type_id)
+    raw = random_blocks(type_id, rows * K // f.block_size, rng).reshape(rows, -1)
+    w = dequantize(raw.reshape(-1), type_id, (rows, K)).astype(np.float64)
+    return raw, w
+
+
+def _check_rows(y, ref, w, x, what):
+    assert np.isfinite(y).all(), f"{what}: non-finite output (NaN poison not overwritten?)"
+    bound = GEMV_TOL * np.linalg.norm(w, axis=1) * np.linalg.norm(x) + 1e-30
+    err = np.abs(y - ref)
+    worst = int(np.argmax(err / bound))
+    assert (err <= bound).all(), (f"{what}: row {worst} error {err[worst]:.3e} > bound "
+                                  f"{bound[worst]:.3e} (ref {ref[worst]:.6g}, got {y[worst]:.6g})")
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_gemv_store_every_format_and_odd_shape(name):
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    t = TYPES[name]
+    for i, (rows, K) in enumerate(_shapes(t)):
+        raw, w = _matrix(t, rows, K, seed=100 * t + i)
+        keep = []
+        dt = device_tensor(cp, name, raw, t, (K, rows), keep)
+        x = np.random.default_rng(i).normal(size=K).astype(np.float32)
+        out = nan_poisoned(cp, rows)
+        node = eops.gemv("t", "store", [eops.Seg(dt, out)], cp.asarray(x), K)
+        node.launch()
+        _check_rows(out.get().astype(np.float64), w @ x.astype(np.float64), w, x,
+                    f"{name} [{rows}x{K}]")
+
+
+def test_gemv_multi_segment_bias_norm_add_swiglu():
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    K, keep = 512, []
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=K).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
+    eps = 1e-6
+    xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), eps)[0]
+    # store with bias over three segments of different formats and row counts
+    mats = [(_matrix(t, r, K, 10 + t)) for t, r in ((12, 9), (14, 2), (8, 5))]
+    outs = [nan_poisoned(cp, r) for r in (9, 2, 5)]
+    biases = [rng.normal(size=r).astype(np.float32) for r in (9, 2, 5)]
+    bdev = [cp.asarray(b) for b in biases]
+    segs = [eops.Seg(device_tensor(cp, f"m{j}", raw, t, (K, raw.shape[0]), keep), o, int(b.data.ptr))
+            for j, ((raw, _), t, o, b) in enumerate(zip(mats, (12, 14, 8), outs, bdev))]
+    eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, eps).launch()
+    for (raw, w), o, b in zip(mats, outs, biases):
+        _check_rows(o.get().astype(np.float64) - b, w @ xn, w, xn, "segment with bias")
+    # add into an existing output (residual)
+    raw, w = _matrix(13, 6, K, 3)
+    base = rng.normal(size=6).astype(np.float32)
+    out = cp.asarray(base)
+    eops.gemv("o", "add", [eops.Seg(device_tensor(cp, "o", raw, 13, (K, 6), keep), out)],
+              cp.asarray(x), K).launch()
+    _check_rows(out.get().astype(np.float64) - base, w @ x.astype(np.float64), w, x, "add")
+    # swiglu of a Q5_K gate and a Q6_K up (mixed formats, as in the source model)
+    (rg, wg), (ru, wu) = _matrix(13, 11, K, 4), _matrix(14, 11, K, 5)
+    h = nan_poisoned(cp, 11)
+    eops.gemv("ffn", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, 13, (K, 11), keep), h),
+                                eops.Seg(device_tensor(cp, "u", ru, 14, (K, 11), keep), h)],
+              cp.asarray(x), K, nw_dev, eps).launch()
+    ref = ops.swiglu(wg @ xn, wu @ xn)
+    got = h.get().astype(np.float64)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_embedding_row_lookup(name):
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    t = TYPES[name]
+    K = 96 if get_format(t).block_size == 32 else (100 if get_format(t).block_size == 1 else 512)
+    raw, w = _matrix(t, 13, K, 5)
+    keep = []
+    table = device_tensor(cp, "emb", raw, t, (K, 13), keep)
+    state = cp.asarray(np.array([11, 0, 0, 0], np.int32))
+    x = nan_poisoned(cp, K)
+    eops.embed("e", table, state, x).launch()
+    np.testing.assert_array_equal(x.get(), w[11].astype(np.float32))
+    state[0] = 13  # out of range: poisoned, so the finite checks name this node
+    eops.embed("e", table, state, x).launch()
+    assert np.isnan(x.get()).all()
+
+
+def test_argmax_ties_nonfinite_and_finish():
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    n = 151_936
+    logits = np.random.default_rng(0).normal(size=n).astype(np.float32)
+    logits[[777, 90_000]] = 50.0  # tie: lowest index wins, like numpy.argmax
+    logits[5] = -np.inf
+    logits[6] = np.nan
+    state = cp.asarray(np.array([0, 41, 0, 0], np.int32))
+    key = cp.zeros(1, cp.uint64)
+    eops.argmax("a", cp.asarray(logits), key, state).launch()
+    eops.finish("f", key, state).launch()
+    s = state.get()
+    assert s[0] == 777 and s[1] == 42 and s[2] == 2 and int(key.get()[0]) == 0
+
+
+@pytest.mark.parametrize("D,n_head,n_kv,chunk", [(64, 14, 2, 0), (128, 12, 2, 0), (64, 4, 4, 16),
+                                                 (256, 6, 2, 0), (128, 8, 1, 16)])
+def test_attention_decode_against_oracle(D, n_head, n_kv, chunk):
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    n_ctx, steps, base = 64, 40, 10000.0
+    rng = np.random.default_rng(D + n_head)
+    kc = cp.zeros((n_ctx, n_kv, D), cp.uint16)
+    vc = cp.zeros((n_ctx, n_kv, D), cp.uint16)
+    q, k, v = (cp.zeros(n * D, cp.float32) for n in (n_head, n_kv, n_kv))
+    out = nan_poisoned(cp, n_head * D)
+    state = cp.zeros(4, cp.int32)
+    n_split = 1 if chunk == 0 else math.ceil(n_ctx / chunk)
+    part = cp.zeros(n_head * n_split * (D + 2), cp.float32) if chunk else None
+    nodes = eops.attention("a", q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
+                           n_rot=D, freq_base=base, freq_scale=1.0, n_ctx=n_ctx, chunk=chunk,
+                           part=part)
+    ks, vs = np.zeros((n_ctx, n_kv, D)), np.zeros((n_ctx, n_kv, D))
+    for pos in range(steps):
+        qh, kh, vh = (rng.normal(size=(1, n, D)) for n in (n_head, n_kv, n_kv))
+        q.set(qh.astype(np.float32).ravel()); k.set(kh.astype(np.float32).ravel())
+        v.set(vh.astype(np.float32).ravel()); state[1] = pos
+        out.fill(np.nan)
+        for nd in nodes:
+            nd.launch()
+        qf, kf = (a.astype(np.float32).astype(np.float64) for a in (qh, kh))
+        qr = ops.rope_neox(qf, [pos], D, base)
+        # the cache stores fp16: the oracle sees the same rounded k (after RoPE) and v
+        ks[pos] = ops.rope_neox(kf, [pos], D, base)[0].astype(np.float16)
+        vs[pos] = vh[0].astype(np.float32).astype(np.float16)
+        ref = ops.attention(qr, ks, vs, [pos], pos + 1)[0].ravel()
+        got = out.get().astype(np.float64)
+        assert np.isfinite(got).all(), f"pos {pos}: NaN"
+        # fp32 accumulation over <= 40 positions of O(1) values; RoPE angles in fp32
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4, err_msg=f"pos {pos}")
+    np.testing.assert_array_equal(kc.get()[:steps].view(np.float16).astype(np.float64), ks[:steps])
