@@ -111,6 +111,12 @@ def test_bad_version(tiny_qwen2_q, tmp_path, version, match):
         open_gguf(p)
 
 
+def test_version_2_is_read(tiny_qwen2_q, tmp_path):
+    # v2 and v3 share the little-endian layout (docs/gguf.md: v3 added big-endian support)
+    info = open_gguf(_patched(tiny_qwen2_q, tmp_path, 4, struct.pack("<I", 2)))
+    assert info.version == 2 and info.tensors == open_gguf(tiny_qwen2_q).tensors
+
+
 # ---------- truncation ----------
 
 def test_truncated_in_tensor_data(tiny_qwen2_q, tmp_path):
