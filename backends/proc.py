@@ -94,13 +94,14 @@ def _wait_quietly(proc: subprocess.Popen) -> None:
         pass
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
+def _kill(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
+    """Give the child grace_s to exit on its own, then SIGKILL it and reap it."""
     try:
-        proc.wait(_EXIT_WAIT_S)
+        proc.wait(grace_s)
+        return
     except subprocess.TimeoutExpired:
-        pass
+        proc.kill()
+    _wait_quietly(proc)
 
 
 def _cleanup(proc: subprocess.Popen, conn: Connection, stderr_path: str) -> None:
@@ -109,7 +110,7 @@ def _cleanup(proc: subprocess.Popen, conn: Connection, stderr_path: str) -> None
         conn.close()
     except OSError:
         pass
-    _kill(proc)
+    _kill(proc, grace_s=_EXIT_WAIT_S)  # a child told to exit closes its object first
     try:
         os.unlink(stderr_path)
     except OSError:

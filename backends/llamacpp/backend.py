@@ -54,7 +54,7 @@ def _log_hint() -> str:
 
 class LlamaCppBackend:
     """Backend protocol (backends/base.py) on llama.cpp. Extra: tokenize, detokenize,
-    model_info, timings, reset_timings."""
+    pieces, model_info, timings, reset_timings."""
 
     name = "llamacpp"
 
@@ -145,6 +145,11 @@ class LlamaCppBackend:
         """Text of `ids`, piece by piece (special tokens rendered), for display."""
         self._need_loaded()
         return vocab.detokenize(self._vocab, [self._checked_id(i, k) for k, i in enumerate(ids)])
+
+    def pieces(self, ids: Sequence[int]) -> list[bytes]:
+        """Raw bytes of each token (a piece may hold part of a UTF-8 character)."""
+        self._need_loaded()
+        return [vocab.piece(self._vocab, self._checked_id(i, k)) for k, i in enumerate(ids)]
 
     def model_info(self) -> dict:
         """Architecture and size facts plus llama.cpp build info; see backends.llamacpp.info."""
