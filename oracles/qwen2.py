@@ -19,6 +19,7 @@ All arithmetic float64 (oracles.ops); weights are exact dequantised values (orac
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -66,7 +67,6 @@ class Qwen2Oracle:
     def __init__(self, model_path: str | os.PathLike, n_ctx: int | None = None,
                  cache_dir: str | os.PathLike | None = None, sha256: str | None = None,
                  capture: Capture | None = None) -> None:
-        import time
         t0 = time.perf_counter()
         info = open_gguf(model_path)
         self.params = p = read_params(info)
@@ -111,7 +111,7 @@ class Qwen2Oracle:
         The prompt is processed in batches of UBATCH tokens (matrix products over the batch).
         Raises ConfigError (empty input, context overflow, token id outside the vocabulary).
         """
-        toks = [int(t) for t in tokens]
+        toks = [self._check_id(t, k) for k, t in enumerate(tokens)]
         if not toks:
             raise ConfigError("prefill needs at least one token")
         if self.n_past + len(toks) > self.n_ctx:
@@ -120,6 +120,13 @@ class Qwen2Oracle:
         for s in range(0, len(toks), UBATCH):
             hidden = self._forward(toks[s:s + UBATCH])
         return self._head(hidden[-1:])
+
+    def _check_id(self, t, k: int) -> int:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ConfigError(f"token #{k} is {t!r}, not an integer id")
+        if not 0 <= int(t) < self.n_vocab:
+            raise ConfigError(f"token #{k} = {int(t)} is outside the vocabulary [0, {self.n_vocab})")
+        return int(t)
 
     def step(self, token: int) -> np.ndarray:
         """Feed one token; float64 [n_vocab] logits for the next position."""

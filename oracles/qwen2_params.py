@@ -96,13 +96,18 @@ def read_params(info: GGUFInfo) -> Qwen2Params:
     n_embd = _int(info, "embedding_length")
     n_head = _int(info, "attention.head_count")
     n_head_kv = _int(info, "attention.head_count_kv", n_head)
+    if f"{ARCH}.attention.key_length" not in info.metadata and n_embd % n_head:
+        raise ModelError(f"{info.path.name}: embedding_length {n_embd} is not a multiple of "
+                         f"head_count {n_head} (and no attention.key_length is given)")
     head_dim = _int(info, "attention.key_length", max(1, n_embd // n_head))
     if _int(info, "attention.value_length", head_dim) != head_dim:
         raise ModelError(f"{info.path.name}: key_length != value_length is not a qwen2 model")
     n_rot = _int(info, "rope.dimension_count", head_dim)
-    if n_rot != head_dim or head_dim % 2:
-        raise ModelError(f"{info.path.name}: rope.dimension_count {n_rot} must equal the even "
-                         f"head size {head_dim} (llama.cpp src/models/qwen2.cpp asserts it)")
+    if n_rot != head_dim:
+        raise ModelError(f"{info.path.name}: rope.dimension_count {n_rot} must equal the head "
+                         f"size {head_dim} (llama.cpp src/models/qwen2.cpp asserts it)")
+    if head_dim % 2:
+        raise ModelError(f"{info.path.name}: head size {head_dim} is odd; RoPE rotates pairs")
     if n_head % n_head_kv:
         raise ModelError(f"{info.path.name}: head_count {n_head} is not a multiple of "
                          f"head_count_kv {n_head_kv}")
