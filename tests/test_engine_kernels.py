@@ -146,7 +146,7 @@ def test_argmax_ties_nonfinite_and_finish():
     assert s[0] == 777 and s[1] == 42 and s[2] == 2 and int(key.get()[0]) == 0
 
 
-@pytest.mark.parametrize("D,n_head,n_kv,chunk", [(64, 14, 2, 0), (128, 12, 2, 0), (64, 4, 4, 16),
+@pytest.mark.parametrize("D,n_head,n_kv,chunk", [(16, 4, 2, 0), (48, 3, 1, 16), (64, 14, 2, 0), (128, 12, 2, 0), (64, 4, 4, 16),
                                                  (256, 6, 2, 0), (128, 8, 1, 16)])
 def test_attention_decode_against_oracle(D, n_head, n_kv, chunk):
     cp = cupy_or_skip()

@@ -79,7 +79,7 @@ def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int,
     """Decode attention nodes (kernels/attention.cu): one pass when chunk == 0, else split
     over the context in chunks of `chunk` positions plus a merge node (part: float32
     [n_head * n_split * (D + 2)] workspace)."""
-    if D % 32 or D > 256 or n_head % n_kv or n_rot > D or n_rot % 2:
+    if D > 256 or n_head % n_kv or n_rot > D or n_rot % 2:
         raise ValueError(f"attention shape not supported: D={D} n_head={n_head} n_kv={n_kv} n_rot={n_rot}")
     n_split = 1 if chunk == 0 else math.ceil(n_ctx / chunk)
     if n_split > 1 and (part is None or part.size < n_head * n_split * (D + 2)):

@@ -9,7 +9,7 @@
 #include "common.cuh"
 
 #define ATT_WARPS 4
-#define MAX_E 8   // head_dim <= 256: 8 dims per lane
+#define MAX_E 8   // head_dim <= 256: lane owns dims lane + 32e, e < 8 (any D, guarded)
 
 struct AttnArgs {
     const float* q; const float* k; const float* v;   // [n_head*D], [n_kv*D], [n_kv*D]
@@ -57,30 +57,30 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_decode(const A
     const int D = a.D, h = blockIdx.x, g = h / (a.n_head / a.n_kv), pos = a.state[1];
     float *qs = sm, *ks = qs + D, *vs = ks + D, *accw = vs + D, *mw = accw + ATT_WARPS * D, *lw = mw + ATT_WARPS;
     prepare(a, h, g, pos, qs, ks, vs);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = D / 32;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t0 = blockIdx.y * a.chunk, t1 = min(pos + 1, t0 + a.chunk);
     float qr[MAX_E], acc[MAX_E], m = -INFINITY, l = 0.f;
 #pragma unroll
-    for (int e = 0; e < MAX_E; ++e) { qr[e] = e < E ? qs[lane + 32 * e] : 0.f; acc[e] = 0.f; }
+    for (int e = 0; e < MAX_E; ++e) { qr[e] = lane + 32 * e < D ? qs[lane + 32 * e] : 0.f; acc[e] = 0.f; }
     for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
         const u16* kr = a.kc + ((size_t)t * a.n_kv + g) * D;
         const u16* vr = a.vc + ((size_t)t * a.n_kv + g) * D;
         float s = 0.f;
 #pragma unroll
         for (int e = 0; e < MAX_E; ++e)
-            if (e < E) s += qr[e] * (t == pos ? ks[lane + 32 * e] : h2f(kr[lane + 32 * e]));
+            if (lane + 32 * e < D) s += qr[e] * (t == pos ? ks[lane + 32 * e] : h2f(kr[lane + 32 * e]));
         s = warp_sum(s);
         const float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
         l = l * corr + p;
 #pragma unroll
         for (int e = 0; e < MAX_E; ++e)
-            if (e < E) acc[e] = acc[e] * corr + p * (t == pos ? vs[lane + 32 * e] : h2f(vr[lane + 32 * e]));
+            if (lane + 32 * e < D) acc[e] = acc[e] * corr + p * (t == pos ? vs[lane + 32 * e] : h2f(vr[lane + 32 * e]));
         m = mn;
     }
     if (lane == 0) { mw[warp] = m; lw[warp] = l; }
 #pragma unroll
     for (int e = 0; e < MAX_E; ++e)
-        if (e < E) accw[warp * D + lane + 32 * e] = acc[e];
+        if (lane + 32 * e < D) accw[warp * D + lane + 32 * e] = acc[e];
     __syncthreads();
     float M = -INFINITY;
     for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, mw[w]);
