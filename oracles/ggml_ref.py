@@ -15,6 +15,7 @@ type ids are bounded here (0 <= id < GGML_TYPE_COUNT) before any call.
 from __future__ import annotations
 
 import ctypes
+import os
 import functools
 import importlib.util
 from dataclasses import dataclass
@@ -68,10 +69,15 @@ class GgmlTypeInfo:
 
 
 def find_libggml_base() -> Path:
-    """Path of libggml-base.so next to the installed llama_cpp package (not imported).
+    """Path of libggml-base.so: in $LLAMA_CPP_LIB_PATH when set (llama-cpp-python's own
+    override, used where the libraries are built separately, e.g. a CUDA build), else next
+    to the installed llama_cpp package (not imported).
 
     Raises GgmlUnavailable when llama_cpp is not installed or ships no libggml-base.
     """
+    env = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if env and sorted(Path(env).glob("libggml-base.so*")):
+        return sorted(Path(env).glob("libggml-base.so*"))[0]
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         raise GgmlUnavailable("llama-cpp-python is not installed: no libggml-base to check against")
