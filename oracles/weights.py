@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ from harness.gguf_file import GGUFInfo, open_gguf
 from oracles.dequant import dequantize
 
 CHUNK_BYTES = 8 << 20  # float64 bytes of one upcast weight chunk
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
+_HEX = re.compile(r"[0-9a-f]{1,128}")
 
 
 def file_sha256(path: Path, block: int = 1 << 24) -> str:
@@ -56,7 +59,9 @@ class GGUFWeights:
         self._loaded: dict[str, np.ndarray] = {}
         self._cache = None
         if cache_dir is not None:
-            digest = sha256 or file_sha256(self.info.path)
+            digest = (sha256 or file_sha256(self.info.path)).lower()
+            if not _HEX.fullmatch(digest):
+                raise ConfigError(f"sha256 {digest!r} is not a hex digest")
             self._cache = Path(cache_dir) / digest
         self.dequant_seconds = 0.0
         self.cache_seconds = 0.0
@@ -96,7 +101,12 @@ class GGUFWeights:
         return arr
 
     def _cache_path(self, name: str) -> Path | None:
-        return None if self._cache is None else self._cache / f"{name}.npy"
+        if self._cache is None:
+            return None
+        # Tensor names come from an untrusted file: never let one leave the cache folder.
+        safe = _SAFE_NAME.fullmatch(name) and not name.startswith(".")
+        stem = name if safe else "sha256-" + hashlib.sha256(name.encode()).hexdigest()
+        return self._cache / f"{stem}.npy"
 
     def _from_cache(self, name: str) -> np.ndarray | None:
         path = self._cache_path(name)
