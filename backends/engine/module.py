@@ -2,6 +2,7 @@
 architecture) once per process and hands out kernels by name."""
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,7 +22,7 @@ def _module(source: str):
 def kernel(name: str):
     """The RawKernel `name` from whichever source defines it (KeyError if none does)."""
     for src in SOURCES:
-        if f" {name}(" in (KERNEL_DIR / src).read_text():
+        if re.search(rf"\b{re.escape(name)}\(", (KERNEL_DIR / src).read_text()):
             return _module(src).get_function(name)
     raise KeyError(f"no engine kernel named {name!r}")
 
