@@ -9,6 +9,14 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef signed char i8;
 
+// NVRTC compiles without the C headers: define what <math.h> would.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+__device__ __forceinline__ bool finite_f32(float v) {
+    return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+}
+
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

@@ -32,7 +32,7 @@ extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n
     int bad = 0;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         const float v = logits[i];
-        if (!isfinite(v)) { ++bad; continue; }
+        if (!finite_f32(v)) { ++bad; continue; }
         const u64 k = ((u64)order_bits(v) << 32) | (u64)(~(u32)i);
         best = k > best ? k : best;
     }
