@@ -19,7 +19,8 @@ from rich.console import Console
 from . import models
 from .errors import HarnessError
 
-console = Console(stderr=True)
+# wide tables when output is a file or CI log (rich defaults to 80 columns there)
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
 def _add_verify_args(p: argparse.ArgumentParser, *, standard: bool) -> None:

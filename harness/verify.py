@@ -36,8 +36,8 @@ class Trace:
 
 def _logits64(backend, out: np.ndarray) -> np.ndarray:
     """The backend's most precise logits: float64 from the oracle, else the float32 output."""
-    hi = getattr(backend, "last_logits64", None)
-    return np.asarray(hi if hi is not None else out, dtype=np.float64)
+    hi = getattr(backend, "last_logits64", None)  # a child-process proxy answers any name
+    return np.asarray(hi if isinstance(hi, np.ndarray) else out, dtype=np.float64)
 
 
 def generate(backend, prompt_ids: Sequence[int], n_predict: int, *,
