@@ -95,14 +95,14 @@ def test_capture_names_and_independent_head(preset, synth_dir):
 
 
 def _rewrite(src, dst, *, arch="qwen2", drop_keys=(), drop_tensors=(), set_keys=None):
-    """Copy an F32 synthetic model with changes (tokenizer keys left out: unused here)."""
+    """Copy an F32 synthetic model with changed metadata / tensors."""
     info = open_gguf(src)
     add = {"UINT32": "add_uint32", "UINT64": "add_uint64", "FLOAT32": "add_float32",
-           "STRING": "add_string", "BOOL": "add_bool"}
+           "STRING": "add_string", "BOOL": "add_bool", "ARRAY[STRING]": "add_array",
+           "ARRAY[INT32]": "add_array"}
     w = gguf.GGUFWriter(dst, arch)
     items = [(k, v, info.metadata_types[k]) for k, v in info.metadata.items()
-             if not k.startswith(("tokenizer.", "general.architecture"))
-             and k not in drop_keys and k not in (set_keys or {})]
+             if k != "general.architecture" and k not in drop_keys and k not in (set_keys or {})]
     items += [(k, v, kind) for k, (v, kind) in (set_keys or {}).items()]
     for key, val, kind in items:
         key = arch + key[len("qwen2"):] if key.startswith("qwen2.") else key
@@ -201,6 +201,23 @@ def test_greedy_matches_llamacpp_f32(tiny_qwen2_f32, oracle_f32):
     assert ids_a == ids_b
     assert len(set(ids_b)) >= 8  # greedy output is not degenerate
     assert worst < 1e-4, worst
+
+
+@pytest.mark.skipif(not HAVE_LLAMA, reason="llama_cpp (llama-cpp-python) is not importable")
+def test_linear_rope_scaling_matches_llamacpp(tiny_qwen2_f32, tmp_path):
+    """rope.scaling.factor 4 (freq_scale 1/4) and freq_base 1e4, as llama.cpp reads them."""
+    keys = {"qwen2.rope.scaling.type": ("linear", "STRING"),
+            "qwen2.rope.scaling.factor": (4.0, "FLOAT32"), "qwen2.rope.freq_base": (1e4, "FLOAT32")}
+    path = _rewrite(tiny_qwen2_f32, tmp_path / "scaled.gguf", set_keys=keys)
+    o = Qwen2Oracle(path, n_ctx=64)
+    assert o.params.freq_scale == 0.25 and o.params.freq_base == 1e4
+    lc = _llamacpp(path)
+    logits = [(lc.prefill(PROMPT), o.prefill(PROMPT))]
+    logits += [(lc.step(t), o.step(t)) for t in (5, 6, 7)]
+    lc.close()
+    assert max(_rel_err(a, b) for a, b in logits) < 1e-4
+    plain = Qwen2Oracle(tiny_qwen2_f32, n_ctx=64).prefill(PROMPT)
+    assert _rel_err(plain, logits[0][1]) > 1e-3  # the scaling really changed the output
 
 
 @pytest.mark.skipif(not HAVE_LLAMA, reason="llama_cpp (llama-cpp-python) is not importable")
