@@ -10,7 +10,10 @@ without token_embd, which is read by rows), the 1.5B ~6 GB; float64 would double
 Optional on-disk cache (cache_dir): one float32 .npy per tensor under
 cache_dir/<model sha256>/<tensor name>.npy, written atomically, memory-mapped read-only
 when loaded (page cache, not private memory). A cached file whose shape or dtype is wrong
-is ignored and rewritten.
+is ignored and rewritten. Measured on the 2-core CI CPU (Qwen2.5-Coder-0.5B Q4_K_M, shared
+machine, best of 2-4 runs): Qwen2Oracle load 5.8-6.4 s without a cache (gguf-py dequant
+4.5-5.8 s of it), 7.4 s when also writing the cache (1.9 GB), 0.9 s from a warm cache;
+peak RSS 2.9 GB without / 2.1 GB with the memory-mapped cache.
 """
 
 from __future__ import annotations
