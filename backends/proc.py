@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import weakref
 from multiprocessing.connection import Connection
 from typing import Any
@@ -134,6 +135,7 @@ class ChildProxy:
         self.label = label or target
         self.call_timeout_s = call_timeout_s
         self.dead_reason: str | None = None
+        self._lock = threading.Lock()  # one request/answer pair on the pipe at a time
         fd, self.stderr_path = tempfile.mkstemp(prefix="proc-", suffix=".log")
         self._conn, self._proc = _spawn(fd, self.label)
         os.close(fd)
@@ -212,6 +214,10 @@ class ChildProxy:
         self._finalizer()
 
     def _exchange(self, msg: tuple | None, what: str, timeout_s: float) -> Any:
+        with self._lock:
+            return self._exchange_locked(msg, what, timeout_s)
+
+    def _exchange_locked(self, msg: tuple | None, what: str, timeout_s: float) -> Any:
         try:
             if msg is not None:
                 self._conn.send(msg)

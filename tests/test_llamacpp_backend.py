@@ -31,8 +31,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein 
 # prefill(all) vs prefill(prefix) + step(...): llama.cpp computes a batch and a single token
 # with different kernels. Measured here on Qwen2.5-0.5B Q4_K_M: max |diff| 0.31-0.38, relative
 # RMS 1.0-1.4 %, same top-1; GPU.md: up to 7e-5 on a tiny f32 model. Limits per case:
-# Tiny models measured: f32 max |diff| 8.3e-7 (rel RMS 2.4e-7); quantised: bitwise equal.
-TOL = {"tiny": {"max_abs": 1e-4, "rel_rms": 1e-5}, "tiny_q": {"max_abs": 1e-4, "rel_rms": 1e-5},
+# Tiny models measured (CPU): f32 max |diff| 8.3e-7 with this 20-token prompt, 2.5e-4 with 40
+# tokens (batches of >= 32 tokens take another f32 matmul path); quantised: bitwise equal.
+TOL = {"tiny": {"max_abs": 1e-3, "rel_rms": 5e-4}, "tiny_q": {"max_abs": 1e-3, "rel_rms": 5e-4},
        "real": {"max_abs": 1.0, "rel_rms": 0.05}}
 
 
@@ -183,6 +184,25 @@ def test_timings_count_what_was_fed(llm, prompt_ids):
     assert t["prefill_s"] > 0 and t["decode_s"] > 0
     assert t["llama_perf"]["n_p_eval"] == len(prompt_ids) and t["llama_perf"]["n_eval"] == 3
     assert "timings" in llm.capabilities()
+
+
+def test_run_config_maps_onto_llama_cpp_params():
+    """Enum values from llama.h / ggml.h: GGML_TYPE_F32 0, F16 1, Q8_0 8;
+    LLAMA_FLASH_ATTN_TYPE_DISABLED 0, ENABLED 1."""
+    from backends.llamacpp import params
+    cfg = RunConfig(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=3, n_gpu_layers=0,
+                    flash_attn=True, kv_type="q8_0")
+    c = params.context_params(cfg)
+    assert (c.n_ctx, c.n_batch, c.n_ubatch, c.n_seq_max) == (256, 64, 32, 1)
+    assert (c.n_threads, c.n_threads_batch) == (3, 3)
+    assert (c.flash_attn_type, c.type_k, c.type_v) == (1, 8, 8)
+    assert c.op_offload is False and c.no_perf is False  # 0 GPU layers = CPU only
+    c = params.context_params(RunConfig(n_gpu_layers=99, flash_attn=False, kv_type="f32"))
+    assert (c.flash_attn_type, c.type_k, c.type_v, c.op_offload) == (0, 0, 0, True)
+    assert params.context_params(RunConfig(kv_type="f16")).type_k == 1
+    m = params.model_params(RunConfig(n_gpu_layers=7))
+    assert (m.n_gpu_layers, m.use_extra_bufts) == (7, False)
+    assert params.model_params(RunConfig(use_extra_bufts=True)).use_extra_bufts is True
 
 
 # ---- errors from load ------------------------------------------------------------------------
