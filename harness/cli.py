@@ -39,6 +39,11 @@ def _add_verify_args(p: argparse.ArgumentParser, *, standard: bool) -> None:
     p.add_argument("--no-teacher-forced", action="store_true", help="greedy runs only")
     p.add_argument("--out", default="out", help="output root (runs go to OUT/runs/...)")
     p.add_argument("--no-report", action="store_true", help="write result.json only")
+    p.add_argument("--bench", action="store_true",
+                   help="also time prefill/decode of every backend (default with a GPU)")
+    p.add_argument("--no-bench", action="store_true", help="never time throughput")
+    p.add_argument("--bench-decode", type=int, default=128, help="decode steps timed (128)")
+    p.add_argument("--bench-reps", type=int, default=3, help="repetitions, median (3)")
     if not standard:
         p.add_argument("--prompt", default=None, help="prompt text instead of the standard one")
         p.add_argument("--prompt-tokens", type=int, default=70,

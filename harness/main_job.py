@@ -103,6 +103,8 @@ def run_job(args, console: Console) -> int:
         result["prompt"]["pieces"] = _pieces(tok, result)
     finally:
         tok.close()
+    if getattr(args, "bench", False) or (gpu and "engine" in names and not args.no_bench):
+        result["bench"] = _bench(args, model, info, names, ids, base, gpu, console)
     run_dir = results.new_run_dir(Path(args.out) / "runs", git_info().get("sha"))
     results.write_json(run_dir / "result.json", result)
     _print_summary(console, result)
@@ -112,6 +114,28 @@ def run_job(args, console: Console) -> int:
         console.print(f"report: {render_report(result, run_dir / 'report.html')}")
     failed = [v for v in result["verdicts"] if v["verdict"] != "PASS"]
     return 1 if failed else 0
+
+
+def _bench(args, model, info, names, ids, base, gpu, console) -> dict:
+    """Throughput of every compared backend except the oracle, same prompt, same run."""
+    from backends.registry import create
+    from .bench_e2e import bench_e2e
+    from .model_bytes import decode_weight_bytes
+    copy = mem = None
+    if gpu:
+        from .gpu import copy_bandwidth, memory_used
+        copy, mem = copy_bandwidth(), memory_used
+        console.print(f"device copy bandwidth {copy['gb_s']:.0f} GB/s (read+write)")
+    backends = [n for n in names if n != "oracle"]
+    out = bench_e2e(model, decode_weight_bytes(info), backends, _contexts(args.contexts), ids,
+                    base, lambda n: create(n, in_child=True), n_decode=args.bench_decode,
+                    reps=args.bench_reps, copy_gbs=copy["gb_s"] if copy else None,
+                    mem_used=mem, log=console.print)
+    out["copy_bandwidth"] = copy
+    for r in out["ratios"]:
+        console.print(f"{r['backend']} / llamacpp at c={r['n_ctx']}: decode x{r['decode_ratio']:.2f}, "
+                      f"prefill x{r['prefill_ratio']:.2f}")
+    return out
 
 
 def _pieces(tok, result: dict) -> dict[str, str]:

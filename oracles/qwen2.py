@@ -57,6 +57,7 @@ class Qwen2Oracle:
 
     model_path: GGUF file; n_ctx: KV cache length in tokens (default min(context_length,
     2048)); cache_dir / sha256: optional dequantised-weight cache (oracles.weights);
+    kv_round: None (float64 KV cache) or "f16" (values rounded to fp16 when cached);
     capture: optional callback(name, layer, array) for named intermediates (layer -1 for
     the head). All weights are dequantised and shape-checked here, so errors surface at load.
     Raises UnsupportedError (architecture, rope scaling, tensor type), ModelError (missing
@@ -66,8 +67,13 @@ class Qwen2Oracle:
 
     def __init__(self, model_path: str | os.PathLike, n_ctx: int | None = None,
                  cache_dir: str | os.PathLike | None = None, sha256: str | None = None,
-                 capture: Capture | None = None) -> None:
+                 capture: Capture | None = None, kv_round: str | None = None) -> None:
         t0 = time.perf_counter()
+        if kv_round not in (None, "f16"):
+            raise ConfigError(f"kv_round must be None or 'f16', got {kv_round!r}")
+        # kv_round="f16": store K and V rounded to fp16 as llama.cpp's and the engine's f16
+        # KV caches do, so kernel tests can separate kernel error from KV precision
+        self.kv_round = kv_round
         info = open_gguf(model_path)
         self.params = p = read_params(info)
         self.weights = w = GGUFWeights(info, cache_dir=cache_dir, sha256=sha256)
@@ -175,6 +181,8 @@ class Qwen2Oracle:
         self._emit("Qcur", il, q)
         self._emit("Kcur", il, k)
         self._emit("Vcur", il, v)
+        if self.kv_round == "f16":
+            k, v = (a.astype(np.float16).astype(np.float64) for a in (k, v))
         self._k[il, pos] = k
         self._v[il, pos] = v
         kv_len = int(pos[-1]) + 1

@@ -181,4 +181,7 @@ def test_attention_decode_against_oracle(D, n_head, n_kv, chunk):
         assert np.isfinite(got).all(), f"pos {pos}: NaN"
         # fp32 accumulation over <= 40 positions of O(1) values; RoPE angles in fp32
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4, err_msg=f"pos {pos}")
-    np.testing.assert_array_equal(kc.get()[:steps].view(np.float16).astype(np.float64), ks[:steps])
+    # the kernel rotates in fp32 (angles up to pos*1 rad, fp32 error ~3e-6 absolute on O(1)
+    # values), the oracle in fp64: fp16 rounding may then land one half away (2^-10 relative)
+    np.testing.assert_allclose(kc.get()[:steps].view(np.float16).astype(np.float64), ks[:steps],
+                               rtol=2.0 ** -10, atol=1e-5)

@@ -6,6 +6,8 @@ of a captured CUDA graph (prompt tokens whose logits are not needed skip the hea
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from harness.config import ModelRef, RunConfig
@@ -120,6 +122,55 @@ class EngineBackend:
             self._loaded = False
 
     # -- extras ----------------------------------------------------------------------------
+    def bench(self, prompt, n_decode: int, reps: int) -> dict:
+        """Throughput with CUDA events, per repetition: token-major prefill of `prompt` (one
+        graph replay per token, host writes the token id and position before each), then
+        n_decode chained decode steps: replays of the full step graph back to back, each
+        feeding its own device-side argmax to the next (no host work between steps).
+        Returns {"prefill_s": [reps], "decode_s": [reps], "decode_sync_s": [reps]};
+        decode_sync_s repeats the decode with a host synchronisation and a read of the
+        token id after every step (what a serving loop pays)."""
+        import cupy as cp
+        prompt = [int(t) for t in prompt]
+        if len(prompt) + n_decode > self.n_ctx:
+            raise ConfigError(f"bench needs {len(prompt) + n_decode} positions > n_ctx {self.n_ctx}")
+        out = {"prefill_s": [], "decode_s": [], "decode_sync_s": []}
+        ev = [cp.cuda.Event() for _ in range(3)]
+        for _ in range(reps):
+            self.reset()
+            ev[0].record(self.stream)
+            for t in prompt[:-1]:
+                self._feed(t, with_head=False)
+            self._feed(prompt[-1], with_head=True)
+            ev[1].record(self.stream)
+            for _ in range(n_decode):
+                self.step_exec.replay()   # state[0..1] advanced on the device (finish_step)
+            ev[2].record(self.stream)
+            ev[2].synchronize()
+            out["prefill_s"].append(cp.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3)
+            out["decode_s"].append(cp.cuda.get_elapsed_time(ev[1], ev[2]) / 1e3)
+            self.pos = len(prompt)
+            self.bufs.state.set(np.array([prompt[-1], self.pos - 1, 0, 0], np.int32), stream=self.stream)
+            self.step_exec.replay()
+            self.stream.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n_decode):
+                self.step_exec.replay()
+                int(self.bufs.state[0].get(stream=self.stream))  # synchronises
+            out["decode_sync_s"].append(time.perf_counter() - t0)
+        self.reset()
+        return out
+
+    def node_times(self, token: int = 0) -> list[dict]:
+        """One decode step run eagerly with a CUDA event pair around every node:
+        [{name, kind, fmt, us, bytes, gb_s}] (host launch gaps are not inside the pairs)."""
+        self.bufs.state.set(np.array([token, self.pos, 0, 0], np.int32), stream=self.stream)
+        rows = []
+        for n, us in self.step_exec.time_nodes():
+            rows.append({"name": n.name, "kind": n.kind, "fmt": n.fmt, "us": us,
+                         "bytes": n.bytes, "gb_s": n.bytes / us / 1e3 if us > 0 else None})
+        return rows
+
     def info(self) -> dict:
         return {"bytes_resident": self.arena.bytes_resident, "kv_bytes": self.bufs.kv_bytes(),
                 "planned_bytes": self.planned_bytes, "nodes_per_step": len(self.step_exec.nodes),

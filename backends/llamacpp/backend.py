@@ -119,6 +119,30 @@ class LlamaCppBackend:
         self._times.add_decode(time.perf_counter() - t0)
         return logits
 
+    def bench(self, prompt: Sequence[int], n_decode: int, reps: int) -> dict:
+        """Throughput like llama-bench: per repetition, empty the cache, prefill `prompt` in
+        one call, then n_decode single-token llama_decode calls (tokens cycled from the
+        prompt, logits not read, as llama-bench's tg does), synchronising after each.
+        Returns {"prefill_s": [reps], "decode_s": [reps]} (host clock around synchronised
+        work; the whole loop runs inside this process, no IPC in the timed region)."""
+        ids = self._checked(prompt)
+        if self.pos + ids.size + n_decode > self._cfg.n_ctx:
+            raise ConfigError(f"bench needs {ids.size + n_decode} positions > n_ctx {self._cfg.n_ctx}")
+        out = {"prefill_s": [], "decode_s": []}
+        for _ in range(reps):
+            self.reset()
+            t0 = time.perf_counter()
+            self._feed(ids)
+            llama_cpp.llama_synchronize(self._ctx)
+            t1 = time.perf_counter()
+            for i in range(n_decode):
+                self._decode(ids[i % ids.size: i % ids.size + 1], logits_last=True)
+                llama_cpp.llama_synchronize(self._ctx)
+            out["prefill_s"].append(t1 - t0)
+            out["decode_s"].append(time.perf_counter() - t1)
+        self.reset()
+        return out
+
     def capabilities(self) -> set[str]:
         return {CAP_TIMINGS}
 

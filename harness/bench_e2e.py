@@ -1,0 +1,79 @@
+"""End-to-end throughput (`harness bench e2e`): prefill and decode tok/s of every backend at
+every context, in the same run, next to the device's copy bandwidth measured at the start.
+
+Per backend and context: load (child process), backend.bench(prompt, n_decode, reps), close.
+Decode tok/s = n_decode / median decode seconds; effective bandwidth = decode weight bytes
+per step (harness.model_bytes) / step time, as % of the copy bandwidth. Engine/llama.cpp
+ratios are reported per context. Throughput is only meaningful next to a passing
+verification of the same backend: `harness run` does both in one result.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+from .config import ModelRef, RunConfig
+from .errors import HarnessError
+
+
+def _row(name: str, n_ctx: int, r: dict, n_prompt: int, n_decode: int, step_bytes: int,
+         copy_gbs: float | None) -> dict:
+    dec = statistics.median(r["decode_s"])
+    pre = statistics.median(r["prefill_s"])
+    row = {"backend": name, "n_ctx": n_ctx, "n_prompt": n_prompt, "n_decode": n_decode,
+           "reps": len(r["decode_s"]), "prefill_tok_s": n_prompt / pre,
+           "decode_tok_s": n_decode / dec, "ms_per_token": 1e3 * dec / n_decode,
+           "decode_tok_s_min": n_decode / max(r["decode_s"]),
+           "decode_tok_s_max": n_decode / min(r["decode_s"]),
+           "bytes_per_step": step_bytes, "eff_gb_s": step_bytes / (dec / n_decode) / 1e9,
+           "raw": r}
+    if copy_gbs:
+        row["pct_copy_bw"] = 100 * row["eff_gb_s"] / copy_gbs
+    if r.get("decode_sync_s"):
+        row["decode_sync_tok_s"] = n_decode / statistics.median(r["decode_sync_s"])
+    return row
+
+
+def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, prompt_ids,
+              base: RunConfig, create, *, n_decode: int = 128, reps: int = 3,
+              copy_gbs: float | None = None, mem_used=None, log=print) -> dict:
+    """Rows for every backend x context; a backend that fails is recorded with its error."""
+    rows, errors = [], []
+    for name in backends:
+        for n_ctx in contexts:
+            b = None
+            try:
+                before = mem_used() if mem_used else None
+                b = create(name)
+                b.load(model, replace(base, n_ctx=n_ctx))
+                r = b.bench(list(prompt_ids), n_decode, reps)
+                row = _row(name, n_ctx, r, len(prompt_ids), n_decode, step_bytes, copy_gbs)
+                if mem_used:
+                    row["gpu_mem_used_bytes"] = mem_used() - before
+                rows.append(row)
+                log(f"{name} c={n_ctx}: decode {row['decode_tok_s']:.1f} tok/s "
+                    f"({row['ms_per_token']:.3f} ms/token), prefill {row['prefill_tok_s']:.0f} tok/s")
+            except (HarnessError, OSError, RuntimeError, ValueError) as e:
+                errors.append({"backend": name, "n_ctx": n_ctx, "error": f"{type(e).__name__}: {e}"})
+                log(f"{name} c={n_ctx} failed: {type(e).__name__}: {e}")
+            finally:
+                if b is not None:
+                    try:
+                        b.close()
+                    except Exception:  # a dead child has nothing left to close
+                        pass
+    return {"rows": rows, "errors": errors, "ratios": _ratios(rows), "copy_gb_s": copy_gbs,
+            "n_decode": n_decode, "reps": reps}
+
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    """engine / llamacpp decode and prefill speed ratios per context."""
+    by = {(r["backend"], r["n_ctx"]): r for r in rows}
+    out = []
+    for (name, c), r in by.items():
+        ref = by.get(("llamacpp", c))
+        if name != "llamacpp" and ref:
+            out.append({"backend": name, "vs": "llamacpp", "n_ctx": c,
+                        "decode_ratio": r["decode_tok_s"] / ref["decode_tok_s"],
+                        "prefill_ratio": r["prefill_tok_s"] / ref["prefill_tok_s"]})
+    return out
