@@ -21,6 +21,7 @@ from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 CHUNK_BYTES = 32 << 20  # bound on one chunk's largest temporary (float64 values)
+ROW_GROUP = 64          # rows() is always called with row0 a multiple of this
 
 RowFn = Callable[[int, int], np.ndarray]        # (row0, row1) -> encoded rows
 Progress = Callable[[int, int, str], None]     # (bytes done, bytes total, tensor name)
@@ -51,8 +52,9 @@ class TensorPlan:
 
     @property
     def chunk_rows(self) -> int:
-        """Rows per rows() call: a function of the shape only, so output never depends on RAM."""
-        return max(1, CHUNK_BYTES // (8 * self.ne[0]))
+        """Rows per rows() call, a multiple of ROW_GROUP and a function of the shape only (so
+        the bytes written never depend on the machine)."""
+        return max(ROW_GROUP, CHUNK_BYTES // (8 * self.ne[0]) // ROW_GROUP * ROW_GROUP)
 
 
 def _padded(n: int, align: int) -> int:
