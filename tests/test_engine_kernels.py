@@ -31,7 +31,7 @@ GEMV_TOL = 1e-5
 
 def _shapes(type_id):
     bs = get_format(type_id).block_size
-    base = [(1, 256), (7, 512), (33, 1024), (130, 2048)]
+    base = [(1, 256), (7, 512), (33, 1024), (130, 2048), (9001, 256)]  # 9001: grid-stride rows
     if bs == 32:
         base += [(5, 96), (9, 896), (3, 8960)]
     if bs == 1:

@@ -31,3 +31,10 @@ def allow_smem(k, nbytes: int) -> None:
     """Opt a kernel in to `nbytes` of dynamic shared memory when above the 48 KiB default."""
     if nbytes > SMEM_DEFAULT_MAX and k.max_dynamic_shared_size_bytes < nbytes:
         k.max_dynamic_shared_size_bytes = nbytes
+
+
+@lru_cache(maxsize=None)
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (grid sizing)."""
+    import cupy as cp
+    return int(cp.cuda.Device().attributes["MultiProcessorCount"])

@@ -17,6 +17,7 @@ WARPS = 4            # rows per GEMV block (kernels/gemv.cu WARPS)
 MAX_SEG = 4          # kernels/gemv.cu MAX_SEG
 ATT_WARPS = 4        # kernels/attention.cu ATT_WARPS
 ARGMAX_BLOCKS = 264  # 2 per SM on a 132-SM H200; grid-stride loop covers any vocab
+BLOCKS_PER_SM = 16   # GEMV grid cap (128-thread blocks: 16 fill an SM's 2048 threads)
 SEG_FMT = "<QQQii"   # struct Seg: w, bias, out, type, rows (32 bytes)
 ATTN_FMT = "<8Q5i3f"  # struct AttnArgs (96 bytes)
 
@@ -33,6 +34,13 @@ class Seg:
 def _device_bytes(data: bytes):
     import cupy as cp
     return cp.asarray(np.frombuffer(data, dtype=np.uint8))
+
+
+def warps_per_row(K: int) -> int:
+    """Warps sharing one row: a warp walks ceil(K/256) groups; more than ~4 groups in one
+    warp's serial loop leaves the GEMV latency-bound (measured v1: 19 groups, 15 us/node)."""
+    groups = -(-K // 256)
+    return 1 if groups <= 4 else (2 if groups <= 8 else 4)
 
 
 def seg_table(segs: list[Seg]):
@@ -60,13 +68,15 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     if mode == "swiglu" and (len(segs) != 2 or segs[0].w.rows != segs[1].w.rows):
         raise ValueError("swiglu takes a gate and an up matrix with equal rows")
     rows = segs[0].w.rows if mode == "swiglu" else sum(s.w.rows for s in segs)
-    k = module.kernel(f"gemv_{mode}")
+    wpr = warps_per_row(K)
+    k = module.kernel(f"gemv_{mode}_w{wpr}")
     smem = 4 * K
     module.allow_smem(k, smem)
     table = seg_table(segs)
     wbytes = sum(s.w.nbytes for s in segs)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
-    return Node(name, "gemv", k, (math.ceil(rows / WARPS),), (WARPS * 32,),
+    grid = min(math.ceil(rows / (WARPS // wpr)), BLOCKS_PER_SM * module.sm_count())
+    return Node(name, "gemv", k, (grid,), (WARPS * 32,),
                 (table, x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
                  np.int32(rows)), smem=smem, bytes=wbytes + act,
                 flops=2 * K * sum(s.w.rows for s in segs), out=segs[0].out,

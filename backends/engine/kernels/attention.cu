@@ -50,7 +50,33 @@ __device__ void prepare(const AttnArgs& a, int h, int g, int pos, float* qs, flo
     __syncthreads();
 }
 
-// Block (h, split): positions [split*chunk, min(pos+1, (split+1)*chunk)).
+// Score of position t for this lane: q (scaled, shared memory) . k_t over D dims; the
+// current position's k comes from shared memory, older ones from the fp16 cache.
+__device__ __forceinline__ float score(const float* qs, const float* ks, const u16* kr, int D, bool cur) {
+    float s = 0.f;
+    if (cur) {
+        for (int d = 0; d < D; ++d) s += qs[d] * ks[d];
+    } else if ((D & 7) == 0) {  // 16-byte loads: 8 halves at a time, all independent
+        const uint4* k4 = (const uint4*)kr;
+        for (int c = 0; c < D / 8; ++c) {
+            const uint4 w = k4[c];
+            const u32 h[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                s += qs[8 * c + 2 * j] * h2f((u16)(h[j] & 0xffff));
+                s += qs[8 * c + 2 * j + 1] * h2f((u16)(h[j] >> 16));
+            }
+        }
+    } else {
+        for (int d = 0; d < D; ++d) s += qs[d] * h2f(kr[d]);
+    }
+    return s;
+}
+
+// Block (h, split): positions [split*chunk, min(pos+1, (split+1)*chunk)). Each warp takes
+// tiles of 32 positions: lane j scores position tile+j on its own (no shuffles per
+// position, all k loads of the tile in flight together), one max/sum per tile updates the
+// online softmax, then the tile's v rows are accumulated with lanes over dims.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_decode(const AttnArgs* __restrict__ ap) {
     const AttnArgs a = *ap;
     extern __shared__ float sm[];
@@ -59,22 +85,33 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_decode(const A
     prepare(a, h, g, pos, qs, ks, vs);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t0 = blockIdx.y * a.chunk, t1 = min(pos + 1, t0 + a.chunk);
-    float qr[MAX_E], acc[MAX_E], m = -INFINITY, l = 0.f;
+    const size_t row_stride = (size_t)a.n_kv * D;
+    const u16* kbase = a.kc + (size_t)g * D;
+    const u16* vbase = a.vc + (size_t)g * D;
+    float acc[MAX_E], m = -INFINITY, l = 0.f;
 #pragma unroll
-    for (int e = 0; e < MAX_E; ++e) { qr[e] = lane + 32 * e < D ? qs[lane + 32 * e] : 0.f; acc[e] = 0.f; }
-    for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
-        const u16* kr = a.kc + ((size_t)t * a.n_kv + g) * D;
-        const u16* vr = a.vc + ((size_t)t * a.n_kv + g) * D;
-        float s = 0.f;
+    for (int e = 0; e < MAX_E; ++e) acc[e] = 0.f;
+    for (int tile = t0 + 32 * warp; tile < t1; tile += 32 * ATT_WARPS) {
+        const int t = tile + lane;
+        const float s = t < t1 ? score(qs, ks, kbase + t * row_stride, D, t == pos) : -INFINITY;
+        const float mn = fmaxf(m, warp_max(s));  // finite: lane 0 always holds a position
+        const float corr = expf(m - mn);
+        const float p = t < t1 ? expf(s - mn) : 0.f;
+        l = l * corr + warp_sum(p);
 #pragma unroll
-        for (int e = 0; e < MAX_E; ++e)
-            if (lane + 32 * e < D) s += qr[e] * (t == pos ? ks[lane + 32 * e] : h2f(kr[lane + 32 * e]));
-        s = warp_sum(s);
-        const float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
-        l = l * corr + p;
+        for (int e = 0; e < MAX_E; ++e) acc[e] *= corr;
+        const int nt = min(32, t1 - tile);
+#pragma unroll 8
+        for (int j = 0; j < nt; ++j) {
+            const float pj = __shfl_sync(0xffffffffu, p, j);
+            const int tj = tile + j;
+            const u16* vr = vbase + tj * row_stride;
 #pragma unroll
-        for (int e = 0; e < MAX_E; ++e)
-            if (lane + 32 * e < D) acc[e] = acc[e] * corr + p * (t == pos ? vs[lane + 32 * e] : h2f(vr[lane + 32 * e]));
+            for (int e = 0; e < MAX_E; ++e) {
+                const int d = lane + 32 * e;
+                if (d < D) acc[e] += pj * (tj == pos ? vs[d] : h2f(vr[d]));
+            }
+        }
         m = mn;
     }
     if (lane == 0) { mw[warp] = m; lw[warp] = l; }
@@ -85,10 +122,10 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_decode(const A
     float M = -INFINITY;
     for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, mw[w]);
     float L = 0.f;
-    for (int w = 0; w < ATT_WARPS; ++w) L += M == -INFINITY ? 0.f : lw[w] * expf(mw[w] - M);
+    for (int w = 0; w < ATT_WARPS; ++w) L += mw[w] == -INFINITY ? 0.f : lw[w] * expf(mw[w] - M);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float o = 0.f;
-        for (int w = 0; w < ATT_WARPS; ++w) o += M == -INFINITY ? 0.f : accw[w * D + d] * expf(mw[w] - M);
+        for (int w = 0; w < ATT_WARPS; ++w) o += mw[w] == -INFINITY ? 0.f : accw[w * D + d] * expf(mw[w] - M);
         if (gridDim.y == 1) {
             a.out[h * D + d] = o / L;
         } else {  // partial: unnormalised sum, then (m, l) after the D values

@@ -211,38 +211,45 @@ template <> __device__ __forceinline__ void deq8<T_Q6_K>(const u8* row, int g, i
     }
 }
 
-// Lane's partial dot product of one row (K values) with x (float, shared or global memory).
-template <int T> __device__ __forceinline__ float row_dot(const u8* row, const float* x, int K, int lane) {
+// Lane's partial dot product of one row (K values) with x (float, shared memory), over the
+// 256-value groups g0, g0 + gstep, ... (gstep warps share a row). No early exit, so the
+// loop unrolls and several groups' loads are in flight at once (decode GEMVs are
+// latency-bound: a warp must keep many independent loads outstanding).
+template <int T> __device__ __forceinline__ float row_dot(const u8* row, const float* x, int K, int lane,
+                                                          int g0, int gstep) {
     const int ng = (K + 255) / 256;
     float acc = 0.f;
-    for (int g = 0; g < ng; ++g) {
-        if (!lane_valid<T>(g, lane, K)) break;
-        float v[8];
-        deq8<T>(row, g, lane, K, v);
-        const float* xp = x + 256 * g + 8 * lane;
+#pragma unroll 4
+    for (int g = g0; g < ng; g += gstep) {
+        if (lane_valid<T>(g, lane, K)) {
+            float v[8];
+            deq8<T>(row, g, lane, K, v);
+            const float* xp = x + 256 * g + 8 * lane;
 #pragma unroll
-        for (int k = 0; k < 8; ++k)
-            if (Fmt<T>::QK > 1 || 256 * g + 8 * lane + k < K) acc = fmaf(v[k], xp[k], acc);
+            for (int k = 0; k < 8; ++k)
+                if (Fmt<T>::QK > 1 || 256 * g + 8 * lane + k < K) acc = fmaf(v[k], xp[k], acc);
+        }
     }
     return acc;
 }
 
 // Runtime dispatch on the GGML type id (uniform per warp, so no divergence).
-__device__ __forceinline__ float row_dot_any(int type, const u8* row, const float* x, int K, int lane) {
+__device__ __forceinline__ float row_dot_any(int type, const u8* row, const float* x, int K, int lane,
+                                             int g0, int gstep) {
     switch (type) {
-        case T_F32:  return row_dot<T_F32>(row, x, K, lane);
-        case T_F16:  return row_dot<T_F16>(row, x, K, lane);
-        case T_BF16: return row_dot<T_BF16>(row, x, K, lane);
-        case T_Q4_0: return row_dot<T_Q4_0>(row, x, K, lane);
-        case T_Q4_1: return row_dot<T_Q4_1>(row, x, K, lane);
-        case T_Q5_0: return row_dot<T_Q5_0>(row, x, K, lane);
-        case T_Q5_1: return row_dot<T_Q5_1>(row, x, K, lane);
-        case T_Q8_0: return row_dot<T_Q8_0>(row, x, K, lane);
-        case T_Q2_K: return row_dot<T_Q2_K>(row, x, K, lane);
-        case T_Q3_K: return row_dot<T_Q3_K>(row, x, K, lane);
-        case T_Q4_K: return row_dot<T_Q4_K>(row, x, K, lane);
-        case T_Q5_K: return row_dot<T_Q5_K>(row, x, K, lane);
-        case T_Q6_K: return row_dot<T_Q6_K>(row, x, K, lane);
+        case T_F32:  return row_dot<T_F32>(row, x, K, lane, g0, gstep);
+        case T_F16:  return row_dot<T_F16>(row, x, K, lane, g0, gstep);
+        case T_BF16: return row_dot<T_BF16>(row, x, K, lane, g0, gstep);
+        case T_Q4_0: return row_dot<T_Q4_0>(row, x, K, lane, g0, gstep);
+        case T_Q4_1: return row_dot<T_Q4_1>(row, x, K, lane, g0, gstep);
+        case T_Q5_0: return row_dot<T_Q5_0>(row, x, K, lane, g0, gstep);
+        case T_Q5_1: return row_dot<T_Q5_1>(row, x, K, lane, g0, gstep);
+        case T_Q8_0: return row_dot<T_Q8_0>(row, x, K, lane, g0, gstep);
+        case T_Q2_K: return row_dot<T_Q2_K>(row, x, K, lane, g0, gstep);
+        case T_Q3_K: return row_dot<T_Q3_K>(row, x, K, lane, g0, gstep);
+        case T_Q4_K: return row_dot<T_Q4_K>(row, x, K, lane, g0, gstep);
+        case T_Q5_K: return row_dot<T_Q5_K>(row, x, K, lane, g0, gstep);
+        case T_Q6_K: return row_dot<T_Q6_K>(row, x, K, lane, g0, gstep);
     }
     return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
 }

@@ -47,41 +47,67 @@ __device__ __forceinline__ int find_seg(const SegTable& t, int& row) {
 
 // MODE 0: out = y (+ bias); MODE 1: out += y (+ bias); MODE 2: SwiGLU, segments 0 and 1 are
 // gate and up with equal rows, out(seg 0) = silu(gate) * up.
-template <int MODE>
+// WPR warps share one row (each takes every WPR-th 256-value group; partial sums meet in
+// shared memory), so long rows are not one warp's serial loop. A block stages x once and
+// then walks row groups with a grid-stride loop (the grid is capped near full occupancy,
+// so the staging cost is paid per resident block, not per 4 rows).
+template <int MODE, int WPR>
 __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, float eps, int K,
                           int total_rows) {
     extern __shared__ float xs[];
     __shared__ float scratch[32];
+    __shared__ float part[2][WARPS];
     stage_x(x, norm, eps, K, xs, scratch);
-    const int lane = threadIdx.x & 31;
-    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (row >= total_rows) return;
-    const int si = MODE == 2 ? 0 : find_seg(t, row);
-    const Seg& s = t.s[si];
-    const size_t rb = (size_t)t.row_bytes[si];
-    float y = warp_sum(row_dot_any(s.type, (const u8*)s.w + rb * row, xs, K, lane));
-    if (MODE == 2) {
-        const Seg& u = t.s[1];
-        const float up = warp_sum(row_dot_any(u.type, (const u8*)u.w + (size_t)t.row_bytes[1] * row, xs, K, lane));
-        if (lane == 0) ((float*)s.out)[row] = silu(y) * up;
-        return;
-    }
-    if (lane == 0) {
-        if (s.bias) y += ((const float*)s.bias)[row];
-        float* o = (float*)s.out + row;
-        *o = MODE == 1 ? *o + y : y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % WPR;
+    const int rows_per_block = WARPS / WPR;
+    for (int base = blockIdx.x * rows_per_block; base < total_rows; base += gridDim.x * rows_per_block) {
+        int row = base + warp / WPR;
+        float y = 0.f, up = 0.f;
+        int si = 0;
+        if (row < total_rows) {
+            si = MODE == 2 ? 0 : find_seg(t, row);
+            const Seg& s = t.s[si];
+            y = row_dot_any(s.type, (const u8*)s.w + (size_t)t.row_bytes[si] * row, xs, K, lane, sub, WPR);
+            if (MODE == 2) {
+                const Seg& u = t.s[1];
+                up = row_dot_any(u.type, (const u8*)u.w + (size_t)t.row_bytes[1] * row, xs, K, lane, sub, WPR);
+            }
+        }
+        y = warp_sum(y);
+        if (MODE == 2) up = warp_sum(up);
+        if (WPR > 1) {
+            if (lane == 0) { part[0][warp] = y; part[1][warp] = up; }
+            __syncthreads();
+            if (sub == 0) {
+                for (int w = 1; w < WPR; ++w) { y += part[0][warp + w]; up += part[1][warp + w]; }
+            }
+            __syncthreads();
+        }
+        if (row >= total_rows || sub != 0 || lane != 0) continue;
+        const Seg& s = t.s[si];
+        if (MODE == 2) {
+            ((float*)s.out)[row] = silu(y) * up;
+        } else {
+            if (s.bias) y += ((const float*)s.bias)[row];
+            float* o = (float*)s.out + row;
+            *o = MODE == 1 ? *o + y : y;
+        }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-gemv_store(const SegTable* __restrict__ t, const float* x, const float* norm, float eps, int K, int total_rows) {
-    gemv_body<0>(*t, x, norm, eps, K, total_rows);
-}
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-gemv_add(const SegTable* __restrict__ t, const float* x, const float* norm, float eps, int K, int total_rows) {
-    gemv_body<1>(*t, x, norm, eps, K, total_rows);
-}
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-gemv_swiglu(const SegTable* __restrict__ t, const float* x, const float* norm, float eps, int K, int total_rows) {
-    gemv_body<2>(*t, x, norm, eps, K, total_rows);
-}
+#define GEMV_KERNEL(NAME, MODE, WPR)                                                            \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                    \
+    NAME(const SegTable* __restrict__ t, const float* x, const float* norm, float eps, int K,   \
+         int total_rows) {                                                                      \
+        gemv_body<MODE, WPR>(*t, x, norm, eps, K, total_rows);                                  \
+    }
+// kernel names: gemv_<mode>_w<warps per row>
+GEMV_KERNEL(gemv_store_w1, 0, 1)
+GEMV_KERNEL(gemv_store_w2, 0, 2)
+GEMV_KERNEL(gemv_store_w4, 0, 4)
+GEMV_KERNEL(gemv_add_w1, 1, 1)
+GEMV_KERNEL(gemv_add_w2, 1, 2)
+GEMV_KERNEL(gemv_add_w4, 1, 4)
+GEMV_KERNEL(gemv_swiglu_w1, 2, 1)
+GEMV_KERNEL(gemv_swiglu_w2, 2, 2)
+GEMV_KERNEL(gemv_swiglu_w4, 2, 4)

@@ -55,3 +55,9 @@ extern "C" __global__ void finish_step(u64* key, int* state) {
     state[1] += 1;
     *key = 0;
 }
+
+// Holds the stream until the host sets *flag (per-node timing: every launch is queued
+// behind it first, so host launch time never falls between a node's event pair).
+extern "C" __global__ void hold_stream(const volatile int* flag) {
+    for (int i = 0; *flag == 0 && i < 2000000; ++i) __nanosleep(2000);  // gives up after ~4 s
+}
