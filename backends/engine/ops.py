@@ -70,7 +70,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     rows = segs[0].w.rows if mode == "swiglu" else sum(s.w.rows for s in segs)
     wpr = warps_per_row(K)
     k = module.kernel(f"gemv_{mode}_w{wpr}")
-    smem = 4 * K
+    smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
     module.allow_smem(k, smem)
     table = seg_table(segs)
     wbytes = sum(s.w.nbytes for s in segs)

@@ -58,6 +58,7 @@ __device__ __forceinline__ float score(const float* qs, const float* ks, const u
         for (int d = 0; d < D; ++d) s += qs[d] * ks[d];
     } else if ((D & 7) == 0) {  // 16-byte loads: 8 halves at a time, all independent
         const uint4* k4 = (const uint4*)kr;
+#pragma unroll 8
         for (int c = 0; c < D / 8; ++c) {
             const uint4 w = k4[c];
             const u32 h[4] = {w.x, w.y, w.z, w.w};
@@ -101,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_decode(const A
 #pragma unroll
         for (int e = 0; e < MAX_E; ++e) acc[e] *= corr;
         const int nt = min(32, t1 - tile);
-#pragma unroll 8
+#pragma unroll 16
         for (int j = 0; j < nt; ++j) {
             const float pj = __shfl_sync(0xffffffffu, p, j);
             const int tj = tile + j;

@@ -9,6 +9,11 @@
 #pragma once
 #include "common.cuh"
 
+// Shared-memory layout of the staged input vector: 4 floats of padding after every 32, so
+// lane L's 8 values (index 256g + 8L .. +7) start at bank 8L + 4(L/4) mod 32 and the 8
+// lanes of each 128-bit phase hit disjoint banks. Size for K values: XPAD(K) + 4 floats.
+#define XPAD(i) ((i) + (((i) >> 5) << 2))
+
 // 8 bytes at a 4-byte aligned address.
 __device__ __forceinline__ void ld8_a4(const u8* p, u32& lo, u32& hi) {
     lo = *(const u32*)p;
@@ -224,10 +229,19 @@ template <int T> __device__ __forceinline__ float row_dot(const u8* row, const f
         if (lane_valid<T>(g, lane, K)) {
             float v[8];
             deq8<T>(row, g, lane, K, v);
-            const float* xp = x + 256 * g + 8 * lane;
+            const int i0 = 256 * g + 8 * lane;
+            const float* xp = x + XPAD(i0);  // 8 values, contiguous after padding
+            if (Fmt<T>::QK > 1 || i0 + 8 <= K) {
+                const float4 a = *(const float4*)xp, b = *(const float4*)(xp + 4);
+                acc = fmaf(v[0], a.x, acc); acc = fmaf(v[1], a.y, acc);
+                acc = fmaf(v[2], a.z, acc); acc = fmaf(v[3], a.w, acc);
+                acc = fmaf(v[4], b.x, acc); acc = fmaf(v[5], b.y, acc);
+                acc = fmaf(v[6], b.z, acc); acc = fmaf(v[7], b.w, acc);
+            } else {
 #pragma unroll
-            for (int k = 0; k < 8; ++k)
-                if (Fmt<T>::QK > 1 || 256 * g + 8 * lane + k < K) acc = fmaf(v[k], xp[k], acc);
+                for (int k = 0; k < 8; ++k)
+                    if (i0 + k < K) acc = fmaf(v[k], xp[k], acc);
+            }
         }
     }
     return acc;

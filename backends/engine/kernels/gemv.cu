@@ -24,17 +24,31 @@ struct Seg {              // 32 bytes, mirrored by backends/engine/ops.py SEG_DT
 struct SegTable { Seg s[MAX_SEG]; int n; int row_bytes[MAX_SEG]; };
 
 // Stage x [K] into shared memory; with norm != 0: x * rsqrt(mean(x^2) + eps) * norm.
+// x is read with float4 loads (all of a thread's loads in flight at once: the prologue is
+// on the critical path of every node) and stored padded (XPAD in dequant.cuh) so the
+// lanes' float4 reads in row_dot are free of bank conflicts.
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, const float* __restrict__ norm,
                                         float eps, int K, float* xs, float* scratch) {
     float ss = 0.f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        const float v = x[i];
-        xs[i] = v;
-        ss += v * v;
+    if ((K & 3) == 0) {
+        const float4* x4 = (const float4*)x;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
+            const float4 v = x4[i];
+            *(float4*)(xs + XPAD(4 * i)) = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < K; i += blockDim.x) {
+            const float v = x[i];
+            xs[XPAD(i)] = v;
+            ss += v * v;
+        }
     }
     if (norm) {
         const float scale = rsqrtf(block_sum(ss, scratch) / (float)K + eps);
-        for (int i = threadIdx.x; i < K; i += blockDim.x) xs[i] = xs[i] * scale * norm[i];
+#pragma unroll 4
+        for (int i = threadIdx.x; i < K; i += blockDim.x) xs[XPAD(i)] = xs[XPAD(i)] * scale * norm[i];
     }
     __syncthreads();
 }
