@@ -29,8 +29,11 @@ def _oracle_class(arch: str):
     if arch == "qwen2":
         from oracles.qwen2 import Qwen2Oracle
         return Qwen2Oracle
+    if arch == "qwen35":
+        from oracles.qwen35 import Qwen35Oracle
+        return Qwen35Oracle
     raise UnsupportedError(f"the float64 oracle has no forward for architecture {arch!r} "
-                           "(supported: qwen2)")
+                           "(supported: qwen2, qwen35)")
 
 
 class OracleBackend:

@@ -12,7 +12,8 @@ for the batch x [n, E] (capture names are llama.cpp's cb() names):
       g = softplus(alpha + dt_bias) * ssm_a   (ssm_a = -exp(A_log))      "a_softplus", "gate"
       c = silu(causal_conv1d(qkv, conv state, ssm_conv1d))               "conv_output_silu"
       q, k, v = split(c) as [Hk, S], [Hk, S], [Hv, S]            "q_conv", "k_conv", "v_conv"
-      o = gated_delta_rule(l2(q), l2(k), v, g, beta, state)     "attn_output", "new_state"
+      q, k = l2_norm(q), l2_norm(k)                       "q_conv_predelta", "k_conv_predelta"
+      o = gated_delta_rule(q, k, v, g, beta, state)             "attn_output", "new_state"
       y = rms_norm_S(o) * ssm_norm * silu(z); out = y Wout^T   "final_output", "linear_attn_out"
     gated attention layer:
       [q | gate] per head = h Wq^T; k, v = h Wk^T, h Wv^T
@@ -36,6 +37,7 @@ import numpy as np
 
 from harness.errors import ConfigError
 from harness.gguf_file import open_gguf
+from oracles import actquant
 from oracles import deltanet as dn
 from oracles import ops
 from oracles.qwen35_params import Qwen35Params, read_params
@@ -83,7 +85,9 @@ class Qwen35Oracle:
     model_path: GGUF file; n_ctx: KV length (default min(context_length, 2048)); cache_dir /
     sha256: dequantised-weight cache (oracles.weights); capture(name, layer, array): named
     intermediates (module doc); inject: {(name, layer): fn} replaces the value of a named
-    node before the forward continues (fault injection for layer-diff tests).
+    node before the forward continues (fault injection for layer-diff tests); kv_round "f16":
+    K/V rounded to fp16 when cached (as an f16 KV cache); act_round "llamacpp": activations of
+    quantised matrix products rounded as llama.cpp's CPU backend does (oracles.actquant).
     Raises UnsupportedError, ModelError (missing key/tensor, wrong shape) or ConfigError.
     Attributes: params, n_vocab, n_ctx, n_past, load_seconds, weights.
     """
@@ -91,8 +95,13 @@ class Qwen35Oracle:
     def __init__(self, model_path: str | os.PathLike, n_ctx: int | None = None,
                  cache_dir: str | os.PathLike | None = None, sha256: str | None = None,
                  capture: Capture | None = None,
-                 inject: dict[tuple[str, int], Inject] | None = None) -> None:
+                 inject: dict[tuple[str, int], Inject] | None = None,
+                 kv_round: str | None = None, act_round: str | None = None) -> None:
         t0 = time.perf_counter()
+        if kv_round not in (None, "f16") or act_round not in (None, "llamacpp"):
+            raise ConfigError(f"kv_round must be None or 'f16' and act_round None or 'llamacpp', "
+                              f"got {kv_round!r}, {act_round!r}")
+        self.kv_round, self.act_round = kv_round, act_round
         info = open_gguf(model_path)
         self.params = p = read_params(info)
         self.weights = w = GGUFWeights(info, cache_dir=cache_dir, sha256=sha256)
@@ -191,17 +200,17 @@ class Qwen35Oracle:
         res = self._node("attn_residual", il, cur + x)
         g = self._node("attn_post_norm", il,
                        ops.rms_norm(res, w.vector64(pre + "post_attention_norm.weight"), p.eps))
-        f = ops.swiglu(w.linear(pre + "ffn_gate.weight", g), w.linear(pre + "ffn_up.weight", g))
-        f = self._node("ffn_out", il, w.linear(pre + "ffn_down.weight", f))
+        f = ops.swiglu(self._lin(pre + "ffn_gate.weight", g), self._lin(pre + "ffn_up.weight", g))
+        f = self._node("ffn_out", il, self._lin(pre + "ffn_down.weight", f))
         return self._node("l_out", il, self._node("post_ffn", il, f + res))
 
     def _deltanet(self, il: int, h: np.ndarray) -> np.ndarray:
         p, w, pre, r, n = self.params, self.weights, f"blk.{il}.", self._slot[il], h.shape[0]
         hk, hv, s = p.ssm_n_group, p.ssm_dt_rank, p.ssm_d_state
-        qkv = self._node("linear_attn_qkv_mixed", il, w.linear(pre + "attn_qkv.weight", h))
-        z = self._node("z", il, w.linear(pre + "attn_gate.weight", h))  # [n, Hv*S]
-        beta = self._node("beta_sigmoid", il, dn.sigmoid(w.linear(pre + "ssm_beta.weight", h)))
-        alpha = self._node("alpha", il, w.linear(pre + "ssm_alpha.weight", h))  # [n, Hv]
+        qkv = self._node("linear_attn_qkv_mixed", il, self._lin(pre + "attn_qkv.weight", h))
+        z = self._node("z", il, self._lin(pre + "attn_gate.weight", h))  # [n, Hv*S]
+        beta = self._node("beta_sigmoid", il, dn.sigmoid(self._lin(pre + "ssm_beta.weight", h)))
+        alpha = self._node("alpha", il, self._lin(pre + "ssm_alpha.weight", h))  # [n, Hv]
         sp = self._node("a_softplus", il, dn.softplus(alpha + w.vector64(pre + "ssm_dt.bias")))
         g = self._node("gate", il, sp * w.vector64(pre + "ssm_a"))
         conv, self._conv[r] = dn.causal_conv1d(qkv, self._conv[r], w.get(pre + "ssm_conv1d.weight"))
@@ -210,23 +219,30 @@ class Qwen35Oracle:
         q = self._node("q_conv", il, c[:, :kd].reshape(n, hk, s))
         k = self._node("k_conv", il, c[:, kd:2 * kd].reshape(n, hk, s))
         v = self._node("v_conv", il, c[:, 2 * kd:].reshape(n, hv, s))
-        o, self._ssm[r] = dn.gated_delta_rule(dn.l2_norm(q, p.eps), dn.l2_norm(k, p.eps), v, g,
-                                              beta, self._ssm[r])
+        q = self._node("q_conv_predelta", il, dn.l2_norm(q, p.eps))
+        k = self._node("k_conv_predelta", il, dn.l2_norm(k, p.eps))
+        o, self._ssm[r] = dn.gated_delta_rule(q, k, v, g, beta, self._ssm[r])
         o = self._node("attn_output", il, o)  # [n, Hv, S]
         self._node("new_state", il, self._ssm[r].copy())  # [Hv, S_v, S_k]
         y = dn.gated_rms_norm(o, w.vector64(pre + "ssm_norm.weight"), z.reshape(n, hv, s), p.eps)
         y = self._node("final_output", il, y.reshape(n, p.d_inner))
-        return self._node("linear_attn_out", il, w.linear(pre + "ssm_out.weight", y))
+        return self._node("linear_attn_out", il, self._lin(pre + "ssm_out.weight", y))
+
+    def _lin(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
+        """x @ W^T (+ b) in float64; with act_round, x first rounded like llama.cpp's CPU."""
+        if self.act_round:
+            x = actquant.round_for(self.weights.info.tensor(name).type_id, x)
+        return self.weights.linear(name, x, bias)
 
     def _bias(self, name: str) -> str | None:
         return name if self.weights.has(name) else None
 
     def _attention(self, il: int, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
         p, w, pre, n, d = self.params, self.weights, f"blk.{il}.", h.shape[0], self.params.head_dim
-        qg = w.linear(pre + "attn_q.weight", h, self._bias(pre + "attn_q.bias"))
+        qg = self._lin(pre + "attn_q.weight", h, self._bias(pre + "attn_q.bias"))
         qg = qg.reshape(n, p.n_head, 2 * d)  # per head: [query D | gate D]
-        k = w.linear(pre + "attn_k.weight", h, self._bias(pre + "attn_k.bias"))
-        v = w.linear(pre + "attn_v.weight", h, self._bias(pre + "attn_v.bias"))
+        k = self._lin(pre + "attn_k.weight", h, self._bias(pre + "attn_k.bias"))
+        v = self._lin(pre + "attn_v.weight", h, self._bias(pre + "attn_v.bias"))
         q = self._node("Qcur_normed", il,
                        ops.rms_norm(qg[..., :d], w.vector64(pre + "attn_q_norm.weight"), p.eps))
         k = self._node("Kcur_normed", il, ops.rms_norm(
@@ -237,15 +253,17 @@ class Qwen35Oracle:
         k = self._node("Kcur", il, rope_multi(k, pos, *rope))
         v = self._node("Vcur", il, v.reshape(n, p.n_head_kv, d))
         slot = self._slot[il]
+        if self.kv_round == "f16":
+            k, v = (a.astype(np.float16).astype(np.float64) for a in (k, v))
         self._k[slot, pos], self._v[slot, pos] = k, v
         scale = p.attn_scale or 1.0 / np.sqrt(d)
         a = ops.attention(q, self._k[slot], self._v[slot], pos, int(pos[-1]) + 1, scale)
         a = self._node("attn_pregate", il, a.reshape(n, p.n_head * d))
         a = self._node("attn_gated", il, a * dn.sigmoid(gate))
-        return self._node("attn_output", il, w.linear(pre + "attn_output.weight", a))
+        return self._node("attn_output", il, self._lin(pre + "attn_output.weight", a))
 
     def _head(self, x_last: np.ndarray) -> np.ndarray:
         w = self.weights
         h = self._node("result_norm", -1,
                        ops.rms_norm(x_last, w.vector64("output_norm.weight"), self.params.eps))
-        return self._node("result_output", -1, w.linear(self._out_name, h)[0])
+        return self._node("result_output", -1, self._lin(self._out_name, h)[0])

@@ -14,33 +14,30 @@ shapes in GGUF ne order:
               [E, Hkv*D], attn_output [H*D, E], attn_q_norm/attn_k_norm [D]
   MTP (n_nextn extra blocks, skipped by plain decoding): an attention block plus
               nextn.eh_proj [2E, E], nextn.enorm/hnorm/shared_head_norm [E].
-Weights: zero-mean, one stream per (seed, tensor, chunk): matrices rms 1/sqrt(fan_in) (token_embd
-rms 1, or 1/sqrt(E) when tied so the head gives O(1) logits); norms 1 + N(0, 0.1^2) (RMSNorm
-weights are stored as 1 + w in real files, ssm_norm as w; both sit near 1); conv taps
-N(0, 0.5^2); ssm_a = -A with A ~ U(0.05, 1) (real files store -exp(A_log)); ssm_dt.bias N(0, 0.5^2).
+Weights: zero-mean, one stream per (seed, tensor, row group): matrices rms 1/sqrt(fan_in),
+residual-branch outputs times 1/sqrt(2 n_layer) (token_embd rms 1, or 1/sqrt(E) when tied so
+the head gives O(1) logits); norms 1 + N(0, 0.1^2) (RMSNorm weights are stored as 1 + w in real
+files, ssm_norm as w; both sit near 1); conv taps N(0, 0.5^2); ssm_a = -A with A ~ U(0.05, 1)
+(real files store -exp(A_log)); ssm_dt.bias N(0, 0.5^2). Correlated DeltaNet q/k channels and
+next-token structure in the output rows: SynthStyle and harness.synth.synth_rows.
 Block types are written directly as random blocks (harness.synth.randblocks) or, with
 method="quantize", as normal floats encoded by gguf-py / libggml (harness.synth.quantize).
 """
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from ..errors import ConfigError
 from .bpe_vocab import build_vocab
-from .gguf_stream import ROW_GROUP, Progress, TensorPlan, write_gguf_streaming
+from .gguf_stream import Progress, TensorPlan, write_gguf_streaming
 from .qwen2 import resolve_quant
-from .quantize import encode
-from .randblocks import DIRECT_TYPES, random_rows
+from .synth_rows import NextTokenRows, Rows, SharedRows, Spec
 
 ARCH = "qwen35"
 METHODS = ("direct", "quantize")
-QK_SHARE = 0.75  # fraction of DeltaNet key-projection blocks copied from the query projection
 
 
 @dataclass(frozen=True)
@@ -99,9 +96,6 @@ class Qwen35Shape:
         return il < self.n_layer and (il + 1) % self.full_attn_interval != 0
 
 
-Spec = tuple[str, tuple[int, ...], str, float]  # (name, ne, kind, std)
-
-
 def _mat(name: str, ne0: int, ne1: int) -> Spec:
     return (name, (ne0, ne1), "matrix", 1 / math.sqrt(ne0))
 
@@ -151,75 +145,55 @@ def tensor_specs(s: Qwen35Shape) -> list[Spec]:
     return specs
 
 
-def _float_rows(kind: str, std: float, shape: tuple[int, int], rng) -> np.ndarray:
-    if kind == "ssm_a":
-        return -rng.uniform(0.05, 1.0, shape).astype(np.float32)
-    x = rng.standard_normal(shape, dtype=np.float64) * std
-    return (x + 1.0 if kind == "norm" else x).astype(np.float32)
+@dataclass(frozen=True)
+class SynthStyle:
+    """How weights are drawn (not part of the architecture; harness.synth.synth_rows).
 
-
-class _Rows:
-    """rows(r0, r1) of one tensor, built from groups of ROW_GROUP rows, each drawn from its own
-    stream (seed, crc32(name + salt), group), so any row range is reproducible on its own.
-
-    shared = (start, length, fraction): rows [start, start + length) (the DeltaNet key
-    channels) reuse, block by block with probability `fraction`, the blocks of the rows
-    `length` earlier (the query channels). Random q and k are nearly orthogonal, which makes
-    the delta-rule output a cancelling sum that amplifies rounding errors ~6x per layer;
-    correlated q/k give O(1) retrieval like a trained model's.
+    branch_scale: rms factor of the residual-branch outputs (attn_output, ssm_out, ffn_down);
+    None = 1/sqrt(2 n_layer). next_token: share g of each output row taken from a permuted
+    token_embd row (0 = i.i.d. rows; ignored when tied). qk_share: fraction of DeltaNet key
+    projection blocks copied from the query projection.
     """
 
-    def __init__(self, spec: Spec, qtype: QT, seed: int, method: str,
-                 shared: tuple[int, int, float] | None = None) -> None:
-        self.spec, self.qtype, self.seed, self.method, self.shared = spec, qtype, seed, method, shared
-        self.n_rows = math.prod(spec[1][1:])
+    branch_scale: float | None = None
+    next_token: float = 0.3
+    qk_share: float = 0.75
 
-    def _group(self, g: int, salt: str) -> np.ndarray:
-        name, ne, kind, std = self.spec
-        rng = np.random.default_rng([self.seed, zlib.crc32((name + salt).encode()), g])
-        n = min(ROW_GROUP, self.n_rows - g * ROW_GROUP)
-        if kind == "matrix" and self.method == "direct" and self.qtype in DIRECT_TYPES:
-            return random_rows(self.qtype, n, ne[0], std, rng)
-        vals = _float_rows(kind, std, (n, ne[0]), rng)
-        return vals if kind != "matrix" else encode(name, vals, self.qtype)
-
-    def _plain(self, r0: int, r1: int, salt: str = "") -> np.ndarray:
-        groups = range(r0 // ROW_GROUP, (r1 + ROW_GROUP - 1) // ROW_GROUP)
-        rows = np.concatenate([self._group(g, salt) for g in groups], axis=0)
-        off = r0 - groups[0] * ROW_GROUP
-        return rows[off:off + r1 - r0]
-
-    def _units(self) -> int:
-        """Units shared as a whole per row: GGML blocks, or 32 values of a float type."""
-        ne0, block = self.spec[1][0], GGML_QUANT_SIZES[self.qtype][0]
-        return ne0 // block if block > 1 else (ne0 // 32 if ne0 % 32 == 0 else ne0)
-
-    def __call__(self, r0: int, r1: int) -> np.ndarray:
-        out = self._plain(r0, r1)
-        if self.shared is None:
-            return out
-        start, length, frac = self.shared
-        a, b = max(r0, start), min(r1, start + length)
-        if a < b:
-            base = self._plain(a - length, b - length)
-            own = out[a - r0:b - r0]
-            rng = np.random.default_rng([self.seed, zlib.crc32(self.spec[0].encode()), a, 1])
-            mask = rng.random((b - a, self._units())) < frac
-            bb, ob = base.reshape(b - a, mask.shape[1], -1), own.reshape(b - a, mask.shape[1], -1)
-            out[a - r0:b - r0] = np.where(mask[..., None], bb, ob).reshape(own.shape)
-        return out
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.next_token < 1.0 or not 0.0 <= self.qk_share <= 1.0:
+            raise ConfigError(f"next_token must be in [0, 1) and qk_share in [0, 1], got "
+                              f"{self.next_token}, {self.qk_share}")
+        if self.branch_scale is not None and not self.branch_scale > 0:
+            raise ConfigError(f"branch_scale must be > 0, got {self.branch_scale}")
 
 
-def _row_fn(spec: Spec, qtype: QT, seed: int, method: str, s: Qwen35Shape):
+BRANCH_OUT = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight")
+
+
+def _styled(specs: list[Spec], s: Qwen35Shape, style: SynthStyle) -> list[Spec]:
+    c = style.branch_scale or 1.0 / math.sqrt(2 * s.n_layer)
+    return [(n, ne, k, std * c if n.endswith(BRANCH_OUT) else std) for n, ne, k, std in specs]
+
+
+def _row_fns(specs: list[Spec], types: dict, s: Qwen35Shape, seed: int, method: str,
+             style: SynthStyle) -> dict[str, Rows]:
     kd = s.ssm_n_group * s.ssm_d_state
-    if spec[0].endswith("attn_qkv.weight"):
-        return _Rows(spec, qtype, seed, method, (kd, kd, QK_SHARE))
-    if spec[0].endswith("ssm_conv1d.weight"):
-        return _Rows(spec, qtype, seed, method, (kd, kd, 1.0))
-    return _Rows(spec, qtype, seed, method)
+    fns: dict[str, Rows] = {}
+    for sp in specs:
+        name, qt = sp[0], types[sp[0]]
+        if name.endswith("attn_qkv.weight"):
+            fns[name] = SharedRows(sp, qt, seed, method, kd, kd, style.qk_share)
+        elif name.endswith("ssm_conv1d.weight"):
+            fns[name] = SharedRows(sp, qt, seed, method, kd, kd, 1.0)
+        elif name == "output.weight" and style.next_token > 0:
+            fns[name] = NextTokenRows(sp, qt, seed, method, fns["token_embd.weight"],
+                                      style.next_token)
+        else:
+            fns[name] = Rows(sp, qt, seed, method)
+    return fns
 
 
-def _add_metadata(w, s: Qwen35Shape, seed: int, quant, method: str) -> None:
+def _add_metadata(w, s: Qwen35Shape, seed: int, quant, method: str, style: SynthStyle) -> None:
     w.add_name(f"synthetic qwen35 L{s.n_layer} E{s.n_embd} seed {seed}")
     u32 = {"block_count": s.n_layer + s.n_nextn, "context_length": s.n_ctx_train,
            "embedding_length": s.n_embd, "feed_forward_length": s.n_ff,
@@ -240,6 +214,7 @@ def _add_metadata(w, s: Qwen35Shape, seed: int, quant, method: str) -> None:
     w.add_uint64("harness.synth.seed", seed)
     w.add_string("harness.synth.quant", repr(quant))
     w.add_string("harness.synth.method", method)
+    w.add_string("harness.synth.style", repr(style))
     _add_vocab(w, s.n_vocab)
 
 
@@ -256,32 +231,34 @@ def _add_vocab(w, n_vocab: int) -> None:
     w.add_bool("tokenizer.ggml.add_bos_token", False)
 
 
-def plan_tensors(s: Qwen35Shape, quant, seed: int = 0, method: str = "direct") -> list[TensorPlan]:
+def plan_tensors(s: Qwen35Shape, quant, seed: int = 0, method: str = "direct",
+                 style: SynthStyle = SynthStyle()) -> list[TensorPlan]:
     """TensorPlans of every tensor (types resolved and checked; nothing generated yet).
     quant: one GGML type name or {glob: type} (harness.synth.qwen2.resolve_quant rules)."""
     if method not in METHODS:
         raise ConfigError(f"method must be one of {METHODS}, got {method!r}")
-    specs = tensor_specs(s)
+    specs = _styled(tensor_specs(s), s, style)
     types = resolve_quant(quant, specs)
-    return [TensorPlan(sp[0], sp[1], types[sp[0]], _row_fn(sp, types[sp[0]], seed, method, s))
-            for sp in specs]
+    fns = _row_fns(specs, types, s, seed, method, style)
+    return [TensorPlan(sp[0], sp[1], types[sp[0]], fns[sp[0]]) for sp in specs]
 
 
 def write_qwen35(path: str | Path, shape: Qwen35Shape, quant: str | dict[str, str] = "F32",
-                 seed: int = 0, method: str = "direct", progress: Progress | None = None) -> Path:
+                 seed: int = 0, method: str = "direct", progress: Progress | None = None,
+                 style: SynthStyle = SynthStyle()) -> Path:
     """Write a synthetic qwen35 GGUF (streamed: peak RAM ~ one chunk) and return its Path.
 
     Same arguments -> the same bytes (same numpy and libggml builds). Raises ConfigError /
     UnsupportedError before the file is opened; a failure while writing removes the file.
     progress(bytes_done, bytes_total, tensor_name) is called after every chunk.
     """
-    plans = plan_tensors(shape, quant, seed, method)
+    plans = plan_tensors(shape, quant, seed, method, style)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return write_gguf_streaming(path, ARCH, lambda w: _add_metadata(w, shape, seed, quant, method),
-                                plans, progress)
+    meta = lambda w: _add_metadata(w, shape, seed, quant, method, style)  # noqa: E731
+    return write_gguf_streaming(path, ARCH, meta, plans, progress)
 
 
 def decode_bytes(plans: list[TensorPlan], shape: Qwen35Shape) -> int:
     """Bytes of the tensors a plain decode step reads: everything but the MTP blocks."""
     mtp = tuple(f"blk.{il}." for il in range(shape.n_layer, shape.n_layer + shape.n_nextn))
-    return sum(p.nbytes for p in plans if not p.name.startswith(mtp) or not mtp)
+    return sum(p.nbytes for p in plans if not p.name.startswith(mtp))

@@ -1,0 +1,78 @@
+"""Emulation of llama.cpp's CPU activation rounding in quantised matrix products (optional).
+
+ggml's CPU mul_mat converts the activation rows (src1) to the weight type's `vec_dot_type`
+before the dot products (ggml/src/ggml-cpu/ggml-cpu.c type_traits_cpu): Q8_0 for Q4_0, Q5_0,
+Q8_0, IQ4_NL; Q8_1 for Q4_1, Q5_1; Q8_K for the K-quants and the other I-quants; F16 for F16
+and BF16 for BF16 weights; F32 weights see the activations unchanged. The integer dot
+products are exact, so dequant(w) . dequant(q(x)) in float64 equals ggml's result up to its
+float32 accumulation (~1e-7 relative). With this rounding the float64 oracle reproduces what
+llama.cpp computes on quantised models instead of the exact product; the plain oracle stays
+the reference for accuracy, this mode separates kernel bugs from activation rounding.
+
+Rounding rules (float32 arithmetic, as ggml does it):
+  Q8_0 / Q8_1 (blocks of 32): amax = max|x|; d = amax / 127 stored as fp16; q = round-half-
+      even(x * (127 / amax)) (ggml-cpu/arch/x86/quants.c quantize_row_q8_0, AVX path);
+      value = q * fp16(d).
+  Q8_K (blocks of 256): max = the signed x of largest |x| (first one); iscale = -127 / max;
+      q = min(127, round-half-even(iscale * x)); d = 1 / iscale (float32); value = q * d
+      (ggml/src/ggml-quants.c quantize_row_q8_K_ref).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType as QT
+
+from harness.errors import ConfigError
+
+F32 = np.float32
+_Q8_0 = {QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.IQ4_NL, QT.Q4_1, QT.Q5_1}
+_Q8_K = {QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S,
+         QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M, QT.IQ4_XS, QT.TQ1_0, QT.TQ2_0}
+
+
+def _blocks(x, size: int) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64).astype(F32)
+    if x.shape[-1] % size:
+        raise ConfigError(f"activation rows of {x.shape[-1]} values are not blocks of {size}")
+    return x.reshape(*x.shape[:-1], -1, size)
+
+
+def round_q8_0(x) -> np.ndarray:
+    """x [..., k] -> float64 values after Q8_0 quantisation (k a multiple of 32)."""
+    b = _blocks(x, 32)
+    amax = np.max(np.abs(b), axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, F32(127) / amax, F32(0)).astype(F32)
+    q = np.rint((b * inv).astype(F32))
+    d16 = (amax / F32(127)).astype(F32).astype(np.float16).astype(np.float64)
+    return (q * d16).reshape(np.shape(x))
+
+
+def round_q8_k(x) -> np.ndarray:
+    """x [..., k] -> float64 values after Q8_K quantisation (k a multiple of 256)."""
+    b = _blocks(x, 256)
+    idx = np.argmax(np.abs(b), axis=-1)[..., None]  # first index of the largest |x|
+    mx = np.take_along_axis(b, idx, axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.where(mx != 0, F32(-127) / mx, F32(0)).astype(F32)
+        q = np.minimum(127, np.rint((iscale * b).astype(F32)))
+        d = np.where(mx != 0, F32(1) / iscale, F32(0)).astype(F32)
+    return (q * d.astype(np.float64)).reshape(np.shape(x))
+
+
+def round_for(weight_type: int, x) -> np.ndarray:
+    """Activations x [n, k] as ggml's CPU mul_mat sees them for weights of `weight_type`."""
+    t = QT(int(weight_type))
+    if t == QT.F32:
+        return np.asarray(x, dtype=np.float64)
+    if t in _Q8_0:
+        return round_q8_0(x)
+    if t in _Q8_K:
+        return round_q8_k(x)
+    if t == QT.F16:
+        return np.asarray(x, dtype=np.float64).astype(F32).astype(np.float16).astype(np.float64)
+    if t == QT.BF16:
+        u = np.asarray(x, dtype=np.float64).astype(F32).view(np.uint32)
+        u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)  # round to nearest even
+        return u.view(F32).astype(np.float64)
+    raise ConfigError(f"no activation-rounding rule for weights of type {t.name}")
