@@ -15,7 +15,7 @@ from .formats import ENGINE_TYPES, check_type
 
 WARPS = 4            # rows per GEMV block (kernels/gemv.cu WARPS)
 MAX_SEG = 4          # kernels/gemv.cu MAX_SEG
-ATT_WARPS = 4        # kernels/attention.cu ATT_WARPS
+ATT_WARPS = 8        # kernels/attention.cu ATT_WARPS
 ARGMAX_BLOCKS = 264  # 2 per SM on a 132-SM H200; grid-stride loop covers any vocab
 BLOCKS_PER_SM = 16   # GEMV grid cap (128-thread blocks: 16 fill an SM's 2048 threads)
 SEG_FMT = "<QQQii"   # struct Seg: w, bias, out, type, rows (32 bytes)
@@ -100,7 +100,7 @@ def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int,
     args = _device_bytes(raw)
     kv_bytes = 2 * 2 * n_ctx * n_kv * D  # upper bound: the whole cache of this layer, fp16
     nodes = [Node(name, "attention", module.kernel("attn_decode"), (n_head, n_split),
-                  (ATT_WARPS * 32,), (args,), smem=4 * (7 * D + 2 * ATT_WARPS), bytes=kv_bytes,
+                  (ATT_WARPS * 32,), (args,), smem=4 * ((3 + ATT_WARPS) * D + 2 * ATT_WARPS), bytes=kv_bytes,
                   flops=4 * n_ctx * n_head * D, out=out if n_split == 1 else None, keep=[args])]
     if n_split > 1:
         nodes.append(Node(name + ".merge", "attention", module.kernel("attn_merge"), (n_head,),

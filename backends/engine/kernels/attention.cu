@@ -8,7 +8,7 @@
 // Online softmax: Milakov & Gimelshein 2018; split-context merge as in flash-decoding.
 #include "common.cuh"
 
-#define ATT_WARPS 4
+#define ATT_WARPS 8   // 8 tiles of 32 positions in flight per block
 #define MAX_E 8   // head_dim <= 256: lane owns dims lane + 32e, e < 8 (any D, guarded)
 
 struct AttnArgs {
@@ -41,22 +41,19 @@ __device__ void prepare(const AttnArgs& a, int h, int g, int pos, float* qs, flo
         const u16 kh = f2h(kv), vh = f2h(a.v[g * D + i]);
         ks[i] = h2f(kh);
         vs[i] = h2f(vh);
-        if (h % (a.n_head / a.n_kv) == 0 && blockIdx.y == 0) {
-            const size_t o = ((size_t)pos * a.n_kv + g) * D + i;
-            a.kc[o] = kh;
-            a.vc[o] = vh;
-        }
+        // every block of the group writes the same bits, so each one can then read the
+        // current row from the cache like any other row (no per-position select)
+        const size_t o = ((size_t)pos * a.n_kv + g) * D + i;
+        a.kc[o] = kh;
+        a.vc[o] = vh;
     }
     __syncthreads();
 }
 
-// Score of position t for this lane: q (scaled, shared memory) . k_t over D dims; the
-// current position's k comes from shared memory, older ones from the fp16 cache.
-__device__ __forceinline__ float score(const float* qs, const float* ks, const u16* kr, int D, bool cur) {
+// Score of position t for this lane: q (scaled, shared memory) . k_t (fp16 cache) over D dims.
+__device__ __forceinline__ float score(const float* qs, const u16* kr, int D) {
     float s = 0.f;
-    if (cur) {
-        for (int d = 0; d < D; ++d) s += qs[d] * ks[d];
-    } else if ((D & 7) == 0) {  // 16-byte loads: 8 halves at a time, all independent
+    if ((D & 7) == 0) {  // 16-byte loads: 8 halves at a time, all independent
         const uint4* k4 = (const uint4*)kr;
 #pragma unroll 8
         for (int c = 0; c < D / 8; ++c) {
@@ -94,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_decode(const A
     for (int e = 0; e < MAX_E; ++e) acc[e] = 0.f;
     for (int tile = t0 + 32 * warp; tile < t1; tile += 32 * ATT_WARPS) {
         const int t = tile + lane;
-        const float s = t < t1 ? score(qs, ks, kbase + t * row_stride, D, t == pos) : -INFINITY;
+        const float s = t < t1 ? score(qs, kbase + t * row_stride, D) : -INFINITY;
         const float mn = fmaxf(m, warp_max(s));  // finite: lane 0 always holds a position
         const float corr = expf(m - mn);
         const float p = t < t1 ? expf(s - mn) : 0.f;
@@ -102,15 +99,23 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_decode(const A
 #pragma unroll
         for (int e = 0; e < MAX_E; ++e) acc[e] *= corr;
         const int nt = min(32, t1 - tile);
-#pragma unroll 16
-        for (int j = 0; j < nt; ++j) {
-            const float pj = __shfl_sync(0xffffffffu, p, j);
-            const int tj = tile + j;
-            const u16* vr = vbase + tj * row_stride;
+        // v rows of the tile, 8 positions at a time: all 8 x E loads issued before use
+        for (int j0 = 0; j0 < nt; j0 += 8) {
+            float vv[8][MAX_E];
 #pragma unroll
-            for (int e = 0; e < MAX_E; ++e) {
-                const int d = lane + 32 * e;
-                if (d < D) acc[e] += pj * (tj == pos ? vs[d] : h2f(vr[d]));
+            for (int j = 0; j < 8; ++j) {
+                const u16* vr = vbase + (size_t)(tile + j0 + j) * row_stride;
+#pragma unroll
+                for (int e = 0; e < MAX_E; ++e) {
+                    const int d = lane + 32 * e;
+                    vv[j][e] = (j0 + j < nt && d < D) ? h2f(vr[d]) : 0.f;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float pj = __shfl_sync(0xffffffffu, p, (j0 + j) & 31);
+#pragma unroll
+                for (int e = 0; e < MAX_E; ++e) acc[e] += pj * vv[j][e];
             }
         }
         m = mn;
