@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?")
     p = sub.add_parser("report", help="(re-)render report.html from a result.json")
     p.add_argument("result", type=Path)
+    from .synth_cmd import add_synth_parser
+    add_synth_parser(sub)
     return ap
 
 
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_models(args)
         if args.cmd == "report":
             return _cmd_report(args)
+        if args.cmd == "synth":
+            from .synth_cmd import run_synth
+            return run_synth(args, console)
         from .main_job import run_job
         return run_job(args, console)
     except HarnessError as e:

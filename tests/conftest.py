@@ -61,3 +61,12 @@ def real_model_05b() -> Path:
     if path is None:
         pytest.skip(why)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_f32(synth_dir) -> Path:
+    """Path of the "qwen35-tiny" preset, all F32: 8 layers (3 DeltaNet + 1 gated attention,
+    twice), n_embd 256, vocab 512, seed SYNTH_SEED (harness.synth.qwen35_presets)."""
+    from harness.synth.qwen35_presets import write_qwen35_preset
+    return write_qwen35_preset("qwen35-tiny", synth_dir / "qwen35-tiny-f32.gguf", "f32",
+                               seed=SYNTH_SEED)

@@ -62,8 +62,15 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def write_preset(name: str, path: str | Path, seed: int = 0) -> Path:
-    """write_qwen2(path, **PRESETS[name], seed=seed); ConfigError for an unknown name."""
+def write_preset(name: str, path: str | Path, seed: int = 0, quant: str | None = None) -> Path:
+    """write_qwen2(path, **PRESETS[name], seed=seed), or for a qwen35 preset (QWEN35_SHAPES)
+    write_qwen35_preset(name, path, quant or "f32", seed); ConfigError for an unknown name."""
+    from .qwen35_presets import SHAPES as QWEN35_SHAPES, write_qwen35_preset
+    if name in QWEN35_SHAPES:
+        return write_qwen35_preset(name, path, quant or "f32", seed=seed)
     if name not in PRESETS:
-        raise ConfigError(f"unknown synthetic preset {name!r} (known: {', '.join(PRESETS)})")
+        known = ", ".join([*PRESETS, *QWEN35_SHAPES])
+        raise ConfigError(f"unknown synthetic preset {name!r} (known: {known})")
+    if quant is not None:
+        raise ConfigError(f"preset {name!r} has a fixed quant mix; --quant applies to qwen35 presets")
     return write_qwen2(path, seed=seed, **PRESETS[name])

@@ -150,19 +150,26 @@ class SynthStyle:
     """How weights are drawn (not part of the architecture; harness.synth.synth_rows).
 
     branch_scale: rms factor of the residual-branch outputs (attn_output, ssm_out, ffn_down);
-    None = 1/sqrt(2 n_layer). next_token: share g of each output row taken from a permuted
-    token_embd row (0 = i.i.d. rows; ignored when tied). qk_share: fraction of DeltaNet key
-    projection blocks copied from the query projection.
+    None = 1/sqrt(2 n_layer). next_token: logit advantage A, in sd of the other logits, that
+    the permuted next token would get if the final hidden state were the token embedding
+    alone; each output row takes a share g = min(0.9, A / sqrt(n_embd)) from a permuted
+    token_embd row (the advantage grows as g sqrt(n_embd), so a fixed g would make wide
+    models deterministic). 0 = i.i.d. rows; ignored when tied. qk_share: fraction of DeltaNet
+    key-projection blocks copied from the query projection.
     """
 
     branch_scale: float | None = None
-    next_token: float = 0.3
+    next_token: float = 4.8
     qk_share: float = 0.75
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.next_token < 1.0 or not 0.0 <= self.qk_share <= 1.0:
-            raise ConfigError(f"next_token must be in [0, 1) and qk_share in [0, 1], got "
+        if not self.next_token >= 0.0 or not 0.0 <= self.qk_share <= 1.0:
+            raise ConfigError(f"next_token must be >= 0 and qk_share in [0, 1], got "
                               f"{self.next_token}, {self.qk_share}")
+
+    def gamma(self, n_embd: int) -> float:
+        """Share of each output row taken from a permuted token_embd row."""
+        return min(0.9, self.next_token / math.sqrt(n_embd))
         if self.branch_scale is not None and not self.branch_scale > 0:
             raise ConfigError(f"branch_scale must be > 0, got {self.branch_scale}")
 
@@ -187,7 +194,7 @@ def _row_fns(specs: list[Spec], types: dict, s: Qwen35Shape, seed: int, method: 
             fns[name] = SharedRows(sp, qt, seed, method, kd, kd, 1.0)
         elif name == "output.weight" and style.next_token > 0:
             fns[name] = NextTokenRows(sp, qt, seed, method, fns["token_embd.weight"],
-                                      style.next_token)
+                                      style.gamma(s.n_embd))
         else:
             fns[name] = Rows(sp, qt, seed, method)
     return fns

@@ -1,0 +1,97 @@
+"""`harness synth`: write a synthetic GGUF model from a preset (harness.synth).
+
+    harness synth --preset qwen35-27b --quant ud-q4_k_m --out out/q35-27b.gguf [--seed N]
+    harness synth --preset qwen35-tiny --quant q4_k_m --via-llama-quantize --out t.gguf
+    harness synth --list
+
+qwen35 presets take any mix of harness.synth.qwen35_presets.QUANTS (written directly as
+random blocks), or with --via-llama-quantize an F32 model quantised by llama.cpp's own
+quantiser to that file type (harness.synth.llama_quantize.FTYPES). qwen2 presets have fixed
+mixes. Prints size, decode bytes (every tensor but MTP blocks), write time and peak RSS.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from .errors import ConfigError
+
+
+def add_synth_parser(sub) -> None:
+    p = sub.add_parser("synth", help="write a synthetic GGUF model from a preset")
+    p.add_argument("--preset", help="preset name (see --list)")
+    p.add_argument("--quant", default=None, help="quant mix of a qwen35 preset (default f32)")
+    p.add_argument("--out", type=Path, help="output .gguf path")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    p.add_argument("--method", choices=["direct", "quantize"], default="direct",
+                   help="block types as random blocks (direct) or quantised normals")
+    p.add_argument("--via-llama-quantize", action="store_true",
+                   help="write F32, then quantise with llama.cpp to the --quant file type")
+    p.add_argument("--list", action="store_true", help="list presets and mixes, then exit")
+
+
+def _list(console: Console) -> int:
+    from .synth.presets import PRESETS
+    from .synth.qwen35_presets import QUANTS, SHAPES
+    from .synth.llama_quantize import FTYPES
+    console.print(f"qwen35 presets: {', '.join(SHAPES)}; mixes: {', '.join(QUANTS)}")
+    console.print(f"  --via-llama-quantize file types: {', '.join(FTYPES)}")
+    console.print(f"qwen2 presets (fixed mixes): {', '.join(PRESETS)}")
+    return 0
+
+
+def _bar(console: Console):
+    """(context manager, progress callback) showing bytes written."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                   TimeElapsedColumn(), console=console, transient=True)
+    tid = bar.add_task("writing", total=None)
+
+    def update(done: int, total: int, name: str) -> None:
+        bar.update(tid, completed=done, total=total, description=f"writing {name[:28]:28}")
+    return bar, update
+
+
+def _write(args, console: Console) -> Path:
+    from .synth.presets import write_preset
+    from .synth.qwen35_presets import SHAPES, write_qwen35_preset
+    if args.preset not in SHAPES:
+        if args.via_llama_quantize or args.method != "direct":
+            raise ConfigError("--via-llama-quantize and --method apply to qwen35 presets only")
+        return write_preset(args.preset, args.out, seed=args.seed, quant=args.quant)
+    bar, update = _bar(console)
+    with bar:
+        if not args.via_llama_quantize:
+            return write_qwen35_preset(args.preset, args.out, args.quant or "f32", seed=args.seed,
+                                       method=args.method, progress=update)
+        from .synth.llama_quantize import llama_quantize
+        f32 = args.out.with_name(args.out.name + ".f32.gguf")
+        write_qwen35_preset(args.preset, f32, "f32", seed=args.seed, progress=update)
+    try:
+        return llama_quantize(f32, args.out, args.quant or "q8_0")
+    finally:
+        f32.unlink(missing_ok=True)
+
+
+def run_synth(args, console: Console) -> int:
+    """Handler of `harness synth`; HarnessError for bad arguments (the CLI prints it)."""
+    if args.list:
+        return _list(console)
+    if not args.preset or not args.out:
+        raise ConfigError("harness synth needs --preset and --out (or --list)")
+    t0 = time.perf_counter()
+    path = _write(args, console)
+    seconds = time.perf_counter() - t0
+    from .gguf_file import open_gguf
+    info = open_gguf(path)
+    n_layer = int(info.arch_key("block_count")) - int(info.get(f"{info.arch}.nextn_predict_layers", 0))
+    mtp = tuple(f"blk.{il}." for il in range(n_layer, int(info.arch_key("block_count"))))
+    decode = sum(t.nbytes for n, t in info.tensors.items() if not n.startswith(mtp))
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    console.print(f"wrote {path} ({info.arch}, {len(info.tensors)} tensors): {info.file_size:,} B, "
+                  f"decode bytes {decode:,}, {seconds:.1f} s, peak RSS {rss_mib:,.0f} MiB")
+    return 0
