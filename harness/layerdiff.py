@@ -129,7 +129,7 @@ def layer_diff(model_path: str | os.PathLike, prompt: Sequence[int], steps: Sequ
         raise ConfigError("layer_diff needs a non-empty prompt")
     nodes: list[tuple[str, int, np.ndarray]] = []
     cls = _oracle_class(open_gguf(model_path).arch)
-    kwargs = ({"inject": inject} if inject else {}) | ({"act_round": act_round} if act_round else {})
+    kwargs = {k: v for k, v in (("inject", inject), ("act_round", act_round)) if v}
     oracle = cls(model_path, n_ctx=n_ctx, capture=lambda n, l, a: nodes.append((n, l, a.copy())),
                  **kwargs)
     lc = CapturingLlamaCpp()

@@ -88,8 +88,9 @@ def run_synth(args, console: Console) -> int:
     seconds = time.perf_counter() - t0
     from .gguf_file import open_gguf
     info = open_gguf(path)
-    n_layer = int(info.arch_key("block_count")) - int(info.get(f"{info.arch}.nextn_predict_layers", 0))
-    mtp = tuple(f"blk.{il}." for il in range(n_layer, int(info.arch_key("block_count"))))
+    n_all = int(info.arch_key("block_count"))
+    n_layer = n_all - int(info.get(f"{info.arch}.nextn_predict_layers", 0))
+    mtp = tuple(f"blk.{il}." for il in range(n_layer, n_all))
     decode = sum(t.nbytes for n, t in info.tensors.items() if not n.startswith(mtp))
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     console.print(f"wrote {path} ({info.arch}, {len(info.tensors)} tensors): {info.file_size:,} B, "

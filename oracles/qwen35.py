@@ -47,6 +47,7 @@ from oracles.weights import GGUFWeights
 Capture = Callable[[str, int, np.ndarray], None]  # (name, layer or -1, float64 array)
 Inject = Callable[[np.ndarray], np.ndarray]
 MAX_STATE_BYTES = 16 << 30  # refuse a float64 KV cache + recurrent state larger than this
+MAX_WEIGHT_BYTES = 32 << 30  # refuse to dequantise more float32 weights than this (27B: 102 GiB)
 UBATCH = 512
 
 
@@ -113,9 +114,13 @@ class Qwen35Oracle:
             w.check_shape(name, ne)
         self._check_biases()
         self.n_ctx = self._check_ctx(n_ctx)
-        for name in shapes:
-            if name != "token_embd.weight" or tied:
-                w.get(name)  # dequantise now: errors and cost at load time
+        names = [n for n in shapes if n != "token_embd.weight" or tied]
+        need = 4 * sum(info.tensor(n).n_elements for n in names)
+        if need > MAX_WEIGHT_BYTES:
+            raise ConfigError(f"{info.path.name}: the oracle keeps weights as float32: "
+                              f"{need / 2**30:.1f} GiB > {MAX_WEIGHT_BYTES >> 30} GiB allowed")
+        for name in names:
+            w.get(name)  # dequantise now: errors and cost at load time
         attn = [il for il in range(p.n_layer) if not p.recurrent[il]]
         rec = [il for il in range(p.n_layer) if p.recurrent[il]]
         self._slot = {il: k for k, il in enumerate(attn)} | {il: k for k, il in enumerate(rec)}
@@ -143,7 +148,8 @@ class Qwen35Oracle:
         rec = sum(p.recurrent) * (p.ssm_dt_rank * p.ssm_d_state ** 2 + 3 * p.conv_dim) * 8
         if n < 1 or kv + rec > MAX_STATE_BYTES:
             raise ConfigError(f"n_ctx {n}: need >= 1 and a float64 KV cache + recurrent state <= "
-                              f"{MAX_STATE_BYTES >> 30} GiB (this needs {(kv + rec) / 2**30:.1f} GiB)")
+                              f"{MAX_STATE_BYTES >> 30} GiB (this needs "
+                              f"{(kv + rec) / 2**30:.1f} GiB)")
         return n
 
     def reset(self) -> None:
@@ -173,7 +179,8 @@ class Qwen35Oracle:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
             raise ConfigError(f"token #{k} is {t!r}, not an integer id")
         if not 0 <= int(t) < self.n_vocab:
-            raise ConfigError(f"token #{k} = {int(t)} is outside the vocabulary [0, {self.n_vocab})")
+            raise ConfigError(f"token #{k} = {int(t)} is outside the vocabulary "
+                              f"[0, {self.n_vocab})")
         return int(t)
 
     def _node(self, name: str, il: int, arr: np.ndarray) -> np.ndarray:
@@ -195,7 +202,8 @@ class Qwen35Oracle:
 
     def _layer(self, il: int, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         p, w, pre = self.params, self.weights, f"blk.{il}."
-        h = self._node("attn_norm", il, ops.rms_norm(x, w.vector64(pre + "attn_norm.weight"), p.eps))
+        h = ops.rms_norm(x, w.vector64(pre + "attn_norm.weight"), p.eps)
+        h = self._node("attn_norm", il, h)
         cur = self._deltanet(il, h) if p.recurrent[il] else self._attention(il, h, pos)
         res = self._node("attn_residual", il, cur + x)
         g = self._node("attn_post_norm", il,

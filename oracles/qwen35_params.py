@@ -85,7 +85,8 @@ def _float(info: GGUFInfo, key: str, default: float | None = None) -> float:
     value = info.require(full) if default is None else info.get(full, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
             or abs(value) == float("inf"):
-        raise ModelError(f"{_where(info)}: metadata {full!r} must be a finite number, got {value!r}")
+        raise ModelError(f"{_where(info)}: metadata {full!r} must be a finite number, "
+                         f"got {value!r}")
     return float(value)
 
 
@@ -117,11 +118,12 @@ def _check_ssm(info: GGUFInfo, d_state: int, n_group: int, dt_rank: int) -> None
     inner = _int(info, "ssm.inner_size")
     if inner != d_state * dt_rank:
         raise ModelError(f"{_where(info)}: metadata 'qwen35.ssm.inner_size' = {inner} must equal "
-                         f"ssm.state_size * ssm.time_step_rank = {d_state} * {dt_rank} (value heads "
-                         f"of size state_size)")
+                         f"ssm.state_size * ssm.time_step_rank = {d_state} * {dt_rank} "
+                         f"(value heads of size state_size)")
     if dt_rank % n_group:
-        raise ModelError(f"{_where(info)}: metadata 'qwen35.ssm.time_step_rank' = {dt_rank} (value "
-                         f"heads) is not a multiple of 'qwen35.ssm.group_count' = {n_group} (key heads)")
+        raise ModelError(f"{_where(info)}: metadata 'qwen35.ssm.time_step_rank' = {dt_rank} "
+                         f"(value heads) is not a multiple of 'qwen35.ssm.group_count' = "
+                         f"{n_group} (key heads)")
 
 
 def _heads(info: GGUFInfo, n_embd: int, n_layer: int) -> tuple[int, int, int, int]:

@@ -56,7 +56,8 @@ def rope_multi(x, positions, n_rot: int, sections, freq_base: float, freq_scale:
 
     x: [n, H, D]; positions: [n] text positions or [n, 4] streams; n_rot even, <= D.
     For pair i with a = x[.., i], b = x[.., i + n_rot/2] and theta as in the module doc:
-        out[.., i] = a cos(theta) - b sin(theta);  out[.., i + n_rot/2] = a sin(theta) + b cos(theta)
+        out[.., i] = a cos(theta) - b sin(theta)
+        out[.., i + n_rot/2] = a sin(theta) + b cos(theta)
     Returns float64 [n, H, D]. Raises ConfigError on bad shapes, n_rot or sections.
     """
     x = np.asarray(x, dtype=np.float64)

@@ -143,7 +143,8 @@ def test_prefill_equals_prefix_then_steps_and_reset(oracle):
 
 def test_capture_names_and_shapes(tiny_qwen35_f32):
     seen = {}
-    o = Qwen35Oracle(tiny_qwen35_f32, n_ctx=32, capture=lambda n, l, a: seen.setdefault((n, l), a.shape))
+    o = Qwen35Oracle(tiny_qwen35_f32, n_ctx=32,
+                     capture=lambda n, l, a: seen.setdefault((n, l), a.shape))
     o.prefill(PROMPT[:4])
     p = o.params
     assert p.recurrent == (True, True, True, False) * 2
@@ -153,6 +154,14 @@ def test_capture_names_and_shapes(tiny_qwen35_f32):
     assert seen[("attn_gated", 7)] == (4, p.n_head * p.head_dim)
     assert ("Qcur", 0) not in seen and ("new_state", 3) not in seen
     assert seen[("result_output", -1)] == (512,)
+
+
+def test_weight_memory_is_bounded_before_dequantising(tiny_qwen35_f32, monkeypatch):
+    """A model whose float32 weights exceed the budget (the 27B: ~102 GiB) is refused up front."""
+    import oracles.qwen35 as q35
+    monkeypatch.setattr(q35, "MAX_WEIGHT_BYTES", 1 << 20)
+    with pytest.raises(ConfigError, match="float32"):
+        Qwen35Oracle(tiny_qwen35_f32, n_ctx=16)
 
 
 def test_context_and_token_errors(oracle):
@@ -248,7 +257,8 @@ def _llamacpp(path, n_ctx=512):
     from backends.llamacpp import LlamaCppBackend
     b = LlamaCppBackend()
     # f32 KV and flash attention off: no F16 rounding of K/V (qwen2 oracle tests measured it)
-    b.load(ModelRef("m", path), RunConfig(n_ctx=n_ctx, kv_type="f32", flash_attn=False, n_threads=2))
+    b.load(ModelRef("m", path),
+           RunConfig(n_ctx=n_ctx, kv_type="f32", flash_attn=False, n_threads=2))
     return b
 
 

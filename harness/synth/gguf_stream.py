@@ -76,8 +76,9 @@ def _write_tensor(f, plan: TensorPlan, done: int, total: int, progress: Progress
     return written
 
 
-def write_gguf_streaming(path: str | os.PathLike, arch: str, add_metadata: Callable[[GGUFWriter], None],
-                         plans: Sequence[TensorPlan], progress: Progress | None = None) -> Path:
+def write_gguf_streaming(path: str | os.PathLike, arch: str,
+                         add_metadata: Callable[[GGUFWriter], None], plans: Sequence[TensorPlan],
+                         progress: Progress | None = None) -> Path:
     """Write metadata (add_metadata(writer) adds the key/value pairs) and the tensors of
     `plans`, in order, to `path`; returns the Path. Peak memory: one chunk per tensor.
     """

@@ -72,5 +72,6 @@ def write_preset(name: str, path: str | Path, seed: int = 0, quant: str | None =
         known = ", ".join([*PRESETS, *QWEN35_SHAPES])
         raise ConfigError(f"unknown synthetic preset {name!r} (known: {known})")
     if quant is not None:
-        raise ConfigError(f"preset {name!r} has a fixed quant mix; --quant applies to qwen35 presets")
+        raise ConfigError(f"preset {name!r} has a fixed quant mix; a quant applies to qwen35 "
+                          "presets only")
     return write_qwen2(path, seed=seed, **PRESETS[name])

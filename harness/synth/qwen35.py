@@ -73,7 +73,8 @@ class Qwen35Shape:
         if self.n_nextn < 0:
             raise ConfigError(f"n_nextn must be >= 0, got {self.n_nextn}")
         if self.n_head % self.n_head_kv:
-            raise ConfigError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+            raise ConfigError(f"n_head {self.n_head} is not a multiple of n_head_kv "
+                              f"{self.n_head_kv}")
         if self.n_rot % 2 or self.n_rot > self.head_dim:
             raise ConfigError(f"n_rot {self.n_rot} must be even and <= head_dim {self.head_dim}")
         if len(self.rope_sections) != 4 or min(self.rope_sections) < 0 \
@@ -111,7 +112,8 @@ def _attention_specs(s: Qwen35Shape, b: str) -> list[Spec]:
 def _deltanet_specs(s: Qwen35Shape, b: str) -> list[Spec]:
     e, hv = s.n_embd, s.ssm_dt_rank
     return [_mat(b + "attn_qkv.weight", e, s.conv_dim), _mat(b + "attn_gate.weight", e, s.d_inner),
-            (b + "ssm_conv1d.weight", (s.ssm_d_conv, s.conv_dim), "conv", 1 / math.sqrt(s.ssm_d_conv)),
+            (b + "ssm_conv1d.weight", (s.ssm_d_conv, s.conv_dim), "conv",
+             1 / math.sqrt(s.ssm_d_conv)),
             (b + "ssm_dt.bias", (hv,), "dt_bias", 0.5), (b + "ssm_a", (hv,), "ssm_a", 0.0),
             _mat(b + "ssm_beta.weight", e, hv), _mat(b + "ssm_alpha.weight", e, hv),
             (b + "ssm_norm.weight", (s.ssm_d_state,), "norm", 0.1),
@@ -136,7 +138,8 @@ def tensor_specs(s: Qwen35Shape) -> list[Spec]:
     """[(name, ne in GGUF order, kind, std)] in file order; kind: matrix, norm, conv,
     dt_bias or ssm_a (only matrices are ever quantised)."""
     e, v = s.n_embd, s.n_vocab
-    specs: list[Spec] = [("token_embd.weight", (e, v), "matrix", 1 / math.sqrt(e) if s.tied else 1.0),
+    embd_std = 1 / math.sqrt(e) if s.tied else 1.0
+    specs: list[Spec] = [("token_embd.weight", (e, v), "matrix", embd_std),
                          ("output_norm.weight", (e,), "norm", 0.1)]
     if not s.tied:
         specs.append(_mat("output.weight", e, v))

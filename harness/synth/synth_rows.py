@@ -94,23 +94,32 @@ class SharedRows(Rows):
         a, b = max(r0, self.start), min(r1, self.start + self.length)
         if a < b:
             base, own = self.plain(a - self.length, b - self.length), out[a - r0:b - r0]
-            mask = self._rng(a, "#share").random((b - a, self._units())) < self.frac
+            g0, g1 = a // ROW_GROUP, (b + ROW_GROUP - 1) // ROW_GROUP  # per group: chunk-proof
+            mask = np.concatenate([self._rng(g, "#share").random((ROW_GROUP, self._units()))
+                                   for g in range(g0, g1)])[a - g0 * ROW_GROUP:][:b - a] < self.frac
             bb, ob = base.reshape(b - a, mask.shape[1], -1), own.reshape(b - a, mask.shape[1], -1)
             out[a - r0:b - r0] = np.where(mask[..., None], bb, ob).reshape(own.shape)
         return out
 
 
 def next_token_perm(n: int, seed: int) -> np.ndarray:
-    """int64 [n]: perm(i), a permutation of whole ROW_GROUP groups with a rotation 1..G-1
-    inside each (no fixed points); rows of a trailing partial group map to themselves."""
+    """int64 [n]: perm(i), one cycle through all rows of the whole ROW_GROUP groups: the groups
+    follow a random cyclic order and each group adds a rotation 1..G-1 inside it, the
+    rotations summing to an odd number (so G steps around the group cycle never return to
+    the start early). Rows of a trailing partial group map to themselves."""
     rng = np.random.default_rng([seed, zlib.crc32(b"next-token perm")])
     n_full = n // ROW_GROUP
-    gp, shift = rng.permutation(n_full), rng.integers(1, ROW_GROUP, n_full)
-    i = np.arange(n)
-    g, k = i // ROW_GROUP, i % ROW_GROUP
-    out = i.copy()
-    full = g < n_full
-    out[full] = gp[g[full]] * ROW_GROUP + (k[full] + shift[g[full]]) % ROW_GROUP
+    out = np.arange(n)
+    if n_full == 0:
+        return out
+    order = rng.permutation(n_full)
+    gp = np.empty(n_full, dtype=np.int64)
+    gp[order] = np.roll(order, -1)  # group order[k] -> order[k + 1]: a single cycle
+    shift = rng.integers(1, ROW_GROUP, n_full)
+    if shift.sum() % 2 == 0:  # flip the parity of one rotation, staying in [1, G-1]
+        shift[0] += 1 if shift[0] < ROW_GROUP - 1 else -1
+    g, k = out[:n_full * ROW_GROUP] // ROW_GROUP, out[:n_full * ROW_GROUP] % ROW_GROUP
+    out[:n_full * ROW_GROUP] = gp[g] * ROW_GROUP + (k + shift[g]) % ROW_GROUP
     return out
 
 
