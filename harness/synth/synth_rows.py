@@ -3,7 +3,7 @@
 Every tensor is drawn in groups of ROW_GROUP rows, each group from its own stream
 (seed, crc32(name + salt), group), so any row range can be produced on its own and the file
 never depends on chunk sizes. Three structures keep a random model well conditioned
-(measured on qwen35-tiny against llama.cpp, see harness/synth/README.md):
+(measured on qwen35-tiny against llama.cpp, see harness/synth/QWEN35.md):
 
 - Shared rows (`SharedRows`): the DeltaNet key channels of attn_qkv reuse, block by block
   with probability qk_share, the blocks of the query channels (and ssm_conv1d the taps).
