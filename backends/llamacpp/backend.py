@@ -84,7 +84,7 @@ class LlamaCppBackend:
         if not self._model:
             self._model = None
             raise ModelError(f"llama.cpp could not load {path}{_log_hint()}")
-        self._ctx = llama_cpp.llama_init_from_model(self._model, params.context_params(cfg))
+        self._ctx = llama_cpp.llama_init_from_model(self._model, self._context_params(cfg))
         if not self._ctx:
             hint = _log_hint()
             self.close()
@@ -95,6 +95,10 @@ class LlamaCppBackend:
         self._batch = self._new_batch(cfg.n_batch)
         self._ref, self._cfg, self.pos = model, cfg, 0
         self._times = info.Timings(load_s=time.perf_counter() - t0)
+
+    def _context_params(self, cfg: RunConfig):
+        """llama_context_params for cfg; subclasses extend it (capture.py sets cb_eval)."""
+        return params.context_params(cfg)
 
     def reset(self) -> None:
         """Clear the KV cache (data too: llama_memory_clear(mem, true)) and go to position 0."""

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
-from contextlib import contextmanager
 from typing import Callable
 
 import llama_cpp
 import numpy as np
 
-from harness.config import ModelRef, RunConfig
+from harness.config import RunConfig
 from harness.errors import UnsupportedError
 
-from . import params as _params
 from .backend import LlamaCppBackend
 
 GGML_TYPE_F32 = 0
@@ -110,29 +107,6 @@ class TensorCapture:
         return found[-1] if found else None
 
 
-_patch_lock = threading.Lock()
-
-
-@contextmanager
-def _context_params_with(capture: TensorCapture):
-    """Make backends.llamacpp.params.context_params set cb_eval while LlamaCppBackend.load runs.
-    (A hook in LlamaCppBackend would make this unnecessary; see CapturingLlamaCpp.)"""
-    original = _params.context_params
-
-    def patched(cfg: RunConfig):
-        p = original(cfg)
-        p.cb_eval = capture.callback
-        p.cb_eval_user_data = None
-        return p
-
-    with _patch_lock:
-        _params.context_params = patched
-        try:
-            yield
-        finally:
-            _params.context_params = original
-
-
 class CapturingLlamaCpp(LlamaCppBackend):
     """LlamaCppBackend whose context reports named intermediates into `capture` (a
     TensorCapture). Call capture.clear() before a prefill/step to keep only that call's
@@ -144,9 +118,11 @@ class CapturingLlamaCpp(LlamaCppBackend):
         super().__init__()
         self.capture = TensorCapture(want)
 
-    def load(self, model: ModelRef, cfg: RunConfig) -> None:
-        with _context_params_with(self.capture):
-            super().load(model, cfg)
+    def _context_params(self, cfg: RunConfig):
+        p = super()._context_params(cfg)
+        p.cb_eval = self.capture.callback  # the ctypes callback object lives on self.capture
+        p.cb_eval_user_data = None
+        return p
 
     def capabilities(self) -> set[str]:
         return super().capabilities() | {"capture"}
