@@ -8,7 +8,7 @@ from rich.table import Table
 
 from . import models, results
 from .config import ProtocolConfig, RunConfig
-from .errors import ConfigError, HarnessError
+from .errors import ConfigError
 from .gguf_file import open_gguf
 from .machine import git_info, gpu_info
 from .progress import Progress

@@ -11,7 +11,6 @@ mixes. Prints size, decode bytes (every tensor but MTP blocks), write time and p
 """
 from __future__ import annotations
 
-import argparse
 import resource
 import time
 from pathlib import Path

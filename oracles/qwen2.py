@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -28,11 +28,11 @@ from harness.errors import ConfigError
 from harness.gguf_file import open_gguf
 from oracles import ops
 from oracles.qwen2_params import Qwen2Params, read_params
+from oracles.sequence import TokenSequence
 from oracles.weights import GGUFWeights
 
 Capture = Callable[[str, int, np.ndarray], None]  # (name, layer or -1, float64 array)
 MAX_KV_BYTES = 16 << 30  # refuse a float64 KV cache larger than this (bounded allocation)
-UBATCH = 512  # prompt tokens per forward pass (bounds the [H, n, n_kv] score temporaries)
 LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_q.bias", "attn_k.weight",
                  "attn_k.bias", "attn_v.weight", "attn_v.bias", "attn_output.weight",
                  "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
@@ -52,7 +52,7 @@ def _expected_shapes(p: Qwen2Params, n_vocab: int) -> dict[str, tuple[int, ...]]
     return ne
 
 
-class Qwen2Oracle:
+class Qwen2Oracle(TokenSequence):
     """Stateful float64 qwen2 forward with a float64 KV cache.
 
     model_path: GGUF file; n_ctx: KV cache length in tokens (default min(context_length,
@@ -110,33 +110,6 @@ class Qwen2Oracle:
     def reset(self) -> None:
         """Empty the KV cache (position back to 0); stale rows are never read again."""
         self.n_past = 0
-
-    def prefill(self, tokens: Sequence[int]) -> np.ndarray:
-        """Feed tokens from the current position; float64 [n_vocab] logits after the last.
-
-        The prompt is processed in batches of UBATCH tokens (matrix products over the batch).
-        Raises ConfigError (empty input, context overflow, token id outside the vocabulary).
-        """
-        toks = [self._check_id(t, k) for k, t in enumerate(tokens)]
-        if not toks:
-            raise ConfigError("prefill needs at least one token")
-        if self.n_past + len(toks) > self.n_ctx:
-            raise ConfigError(f"context overflow: {self.n_past} cached + {len(toks)} new tokens "
-                              f"> n_ctx {self.n_ctx}")
-        for s in range(0, len(toks), UBATCH):
-            hidden = self._forward(toks[s:s + UBATCH])
-        return self._head(hidden[-1:])
-
-    def _check_id(self, t, k: int) -> int:
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-            raise ConfigError(f"token #{k} is {t!r}, not an integer id")
-        if not 0 <= int(t) < self.n_vocab:
-            raise ConfigError(f"token #{k} = {int(t)} is outside the vocabulary [0, {self.n_vocab})")
-        return int(t)
-
-    def step(self, token: int) -> np.ndarray:
-        """Feed one token; float64 [n_vocab] logits for the next position."""
-        return self.prefill([token])
 
     def _emit(self, name: str, layer: int, arr: np.ndarray) -> None:
         if self.capture is not None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -42,13 +42,13 @@ from oracles import deltanet as dn
 from oracles import ops
 from oracles.qwen35_params import Qwen35Params, read_params
 from oracles.rope_multi import rope_multi
+from oracles.sequence import TokenSequence
 from oracles.weights import GGUFWeights
 
 Capture = Callable[[str, int, np.ndarray], None]  # (name, layer or -1, float64 array)
 Inject = Callable[[np.ndarray], np.ndarray]
 MAX_STATE_BYTES = 16 << 30  # refuse a float64 KV cache + recurrent state larger than this
 MAX_WEIGHT_BYTES = 32 << 30  # refuse to dequantise more float32 weights than this (27B: 102 GiB)
-UBATCH = 512
 
 
 def _layer_shapes(p: Qwen35Params, il: int) -> dict[str, tuple[int, ...]]:
@@ -79,7 +79,7 @@ def expected_shapes(p: Qwen35Params, n_vocab: int, tied: bool) -> dict[str, tupl
     return ne
 
 
-class Qwen35Oracle:
+class Qwen35Oracle(TokenSequence):
     """Stateful float64 qwen35 forward: float64 KV cache for the attention layers, conv and
     delta-rule states for the DeltaNet layers (one sequence).
 
@@ -157,31 +157,6 @@ class Qwen35Oracle:
         self.n_past = 0
         self._conv[:] = 0.0
         self._ssm[:] = 0.0
-
-    def prefill(self, tokens: Sequence[int]) -> np.ndarray:
-        """Feed tokens from the current position (batches of UBATCH); float64 [n_vocab] logits
-        after the last. Raises ConfigError (empty input, context overflow, bad token id)."""
-        toks = [self._check_id(t, k) for k, t in enumerate(tokens)]
-        if not toks:
-            raise ConfigError("prefill needs at least one token")
-        if self.n_past + len(toks) > self.n_ctx:
-            raise ConfigError(f"context overflow: {self.n_past} cached + {len(toks)} new tokens "
-                              f"> n_ctx {self.n_ctx}")
-        for s in range(0, len(toks), UBATCH):
-            hidden = self._forward(toks[s:s + UBATCH])
-        return self._head(hidden[-1:])
-
-    def step(self, token: int) -> np.ndarray:
-        """Feed one token; float64 [n_vocab] logits for the next position."""
-        return self.prefill([token])
-
-    def _check_id(self, t, k: int) -> int:
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-            raise ConfigError(f"token #{k} is {t!r}, not an integer id")
-        if not 0 <= int(t) < self.n_vocab:
-            raise ConfigError(f"token #{k} = {int(t)} is outside the vocabulary "
-                              f"[0, {self.n_vocab})")
-        return int(t)
 
     def _node(self, name: str, il: int, arr: np.ndarray) -> np.ndarray:
         """A named intermediate: injected replacement (if any), then the capture callback."""

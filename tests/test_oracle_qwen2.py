@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-import oracles.qwen2 as q2
+import oracles.sequence
 from backends.base import Backend
 from backends.oracle import OracleBackend
 from harness.config import ModelRef, RunConfig
@@ -50,7 +50,7 @@ def test_prefill_equals_prefix_then_steps(fixture, request):
 def test_ubatch_split_equals_one_batch(oracle_f32, monkeypatch):
     oracle_f32.reset()
     whole = oracle_f32.prefill(PROMPT)
-    monkeypatch.setattr(q2, "UBATCH", 4)
+    monkeypatch.setattr(oracles.sequence, "UBATCH", 4)
     oracle_f32.reset()
     assert _rel_err(oracle_f32.prefill(PROMPT), whole) < 1e-12
 
