@@ -76,7 +76,10 @@ def _cmd_models(args) -> int:
         return 0
     if not args.name:
         raise HarnessError("usage: harness models path NAME")
-    print(models.resolve(args.name, progress=None).path)
+    from .progress import bytes_progress
+    with bytes_progress(console, f"model {args.name}") as advance:
+        path = models.resolve(args.name, progress=advance).path
+    print(path)
     return 0
 
 

@@ -11,7 +11,7 @@ from .config import ProtocolConfig, RunConfig
 from .errors import ConfigError
 from .gguf_file import open_gguf
 from .machine import git_info, gpu_info
-from .progress import Progress
+from .progress import Progress, bytes_progress
 from .prompt import STANDARD_PROMPT, STANDARD_PROMPT_TOKENS
 from .run import verify_model
 
@@ -77,7 +77,8 @@ def run_job(args, console: Console) -> int:
     prompt = getattr(args, "prompt", None)
     if prompt is not None and not prompt.strip():
         raise ConfigError("the prompt is empty")
-    model = models.resolve(args.model)
+    with bytes_progress(console, f"model {args.model}") as advance:
+        model = models.resolve(args.model, progress=advance)
     info = open_gguf(model.path)
     names, unavailable = _choose_backends(args.backends, args.reference)
     gpu = gpu_info()

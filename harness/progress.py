@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from typing import Callable
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress as RichProgress,
                            TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 
 
@@ -45,12 +46,15 @@ class Progress:
         self.console.print(msg)
 
 
-def bytes_progress(console: Console, label: str, total: int):
-    """A rich progress bar counting bytes (assembling / hashing a model); use as a context."""
-    bar = RichProgress(TextColumn(label), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                       TimeElapsedColumn(), console=console, transient=True)
-    tid = bar.add_task(label, total=total)
-    return bar, (lambda n: bar.advance(tid, n))
+@contextmanager
+def bytes_progress(console: Console, label: str):
+    """Context giving a callback(n_bytes) that advances a transient byte-count bar (total
+    unknown up front: assembling or hashing a model)."""
+    bar = RichProgress(TextColumn(label), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+                       console=console, transient=True)
+    tid = bar.add_task(label, total=None)
+    with bar:
+        yield lambda n: bar.advance(tid, n)
 
 
 def is_interactive() -> bool:
