@@ -1,4 +1,4 @@
-"""The Backend protocol every inference backend implements (see DESIGN.md, "One interface").
+"""The Backend protocol every inference backend implements (docs/sources.md §5).
 
 All methods work on token ids; text only exists at the edges (tokenisation goes through
 llama.cpp). Logits are float32 numpy arrays of shape [n_vocab].

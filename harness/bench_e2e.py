@@ -1,11 +1,12 @@
-"""End-to-end throughput (`harness bench e2e`): prefill and decode tok/s of every backend at
+"""End-to-end throughput (`harness verify --bench`, on by default in `harness run` with a GPU):
+prefill and decode tok/s of every backend at
 every context, in the same run, next to the device's copy bandwidth measured at the start.
 
 Per backend and context: load (child process), backend.bench(prompt, n_decode, reps), close.
 Decode tok/s = n_decode / median decode seconds; effective bandwidth = decode weight bytes
 per step (harness.model_bytes) / step time, as % of the copy bandwidth. Engine/llama.cpp
 ratios are reported per context. Throughput is only meaningful next to a passing
-verification of the same backend: `harness run` does both in one result.
+verification of the same backend, so it is only run after one, into the same result.
 """
 from __future__ import annotations
 

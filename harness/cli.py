@@ -1,4 +1,4 @@
-"""Command line: `harness run | verify | models | report`.
+"""Command line: `harness run | verify | models | report | synth`.
 
 Top-down map of the project:
   harness run     -> harness.run.verify_model (reference + backends, step by step)
@@ -6,6 +6,7 @@ Top-down map of the project:
                        -> backends.registry (llamacpp in a child process, oracle, engine)
                   -> harness.results (atomic JSON) -> reports.html (report.html)
   harness models  -> harness.models (real models from PyPI chunk packages)
+  harness synth   -> harness.synth_cmd -> harness.synth (synthetic GGUF files)
 Errors of the user's input (HarnessError) print one line and exit 2; no traceback.
 """
 from __future__ import annotations
@@ -15,9 +16,10 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from . import models
-from .errors import HarnessError
+from .errors import ConfigError, HarnessError
 
 # wide tables when output is a file or CI log (rich defaults to 80 columns there)
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
@@ -46,22 +48,26 @@ def _add_verify_args(p: argparse.ArgumentParser, *, standard: bool) -> None:
     p.add_argument("--bench-reps", type=int, default=3, help="repetitions, median (3)")
     if not standard:
         p.add_argument("--prompt", default=None, help="prompt text instead of the standard one")
-        p.add_argument("--prompt-tokens", type=int, default=70,
-                       help="cut the standard prompt to this many tokens (default 70)")
+        p.add_argument("--prompt-tokens", type=int, default=None,
+                       help="cut the prompt to this many tokens (standard prompt: 70)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="harness", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="harness", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("run", help="standard verification on the default model + report")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = sub.add_parser("run", help="standard verification on the default model + report",
+                       formatter_class=fmt)
     _add_verify_args(p, standard=True)
-    p = sub.add_parser("verify", help="verification with every knob exposed")
+    p = sub.add_parser("verify", help="verification with every knob exposed", formatter_class=fmt)
     _add_verify_args(p, standard=False)
     p = sub.add_parser("models", help="list real models or print a model's path")
-    p.add_argument("action", choices=["list", "path"])
-    p.add_argument("name", nargs="?")
+    p.add_argument("action", choices=["list", "path"], help="list the registry, or assemble "
+                   "NAME once into the cache and print its path")
+    p.add_argument("name", nargs="?", help="registry model name (see `harness models list`)")
     p = sub.add_parser("report", help="(re-)render report.html from a result.json")
-    p.add_argument("result", type=Path)
+    p.add_argument("result", type=Path, help="a result.json written by `harness run/verify`")
     from .synth_cmd import add_synth_parser
     add_synth_parser(sub)
     return ap
@@ -85,7 +91,10 @@ def _cmd_models(args) -> int:
 
 def _cmd_report(args) -> int:
     from reports.html import render_report_from_json
-    print(render_report_from_json(args.result))
+    try:
+        print(render_report_from_json(args.result))
+    except (OSError, ValueError) as e:  # missing/unreadable file, not JSON, not a result
+        raise ConfigError(f"cannot render {args.result}: {e}") from None
     return 0
 
 
@@ -102,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         from .main_job import run_job
         return run_job(args, console)
     except HarnessError as e:
-        console.print(f"[bold red]error:[/] {e}")
+        # escape: messages quote paths, names and model strings that may contain [markup]
+        console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         return e.exit_code
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")

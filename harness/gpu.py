@@ -19,7 +19,7 @@ def _cp():
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> dict:
     """Device-to-device copy of nbytes, timed with CUDA events: GB/s counting read + write
-    (GPU.md: 4.17 TB/s measured this way on the H200, 2 GiB buffers, median of 10)."""
+    (docs/sources.md §4: 4.17 TB/s measured this way on the H200, 2 GiB buffers, median of 10)."""
     cp = _cp()
     a = cp.empty(nbytes, dtype=cp.uint8)
     b = cp.empty_like(a)

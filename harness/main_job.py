@@ -4,11 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import models, results
 from .config import ProtocolConfig, RunConfig
-from .errors import ConfigError
+from .errors import ConfigError, HarnessError
 from .gguf_file import open_gguf
 from .machine import git_info, gpu_info
 from .progress import Progress, bytes_progress
@@ -42,18 +43,53 @@ def _choose_backends(spec: str | None, reference: str) -> tuple[list[str], dict]
             raise ConfigError(f"backend(s) not available here: {missing}")
     else:
         names = [n for n, why in avail.items() if why is None]
+    if reference not in avail:
+        raise ConfigError(f"unknown reference backend {reference!r}; known: {sorted(avail)}")
+    if avail[reference]:
+        raise ConfigError(f"reference backend {reference!r} unavailable: {avail[reference]}")
     if reference not in names:
         names = [reference] + names
-    if avail.get(reference):
-        raise ConfigError(f"reference backend {reference!r} unavailable: {avail[reference]}")
+    if len(names) < 2:
+        raise ConfigError(f"nothing to compare: give at least one backend besides the reference "
+                          f"{reference!r}")
     return names, {n: why for n, why in avail.items() if why}
 
 
 def _contexts(spec: str) -> tuple[int, ...]:
+    """--contexts as sorted unique ints; ConfigError when empty or not integers."""
     try:
-        return tuple(int(x) for x in spec.split(",") if x.strip())
+        values = sorted({int(x) for x in spec.split(",") if x.strip()})
     except ValueError:
         raise ConfigError(f"--contexts must be a comma list of integers, got {spec!r}") from None
+    if not values:
+        raise ConfigError(f"--contexts gives no context size: {spec!r}")
+    return tuple(values)
+
+
+def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
+    """Everything that can be checked before any model is touched: (contexts, prompt text,
+    prompt token count or None). Raises ConfigError."""
+    if args.n_predict <= 0:
+        raise ConfigError(f"--n-predict must be > 0, got {args.n_predict}")
+    for flag in ("bench_decode", "bench_reps"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    prompt = getattr(args, "prompt", None)
+    if prompt is not None and not prompt.strip():
+        raise ConfigError("the prompt is empty")
+    n_tok = getattr(args, "prompt_tokens", None)
+    if n_tok is not None and n_tok < 1:
+        raise ConfigError(f"--prompt-tokens must be >= 1, got {n_tok}")
+    if prompt is None and n_tok is None:
+        n_tok = STANDARD_PROMPT_TOKENS
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder")
+    try:
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the output folder {out}: {e}") from None
+    return _contexts(args.contexts), prompt if prompt is not None else STANDARD_PROMPT, n_tok
 
 
 def _tokenize(model, text: str, n_tokens: int | None):
@@ -72,27 +108,21 @@ def _tokenize(model, text: str, n_tokens: int | None):
 
 
 def run_job(args, console: Console) -> int:
-    if args.n_predict <= 0:
-        raise ConfigError(f"--n-predict must be > 0, got {args.n_predict}")
-    prompt = getattr(args, "prompt", None)
-    if prompt is not None and not prompt.strip():
-        raise ConfigError("the prompt is empty")
+    contexts, text, n_tok = _check_args(args)
+    names, unavailable = _choose_backends(args.backends, args.reference)
     with bytes_progress(console, f"model {args.model}") as advance:
         model = models.resolve(args.model, progress=advance)
     info = open_gguf(model.path)
-    names, unavailable = _choose_backends(args.backends, args.reference)
     gpu = gpu_info()
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (99 if gpu else 0)
     base = RunConfig(n_threads=args.threads, n_gpu_layers=ngl, flash_attn=not args.no_flash_attn,
                      kv_type=args.kv_type)
-    text = prompt if prompt is not None else STANDARD_PROMPT
-    n_tok = None if prompt is not None else getattr(args, "prompt_tokens", STANDARD_PROMPT_TOKENS)
-    console.print(f"model [bold]{model.name}[/] ({info.arch}, {model.size:,} B) "
+    console.print(f"model [bold]{escape(model.name)}[/] ({escape(str(info.arch))}, {model.size:,} B) "
                   f"backends {names} reference {args.reference}")
     tok, ids = _tokenize(model, text, n_tok)
     try:
         proto = ProtocolConfig(prompt_ids=tuple(ids), n_predict=args.n_predict,
-                               contexts=_contexts(args.contexts),
+                               contexts=contexts,
                                teacher_forced=not args.no_teacher_forced,
                                extra={"text": text})
         from backends.registry import create
@@ -101,18 +131,22 @@ def run_job(args, console: Console) -> int:
                                   lambda n: create(n, in_child=(n != "oracle")),
                                   reference=args.reference, prog=prog)
         result["unavailable_backends"] = unavailable
-        result["prompt"]["pieces"] = _pieces(tok, result)
+        result["prompt"]["pieces"] = _pieces(tok, result, console)
     finally:
-        tok.close()
+        try:
+            tok.close()
+        except HarnessError:  # a dead tokenizer child: nothing left to free
+            pass
     if getattr(args, "bench", False) or (gpu and "engine" in names and not args.no_bench):
         result["bench"] = _bench(args, model, info, names, ids, base, gpu, console)
     run_dir = results.new_run_dir(Path(args.out) / "runs", git_info().get("sha"))
     results.write_json(run_dir / "result.json", result)
     _print_summary(console, result)
-    console.print(f"result: {run_dir / 'result.json'}")
+    console.print(f"result: {run_dir / 'result.json'}", markup=False, soft_wrap=True)
     if not args.no_report:
         from reports.html import render_report
-        console.print(f"report: {render_report(result, run_dir / 'report.html')}")
+        console.print(f"report: {render_report(result, run_dir / 'report.html')}", markup=False,
+                      soft_wrap=True)
     failed = [v for v in result["verdicts"] if v["verdict"] != "PASS"]
     return 1 if failed else 0
 
@@ -131,7 +165,7 @@ def _bench(args, model, info, names, ids, base, gpu, console) -> dict:
     out = bench_e2e(model, decode_weight_bytes(info), backends, _contexts(args.contexts), ids,
                     base, lambda n: create(n, in_child=True), n_decode=args.bench_decode,
                     reps=args.bench_reps, copy_gbs=copy["gb_s"] if copy else None,
-                    mem_used=mem, log=console.print)
+                    mem_used=mem, log=lambda m: console.print(m, markup=False, soft_wrap=True))
     out["copy_bandwidth"] = copy
     for r in out["ratios"]:
         console.print(f"{r['backend']} / llamacpp at c={r['n_ctx']}: decode x{r['decode_ratio']:.2f}, "
@@ -139,12 +173,19 @@ def _bench(args, model, info, names, ids, base, gpu, console) -> dict:
     return out
 
 
-def _pieces(tok, result: dict) -> dict[str, str]:
-    """Token text of every id that appears in the prompt or any run (for the report)."""
+def _pieces(tok, result: dict, console: Console) -> dict[str, str]:
+    """Token text of every id in the prompt or any run (one call to the tokenizer child).
+    Cosmetic: if the tokenizer process died, the report shows ids only."""
     ids = set(result["prompt"]["ids"]) | set(result["reference"]["ids"])
     for r in result["runs"]:
         ids |= set(r.get("ids") or [])
-    return {str(i): tok.detokenize([i]) for i in sorted(ids)}
+    ids = sorted(ids)
+    try:
+        texts = tok.pieces(ids)
+    except HarnessError as e:
+        console.print(f"warning: no token texts for the report ({e})", markup=False)
+        return {}
+    return {str(i): b.decode("utf-8", errors="replace") for i, b in zip(ids, texts)}
 
 
 def _fmt(x, spec: str) -> str:
@@ -153,10 +194,10 @@ def _fmt(x, spec: str) -> str:
 
 def _print_summary(console: Console, result: dict) -> None:
     ref = result["reference"]
-    t = Table(title=f"{result['model']['name']}: reference {ref['backend']} "
+    t = Table(title=f"{escape(str(result['model']['name']))}: reference {ref['backend']} "
                     f"ids sha256 {ref['ids_sha256'][:16]}")
     for col in ("backend", "ctx", "mode", "status", "match", "top-1", "KL mean", "KL max",
-                "max-abs", "decode tok/s"):
+                "max-abs", "loop tok/s"):
         t.add_column(col)
     for r in result["runs"]:
         s, tm = r.get("summary") or {}, r.get("timing") or {}
@@ -168,4 +209,5 @@ def _print_summary(console: Console, result: dict) -> None:
     console.print(t)
     for v in result["verdicts"]:
         colour = "green" if v["verdict"] == "PASS" else "red"
-        console.print(f"[{colour}]{v['verdict']}[/] {v['backend']} c={v['n_ctx']}: {v['reason']}")
+        console.print(f"[{colour}]{v['verdict']}[/] {v['backend']} c={v['n_ctx']}: {escape(str(v['reason']))}",
+                      soft_wrap=True)

@@ -15,12 +15,12 @@ import numpy as np
 
 
 def logits_sha256(logits: np.ndarray) -> str:
-    """SHA256 of the logits as little-endian float32 bytes (SEEDS.md §3)."""
+    """SHA256 of the logits as little-endian float32 bytes (docs/sources.md §3)."""
     return hashlib.sha256(np.ascontiguousarray(logits, dtype="<f4").tobytes()).hexdigest()
 
 
 def ids_sha256(ids) -> str:
-    """SHA256 of token ids as little-endian int64 (SEEDS.md §3)."""
+    """SHA256 of token ids as little-endian int64 (docs/sources.md §3)."""
     return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
 
 

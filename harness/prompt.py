@@ -1,7 +1,7 @@
-"""The standard verification prompt (SEEDS.md §3: a fixed 70-token prompt).
+"""The standard verification prompt (docs/sources.md §3: a fixed 70-token prompt).
 
 The text is natural, non-repeating prose: a prompt that repeats one sentence makes small
-models copy it, and identical copied ids hide differences between backends (GPU.md,
+models copy it, and identical copied ids hide differences between backends (docs/sources.md §4,
 "Lessons"). It is tokenised by the model's own tokenizer (through llama.cpp) and cut to
 exactly STANDARD_PROMPT_TOKENS ids, so every backend sees the same ids.
 """

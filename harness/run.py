@@ -12,6 +12,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 import numpy as np
+from rich.markup import escape
 
 from . import machine, metrics
 from .config import ModelRef, ProtocolConfig, RunConfig
@@ -55,7 +56,7 @@ def _run_backend(create, name: str, model: ModelRef, cfg: RunConfig, proto: Prot
                 tr = Trace(name, mode, cfg.n_ctx, status="error", error=f"{type(e).__name__}: {e}")
                 traces.append(tr)
                 break  # one record of the failure; later modes were never attempted
-        prog.log(f"[red]{name} c={cfg.n_ctx} failed:[/] {type(e).__name__}: {e}")
+        prog.log(f"[red]{name} c={cfg.n_ctx} failed:[/] {escape(f'{type(e).__name__}: {e}')}")
     finally:
         if backend is not None:
             try:
@@ -110,7 +111,8 @@ def verify_model(model: ModelRef, model_meta: dict, proto: ProtocolConfig, base:
         "wall_s": time.time() - started,
         "machine": machine.machine_info(),
         "model": {**model.to_json(), **model_meta},
-        "settings": {"run": base.to_json(), "contexts": list(proto.contexts),
+        "settings": {"run": {k: v for k, v in base.to_json().items() if k != "n_ctx"},
+                     "contexts": list(proto.contexts),
                      "n_predict": proto.n_predict, "n_prompt": len(proto.prompt_ids),
                      "teacher_forced": proto.teacher_forced, "reference": reference,
                      "backends": backends, "gate": vars(gate_cfg)},

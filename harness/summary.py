@@ -1,10 +1,13 @@
 """Summaries of a Trace against the reference, and the pass/fail gate of a verification.
 
-Gate (documented in README "Verification"): a compared backend PASSES when its greedy ids
-equal the reference's over the first `min_prefix` ids, or its first divergence happens where
-the reference's own top-2 margin is below `margin_rel` of the logit range (a near tie that
-float32 rounding can flip) and, when a teacher-forced run exists, its top-1 agreement is at
-least `min_top1`. Otherwise it FAILS.
+Gate (documented in README "The verification protocol"): a compared backend PASSES when
+- none of its logits (greedy or teacher-forced, any step) is NaN/Inf, and
+- its greedy ids equal the reference's over the first `min_prefix` ids, or its first
+  divergence happens where the reference's own top-2 margin is below `margin_rel` of the
+  logit range (a near tie that float32 rounding can flip), and
+- when a teacher-forced run exists, its top-1 agreement over all steps is >= `min_top1`
+  (so a backend that goes wrong after the first `min_prefix` ids still fails).
+Otherwise it FAILS.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ def summarize(trace: Trace, ref: Trace, ref_logits: np.ndarray) -> dict:
         "nmse_mean": _stat(compared, "nmse", np.mean),
         "nmse_max": _stat(compared, "nmse", np.max),
         "final_logits_sha256": trace.steps[-1]["logits_sha256"] if trace.steps else None,
+        "nonfinite_steps": sum(1 for s in trace.steps if s.get("nonfinite")),
         "first_divergence": None,
     }
     if prefix < n:
@@ -69,21 +73,25 @@ def summarize(trace: Trace, ref: Trace, ref_logits: np.ndarray) -> dict:
 
 def gate(greedy: dict, forced: dict | None, g: Gate = Gate()) -> dict:
     """PASS/FAIL with the reason, from the summaries of a greedy and a teacher-forced trace."""
-    if greedy["match_prefix"] >= min(g.min_prefix, greedy["n_generated"]):
-        return {"verdict": "PASS", "reason": f"first {greedy['match_prefix']} ids equal"}
-    div = greedy["first_divergence"]
+    bad = greedy.get("nonfinite_steps", 0) + (forced or {}).get("nonfinite_steps", 0)
+    if bad:
+        return {"verdict": "FAIL", "reason": f"non-finite logits in {bad} step(s)"}
     top1 = forced["top1_agreement"] if forced else None
-    near_tie = div is not None and div["ref_margin_rel"] < g.margin_rel
-    if near_tie and (top1 is None or top1 >= g.min_top1):
-        return {"verdict": "PASS", "reason": (
-            f"diverges at {div['index']} where the reference top-2 margin is "
-            f"{div['ref_margin_rel']:.2e} of the logit range (< {g.margin_rel:g})"
-            + (f"; teacher-forced top-1 {top1:.3f}" if top1 is not None else ""))}
-    why = (f"diverges at {div['index']} with reference margin {div['ref_margin_rel']:.2e} of the "
-           f"logit range" if div else "no divergence recorded")
-    if top1 is not None:
-        why += f"; teacher-forced top-1 {top1:.3f}"
-    return {"verdict": "FAIL", "reason": why}
+    forced_ok = top1 is None or top1 >= g.min_top1
+    tf = f"; teacher-forced top-1 {top1:.3f}" if top1 is not None else ""
+    div = greedy["first_divergence"]
+    if greedy["match_prefix"] >= min(g.min_prefix, greedy["n_generated"]):
+        why = f"first {greedy['match_prefix']} ids equal{tf}"
+    elif div is not None and div["ref_margin_rel"] < g.margin_rel:
+        why = (f"diverges at {div['index']} where the reference top-2 margin is "
+               f"{div['ref_margin_rel']:.2e} of the logit range (< {g.margin_rel:g}){tf}")
+    else:
+        why = (f"diverges at {div['index']} with reference margin {div['ref_margin_rel']:.2e} "
+               f"of the logit range" if div else "no divergence recorded") + tf
+        return {"verdict": "FAIL", "reason": why}
+    if not forced_ok:
+        return {"verdict": "FAIL", "reason": why + f" (< {g.min_top1:g})"}
+    return {"verdict": "PASS", "reason": why}
 
 
 def greedy_of(traces: list[Trace]) -> list[Trace]:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import ConfigError
 
@@ -31,6 +32,7 @@ def add_synth_parser(sub) -> None:
     p.add_argument("--via-llama-quantize", action="store_true",
                    help="write F32, then quantise with llama.cpp to the --quant file type")
     p.add_argument("--list", action="store_true", help="list presets and mixes, then exit")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
 
 
 def _list(console: Console) -> int:
@@ -82,6 +84,12 @@ def run_synth(args, console: Console) -> int:
         return _list(console)
     if not args.preset or not args.out:
         raise ConfigError("harness synth needs --preset and --out (or --list)")
+    if args.out.is_dir():
+        raise ConfigError(f"--out {args.out} is a folder; give a file path")
+    if args.out.exists() and not args.force:
+        raise ConfigError(f"--out {args.out} exists; use --force to overwrite it")
+    if not args.out.parent.is_dir():
+        raise ConfigError(f"the folder of --out does not exist: {args.out.parent}")
     t0 = time.perf_counter()
     path = _write(args, console)
     seconds = time.perf_counter() - t0
@@ -92,6 +100,6 @@ def run_synth(args, console: Console) -> int:
     mtp = tuple(f"blk.{il}." for il in range(n_layer, n_all))
     decode = sum(t.nbytes for n, t in info.tensors.items() if not n.startswith(mtp))
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    console.print(f"wrote {path} ({info.arch}, {len(info.tensors)} tensors): {info.file_size:,} B, "
+    console.print(f"wrote {escape(str(path))} ({info.arch}, {len(info.tensors)} tensors): {info.file_size:,} B, "
                   f"decode bytes {decode:,}, {seconds:.1f} s, peak RSS {rss_mib:,.0f} MiB")
     return 0

@@ -1,6 +1,6 @@
 """Greedy and teacher-forced generation on token ids, compared step by step to a reference.
 
-Protocol (SEEDS.md §3): prefill the prompt ids, take the argmax of the logits as the next
+Protocol (docs/sources.md §3): prefill the prompt ids, take the argmax of the logits as the next
 token, feed it with step(), repeat until n_predict tokens exist (so n_predict - 1 decode
 steps). Teacher-forced mode feeds the reference's ids instead of the backend's own argmax,
 so the logits stay comparable after a divergence.
@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import metrics
+from .errors import NumericError
 
 GREEDY = "greedy"
 TEACHER_FORCED = "teacher_forced"
@@ -71,6 +72,10 @@ def run_reference(backend, name: str, prompt_ids, n_predict: int, n_ctx: int,
     trace = Trace(name, GREEDY, n_ctx)
 
     def record(i, l32, l64):
+        bad = int((~np.isfinite(l64)).sum())
+        if bad:  # a reference with NaN/Inf makes every comparison meaningless: stop here
+            raise NumericError(f"reference {name}: {bad} non-finite logits at generated "
+                               f"position {i}; the reference must be finite")
         rows.append(l64)
         trace.steps.append({"i": i, "logits_sha256": metrics.logits_sha256(l32)})
         if progress:
@@ -95,7 +100,8 @@ def run_compared(backend, name: str, mode: str, prompt_ids, ref_ids: Sequence[in
     own: list[int] = []
 
     def record(i, l32, l64):
-        rec = {"i": i, "logits_sha256": metrics.logits_sha256(l32)}
+        rec = {"i": i, "logits_sha256": metrics.logits_sha256(l32),
+               "nonfinite": int((~np.isfinite(l32)).sum())}
         if mode == TEACHER_FORCED or own == list(ref_ids[:i]):
             rec.update(metrics.compare(ref_logits[i], l32))
         own.append(int(np.argmax(l64)))

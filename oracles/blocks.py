@@ -3,7 +3,7 @@
 Random bytes are valid blocks for every GGML format except that their fp16 scale fields can
 be NaN/Inf or huge. `random_blocks` overwrites every scale field with a finite fp16 drawn
 from a chosen magnitude. Scale offsets come from the block structs in ggml/src/ggml-common.h
-(DESIGN.md "Measured facts": Q2_K d/dmin at 80/82, Q3_K d at 108, Q6_K d at 208, every
+(docs/sources.md §5: Q2_K d/dmin at 80/82, Q3_K d at 108, Q6_K d at 208, every
 other listed type d (and dmin/m) at bytes 0/2).
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ Q = gguf.GGMLQuantizationType
 MODEL = Path("/tmp/models/qwen2.5-coder-0.5b-q4_k_m.gguf")
 
 # Types gguf-py 0.19.0 and libggml (llama-cpp-python 0.3.36) both convert, measured in
-# /work/shared/DESIGN.md; a dependency upgrade that drops one must fail here, not skip.
+# docs/sources.md §5; a dependency upgrade that drops one must fail here, not skip.
 EXPECTED_CROSS = {
     "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
     "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",

@@ -25,12 +25,12 @@ pytestmark = pytest.mark.skipif(available_backends()["llamacpp"] is not None,
                                 reason=f"llamacpp unavailable: {available_backends()['llamacpp']}")
 
 # One thread: the CI machine has 2 shared cores, and a 2-thread OpenMP barrier stalls whenever
-# another process holds one of them (GPU.md: 1 vs 2 threads give identical logits).
+# another process holds one of them (docs/sources.md §4: 1 vs 2 threads give identical logits).
 CFG = RunConfig(n_threads=1)
 PROMPT = "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published"
 # prefill(all) vs prefill(prefix) + step(...): llama.cpp computes a batch and a single token
 # with different kernels. Measured here on Qwen2.5-0.5B Q4_K_M: max |diff| 0.31-0.38, relative
-# RMS 1.0-1.4 %, same top-1; GPU.md: up to 7e-5 on a tiny f32 model. Limits per case:
+# RMS 1.0-1.4 %, same top-1; docs/sources.md §4: up to 7e-5 on a tiny f32 model. Limits per case:
 # Tiny models measured (CPU): f32 max |diff| 8.3e-7 with this 20-token prompt, 2.5e-4 with 40
 # tokens (batches of >= 32 tokens take another f32 matmul path); quantised: bitwise equal.
 TOL = {"tiny": {"max_abs": 1e-3, "rel_rms": 5e-4}, "tiny_q": {"max_abs": 1e-3, "rel_rms": 5e-4},
@@ -227,7 +227,7 @@ def test_truncated_gguf_is_a_model_error_quoting_llama_cpp(tmp_path, tiny_qwen2_
 
 
 def test_quantised_v_cache_without_flash_attention_is_unsupported(case):
-    """GPU.md: q8_0 KV without flash attention fails to create a context."""
+    """docs/sources.md §4: q8_0 KV without flash attention fails to create a context."""
     with create("llamacpp", in_child=True) as b:
         with pytest.raises(UnsupportedError, match="requires flash_attn"):
             b.load(case[1], RunConfig(n_threads=1, flash_attn=False, kv_type="q8_0"))

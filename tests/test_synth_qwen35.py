@@ -128,7 +128,7 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
 
 
 def test_27b_decode_bytes_and_mix_without_writing():
-    """SEEDS.md §1: decode bytes 16,102,434,816 (token_embd Q4_K 715,161,600 B and output Q6_K
+    """docs/sources.md §1: decode bytes 16,102,434,816 (token_embd Q4_K 715,161,600 B and output Q6_K
     1,042,944,000 B included); ud-q4_k_m must land within 2 %."""
     got = preset_decode_bytes("qwen35-27b", "ud-q4_k_m")
     assert abs(got / SOURCE_DECODE_BYTES - 1) < 0.02, got

@@ -80,3 +80,39 @@ def test_near_tie_divergence_passes_gate():
     f = {"top1_agreement": 0.995}
     assert gate(s, f)["verdict"] == "PASS"
     assert gate(s, {"top1_agreement": 0.9})["verdict"] == "FAIL"
+
+
+class NaNAfter(Scripted):
+    """Scripted logits, all NaN from generated position `at` on (argmax of NaN is 0)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def _logits(self):
+        x = super()._logits()
+        if self.pos - 3 >= self.at:
+            x[:] = np.nan
+        return x
+
+
+def test_nonfinite_logits_fail_the_gate_even_with_equal_ids():
+    ref, logits = _ref()
+    g = run_compared(NaNAfter(10), "x", GREEDY, [1, 2, 3], ref.ids, logits, 64)
+    s = summarize(g, ref, logits)
+    assert s["nonfinite_steps"] == 2
+    v = gate(s, None, Gate(min_prefix=8))
+    assert v["verdict"] == "FAIL" and "non-finite" in v["reason"]
+
+
+def test_nonfinite_reference_is_an_error():
+    import pytest
+    from harness.errors import NumericError
+    with pytest.raises(NumericError, match="position 5"):
+        run_reference(NaNAfter(5), "ref", [1, 2, 3], 12, 64)
+
+
+def test_teacher_forced_agreement_is_required_even_after_a_long_match():
+    s = {"match_prefix": 32, "n_generated": 129, "first_divergence": None, "nonfinite_steps": 0}
+    assert gate(s, {"top1_agreement": 0.30, "nonfinite_steps": 0})["verdict"] == "FAIL"
+    assert gate(s, {"top1_agreement": 0.995, "nonfinite_steps": 0})["verdict"] == "PASS"

@@ -17,7 +17,7 @@ from harness.gguf_file import open_gguf
 from .executor import Executor
 from .formats import check_type
 
-MARGIN_BYTES = 512 << 20  # safety margin kept free on the device (planner, SEEDS.md §2)
+MARGIN_BYTES = 512 << 20  # safety margin kept free on the device (planner, docs/sources.md §2)
 
 
 class EngineBackend:

@@ -13,7 +13,7 @@ Vocabulary: harness.synth.bpe_vocab (gpt2 model, "qwen2" pre-tokenizer).
 Weights are zero-mean normal draws, one stream per tensor seeded by (seed, crc32(name)):
 matrices std 1/sqrt(fan_in) so activations stay O(1), token_embd std 1/sqrt(n_embd), norm weights
 1 + N(0, 0.1^2), biases N(0, 0.1^2). Zero mean matters: random K-quant blocks have a
-positive mean and make greedy output degenerate (project notes, GPU.md).
+positive mean and make greedy output degenerate (project notes, docs/sources.md §4).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Named synthetic qwen35 models and per-tensor quant mixes.
 
-Shapes: "qwen35-27b" is the source documents' target (SEEDS.md §1: 64 layers, every 4th full
+Shapes: "qwen35-27b" is the source documents' target (docs/sources.md §1: 64 layers, every 4th full
 attention, hidden 5120, FFN 17408, vocab 248320; attention 24 query heads with an output
 gate, 4 KV heads x 256, RoPE over 64 dims with sections [11, 11, 10, 0]; DeltaNet 16 key and
 48 value heads x 128, conv kernel 4; one MTP block, skipped by plain decoding).
@@ -35,7 +35,7 @@ SHAPES: dict[str, dict] = {
                        ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=48, n_ctx_train=262144,
                        n_nextn=1),
 }
-SOURCE_DECODE_BYTES = 16_102_434_816  # SEEDS.md §1, Qwen3.8-27B-UD-Q4_K_M tensors for decoding
+SOURCE_DECODE_BYTES = 16_102_434_816  # docs/sources.md §1, Qwen3.8-27B-UD-Q4_K_M tensors for decoding
 
 
 def _more_bits(il: int, n: int) -> bool:

@@ -1,6 +1,6 @@
 // Shared device helpers for the engine's kernels (compiled by NVRTC through cupy.RawModule).
 // No CUDA headers: fp16 <-> fp32 use the hardware cvt instructions through inline PTX
-// (SEEDS.md §2: the hardware conversion, not a software routine).
+// (docs/sources.md §2: the hardware conversion, not a software routine).
 #pragma once
 
 typedef unsigned char u8;

@@ -2,7 +2,7 @@
 // logits on the device with a finite-value check, and the end-of-step bookkeeping.
 //
 // Step state (int32, device memory, read by every kernel that needs it, so a captured CUDA
-// graph replays unchanged; SEEDS.md §2/§4: per-token values must come from device memory):
+// graph replays unchanged; docs/sources.md §2: per-token values must come from device memory):
 //   state[0] token id fed this step, state[1] its position,
 //   state[2] non-finite logits seen (cumulative; the host checks and resets it).
 // argmax key (u64): (order-preserving float bits << 32) | ~index, maximised atomically, so
