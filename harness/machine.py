@@ -85,6 +85,8 @@ def machine_info() -> dict:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "memory_bytes": _mem_total_bytes(),
+        # 1/5/15-minute load averages: timings on a loaded machine are not comparable
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "gpu": gpu_info(),
         "versions": versions(),
         "git": git_info(),

@@ -7,6 +7,7 @@ A backend that crashes or refuses the model is recorded and the run goes on.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -109,6 +110,7 @@ def verify_model(model: ModelRef, model_meta: dict, proto: ProtocolConfig, base:
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "wall_s": time.time() - started,
+        "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "machine": machine.machine_info(),
         "model": {**model.to_json(), **model_meta},
         "settings": {"run": {k: v for k, v in base.to_json().items() if k != "n_ctx"},
