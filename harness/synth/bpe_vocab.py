@@ -144,3 +144,18 @@ def build_vocab(n_vocab: int, max_merges: int = 1024) -> Vocab:
     types += [TOKEN_UNUSED] * (n_vocab - len(types))
     return Vocab(tokens, types, merges, bos_id=first_special, eos_id=first_special + 2,
                  pad_id=first_special)
+
+
+def add_vocab(w, n_vocab: int, pre: str) -> None:
+    """Write the tokenizer metadata of a gpt2 byte-level BPE vocab of n_vocab tokens into a
+    gguf.GGUFWriter (keys of llama.cpp src/llama-vocab.cpp; `pre` names the pre-tokenizer)."""
+    v = build_vocab(n_vocab)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", pre)
+    w.add_array("tokenizer.ggml.tokens", v.tokens)
+    w.add_array("tokenizer.ggml.token_type", v.token_types)
+    w.add_array("tokenizer.ggml.merges", v.merges)
+    w.add_uint32("tokenizer.ggml.bos_token_id", v.bos_id)
+    w.add_uint32("tokenizer.ggml.eos_token_id", v.eos_id)
+    w.add_uint32("tokenizer.ggml.padding_token_id", v.pad_id)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)

@@ -28,7 +28,7 @@ from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType as QT
 
 from ..errors import ConfigError
-from .bpe_vocab import build_vocab
+from .bpe_vocab import add_vocab
 from .quantize import check_row, encode, parse_type, quant_source
 
 ARCH = "qwen2"
@@ -138,17 +138,8 @@ def _add_metadata(w: GGUFWriter, s: Qwen2Shape, seed: int, quant) -> None:
     w.add_string("harness.synth.quant", repr(quant))
 
 
-def _add_vocab(w: GGUFWriter, n_vocab: int) -> None:
-    v = build_vocab(n_vocab)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "qwen2")
-    w.add_array("tokenizer.ggml.tokens", v.tokens)
-    w.add_array("tokenizer.ggml.token_type", v.token_types)
-    w.add_array("tokenizer.ggml.merges", v.merges)
-    w.add_uint32("tokenizer.ggml.bos_token_id", v.bos_id)
-    w.add_uint32("tokenizer.ggml.eos_token_id", v.eos_id)
-    w.add_uint32("tokenizer.ggml.padding_token_id", v.pad_id)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
+def _add_vocab(w, n_vocab: int) -> None:
+    add_vocab(w, n_vocab, "qwen2")
 
 
 def write_qwen2(path: str | Path, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int,

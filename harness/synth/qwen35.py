@@ -31,7 +31,7 @@ from pathlib import Path
 
 
 from ..errors import ConfigError
-from .bpe_vocab import build_vocab
+from .bpe_vocab import add_vocab
 from .gguf_stream import Progress, TensorPlan, write_gguf_streaming
 from .qwen2 import resolve_quant
 from .synth_rows import NextTokenRows, Rows, SharedRows, Spec
@@ -229,16 +229,7 @@ def _add_metadata(w, s: Qwen35Shape, seed: int, quant, method: str, style: Synth
 
 
 def _add_vocab(w, n_vocab: int) -> None:
-    v = build_vocab(n_vocab)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "qwen35")
-    w.add_array("tokenizer.ggml.tokens", v.tokens)
-    w.add_array("tokenizer.ggml.token_type", v.token_types)
-    w.add_array("tokenizer.ggml.merges", v.merges)
-    w.add_uint32("tokenizer.ggml.bos_token_id", v.bos_id)
-    w.add_uint32("tokenizer.ggml.eos_token_id", v.eos_id)
-    w.add_uint32("tokenizer.ggml.padding_token_id", v.pad_id)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    add_vocab(w, n_vocab, "qwen35")
 
 
 def plan_tensors(s: Qwen35Shape, quant, seed: int = 0, method: str = "direct",
