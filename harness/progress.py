@@ -1,7 +1,6 @@
 """Progress display for long work (rich progress bars on a terminal, plain lines otherwise)."""
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from typing import Callable
 
@@ -69,7 +68,3 @@ def bytes_progress(console: Console, label: str):
     tid = bar.add_task(label, total=None)
     with bar:
         yield lambda n: bar.advance(tid, n)
-
-
-def is_interactive() -> bool:
-    return sys.stderr.isatty()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import metrics
-from .verify import GREEDY, Trace
+from .verify import Trace
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,3 @@ def gate(greedy: dict, forced: dict | None, g: Gate = Gate()) -> dict:
     if not forced_ok:
         return {"verdict": "FAIL", "reason": why + f" (< {g.min_top1:g})"}
     return {"verdict": "PASS", "reason": why}
-
-
-def greedy_of(traces: list[Trace]) -> list[Trace]:
-    return [t for t in traces if t.mode == GREEDY]

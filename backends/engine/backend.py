@@ -14,6 +14,7 @@ from harness.config import ModelRef, RunConfig
 from harness.errors import ConfigError, ModelError, NumericError, UnsupportedError
 from harness.gguf_file import open_gguf
 
+from ..base import CAP_GRAPH, CAP_NODES, CAP_TIMINGS
 from .executor import Executor
 from .formats import check_type
 
@@ -111,7 +112,7 @@ class EngineBackend:
                            f"first NaN/Inf produced by node {where}")
 
     def capabilities(self) -> set[str]:
-        return {"graph", "nodes", "timings"}
+        return {CAP_GRAPH, CAP_NODES, CAP_TIMINGS}
 
     def close(self) -> None:
         if self._loaded:

@@ -18,10 +18,3 @@ def check_type(type_id: int, what: str) -> None:
         raise UnsupportedError(f"{what}: GGML type {name} has no engine kernel (supported: "
                                f"{', '.join(ENGINE_TYPES.values())})")
 
-
-def row_bytes(type_id: int, k: int) -> int:
-    """Bytes of a row of k values; ValueError if k is not a whole number of blocks."""
-    f = FORMATS[type_id]
-    if k % f.block_size:
-        raise ValueError(f"row of {k} values is not a multiple of {f.name}'s block {f.block_size}")
-    return k // f.block_size * f.type_size
