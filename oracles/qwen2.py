@@ -111,36 +111,22 @@ class Qwen2Oracle(TokenSequence):
         """Empty the KV cache (position back to 0); stale rows are never read again."""
         self.n_past = 0
 
-    def _emit(self, name: str, layer: int, arr: np.ndarray) -> None:
-        if self.capture is not None:
-            self.capture(name, layer, arr)
-
-    def _forward(self, toks: list[int]) -> np.ndarray:
-        """Run all layers on a batch at positions n_past..; returns hidden [n, d] float64."""
-        x = self.weights.rows64("token_embd.weight", toks)  # [n, d] (ggml_get_rows)
-        self._emit("inp_embd", -1, x)
-        pos = np.arange(self.n_past, self.n_past + len(toks))
-        for il in range(self.params.n_layer):
-            x = self._layer(il, x, pos)
-        self.n_past += len(toks)
-        return x
-
     def _layer(self, il: int, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         p, w, pre = self.params, self.weights, f"blk.{il}."
         h = ops.rms_norm(x, w.vector64(pre + "attn_norm.weight"), p.eps)
-        self._emit("attn_norm", il, h)
+        self._node("attn_norm", il, h)
         a = self._attention(il, h, pos)
         o = w.linear(pre + "attn_output.weight", a)
-        self._emit("attn_out", il, o)
+        self._node("attn_out", il, o)
         ffn_inp = o + x
-        self._emit("ffn_inp", il, ffn_inp)
+        self._node("ffn_inp", il, ffn_inp)
         g = ops.rms_norm(ffn_inp, w.vector64(pre + "ffn_norm.weight"), p.eps)
-        self._emit("ffn_norm", il, g)
+        self._node("ffn_norm", il, g)
         f = ops.swiglu(w.linear(pre + "ffn_gate.weight", g), w.linear(pre + "ffn_up.weight", g))
         f = w.linear(pre + "ffn_down.weight", f)
-        self._emit("ffn_out", il, f)
+        self._node("ffn_out", il, f)
         out = f + ffn_inp
-        self._emit("l_out", il, out)
+        self._node("l_out", il, out)
         return out
 
     def _attention(self, il: int, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -151,9 +137,9 @@ class Qwen2Oracle(TokenSequence):
         v = w.linear(pre + "attn_v.weight", h, pre + "attn_v.bias").reshape(n, p.n_head_kv, p.head_dim)
         q = ops.rope_neox(q, pos, p.n_rot, p.freq_base, p.freq_scale)
         k = ops.rope_neox(k, pos, p.n_rot, p.freq_base, p.freq_scale)
-        self._emit("Qcur", il, q)
-        self._emit("Kcur", il, k)
-        self._emit("Vcur", il, v)
+        self._node("Qcur", il, q)
+        self._node("Kcur", il, k)
+        self._node("Vcur", il, v)
         if self.kv_round == "f16":
             k, v = (a.astype(np.float16).astype(np.float64) for a in (k, v))
         self._k[il, pos] = k
@@ -161,14 +147,14 @@ class Qwen2Oracle(TokenSequence):
         kv_len = int(pos[-1]) + 1
         a = ops.attention(q, self._k[il], self._v[il], pos, kv_len)  # [n, H, Dh]
         a = a.reshape(n, p.n_embd_q)
-        self._emit("kqv_out", il, a)
+        self._node("kqv_out", il, a)
         return a
 
     def _head(self, x_last: np.ndarray) -> np.ndarray:
         """Output norm and LM head on [1, d]; float64 [n_vocab] logits."""
         w = self.weights
         h = ops.rms_norm(x_last, w.vector64("output_norm.weight"), self.params.eps)
-        self._emit("result_norm", -1, h)
+        self._node("result_norm", -1, h)
         logits = w.linear(self._out_name, h, self._out_bias)[0]
-        self._emit("result_output", -1, logits)
+        self._node("result_output", -1, logits)
         return logits

@@ -163,17 +163,7 @@ class Qwen35Oracle(TokenSequence):
         fn = self.inject.get((name, il))
         if fn is not None:
             arr = np.asarray(fn(arr), dtype=np.float64)
-        if self.capture is not None:
-            self.capture(name, il, arr)
-        return arr
-
-    def _forward(self, toks: list[int]) -> np.ndarray:
-        x = self._node("inp_embd", -1, self.weights.rows64("token_embd.weight", toks))  # [n, E]
-        pos = np.arange(self.n_past, self.n_past + len(toks))
-        for il in range(self.params.n_layer):
-            x = self._layer(il, x, pos)
-        self.n_past += len(toks)
-        return x
+        return super()._node(name, il, arr)
 
     def _layer(self, il: int, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         p, w, pre = self.params, self.weights, f"blk.{il}."

@@ -1,6 +1,7 @@
 """Token feeding shared by the float64 reference models (qwen2, qwen35): id checks, context
-bounds, prompt batching. A model class provides n_vocab, n_ctx, n_past, _forward(ids) ->
-hidden [n, d] (advancing n_past) and _head(hidden [1, d]) -> float64 logits [n_vocab]."""
+bounds, prompt batching, the embedding -> layers walk and named-intermediate capture. A model
+class provides n_vocab, n_ctx, n_past, params.n_layer, weights, capture,
+_layer(il, x [n, d], pos [n]) -> x and _head(hidden [1, d]) -> float64 logits [n_vocab]."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -37,3 +38,19 @@ class TokenSequence:
         if not 0 <= int(t) < self.n_vocab:
             raise ConfigError(f"token #{k} = {int(t)} is outside the vocabulary [0, {self.n_vocab})")
         return int(t)
+
+    def _node(self, name: str, il: int, arr: np.ndarray) -> np.ndarray:
+        """A named intermediate (llama.cpp cb() name; il = -1 outside the layers) goes to the
+        capture callback; returned so subclasses may substitute it (fault injection)."""
+        if self.capture is not None:
+            self.capture(name, il, arr)
+        return arr
+
+    def _forward(self, toks: list[int]) -> np.ndarray:
+        """Run all layers on a batch at positions n_past..; returns hidden [n, d] float64."""
+        x = self._node("inp_embd", -1, self.weights.rows64("token_embd.weight", toks))  # get_rows
+        pos = np.arange(self.n_past, self.n_past + len(toks))
+        for il in range(self.params.n_layer):
+            x = self._layer(il, x, pos)
+        self.n_past += len(toks)
+        return x
