@@ -89,12 +89,19 @@ def find_libggml_base() -> Path:
 
 
 @functools.cache
-def _lib() -> ctypes.CDLL:
+def libggml_base() -> ctypes.CDLL:
+    """The loaded libggml-base (once per process); GgmlUnavailable if absent or unloadable.
+    Callers set the prototypes of the functions they use."""
     path = find_libggml_base()
     try:
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except OSError as exc:
         raise GgmlUnavailable(f"cannot load {path}: {exc}") from exc
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = libggml_base()
     lib.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
     lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
     return lib

@@ -32,12 +32,8 @@ GGML_QUANT_TYPES = frozenset({
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    from oracles.ggml_ref import find_libggml_base  # raises GgmlUnavailable (Unsupported)
-    path = find_libggml_base()
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise UnsupportedError(f"cannot load {path} for ggml quantisation: {e}") from e
+    from oracles.ggml_ref import libggml_base  # raises GgmlUnavailable (an UnsupportedError)
+    lib = libggml_base()
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
