@@ -21,7 +21,6 @@ from harness.errors import ModelError, UnsupportedError
 from oracles import dequant, ggml_ref
 
 Q = gguf.GGMLQuantizationType
-MODEL = Path("/tmp/models/qwen2.5-coder-0.5b-q4_k_m.gguf")
 
 # Types gguf-py 0.19.0 and libggml (llama-cpp-python 0.3.36) both convert, measured in
 # docs/sources.md §5; a dependency upgrade that drops one must fail here, not skip.
@@ -285,10 +284,10 @@ def test_dequantize_tensor_detects_truncated_data(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def qwen_reader():
-    if not MODEL.exists():
-        pytest.skip(f"real model absent: {MODEL}")
-    return gguf.GGUFReader(str(MODEL))
+def qwen_reader(real_model_05b):
+    """The real default model (conftest: registry or $GGUF_HARNESS_MODEL_05B; skips with the
+    install hint when neither has it)."""
+    return gguf.GGUFReader(str(real_model_05b))
 
 
 @pytest.mark.model
