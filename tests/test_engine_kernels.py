@@ -2,12 +2,18 @@
 shapes (rows not a multiple of the 4 rows per block, 1 row, K not a multiple of 256 for the
 32-value formats and of 8 for float types). GPU only.
 
-GEMV tolerance (why it is what it is): the kernel dequantises in fp32 exactly as ggml does
-(up to FMA contraction) and accumulates K/32 fp32 products per lane, then a 5-level warp
-tree. Rounding errors of such sums grow like sqrt(n) * eps32 * ||w|| ||x|| in practice; with
-n <= 17408/32 + 5 that is < 3e-6 * ||w|| ||x||. We allow 1e-5 * ||w_r|| ||x|| per row: a
-wrong scale, nibble or bit in one 32-value chunk moves a row by ~||w_chunk|| ||x_chunk||,
-orders of magnitude more, so the check still fails on any dequantisation bug.
+GEMV tolerance (why it is what it is): the q16 kernels (engine v4) first round the input to
+int16 codes per 32-value block (oracles.actquant.round_q16 models that rounding in float32
+exactly as the kernel does it); the integer dot products are exact and the rest is fp32: a
+scale multiply per 8 weights and K/256 fp32 partial sums per lane, then a 5-level warp tree.
+Rounding errors of such sums grow like sqrt(n) * eps32 * ||w|| ||x|| in practice (< 3e-6
+for K <= 17408). Against the float64 product with the *rounded* x we allow 1e-5 * ||w_r||
+||x|| per row: a wrong scale, nibble or bit in one 32-value chunk moves a row by ~||w_chunk||
+||x_chunk||, orders of magnitude more. Against the exact product we add the rounding's own
+worst case, sum_k |w_k| * amax(block of k) / 65534 (oracles.actquant.q16_error_bound); a
+rounding half-way tie decided differently by the kernel's fp32 normalisation moves one code
+by 1, ~|w_k| amax / 32767, far inside the 1e-5 term. The f32 kernels (GGUF_HARNESS_GEMV=f32)
+see x unrounded.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import math
 import numpy as np
 import pytest
 
-from oracles import ops
+from oracles import actquant, ops
 from oracles.blocks import random_blocks
 from oracles.dequant import dequantize, get_format
 
@@ -47,13 +53,26 @@ def _matrix(type_id, rows, K, seed):
     return raw, w
 
 
-def _check_rows(y, ref, w, x, what):
-    assert np.isfinite(y).all(), f"{what}: non-finite output (NaN poison not overwritten?)"
-    bound = GEMV_TOL * np.linalg.norm(w, axis=1) * np.linalg.norm(x) + 1e-30
+def _x_seen(x):
+    """x as the GEMV kernels see it (float64): rounded to int16 codes by the q16 kernels."""
+    from backends.engine import ops as eops
+    return actquant.round_q16(x) if eops.GEMV_IMPL == "q16" else np.asarray(x, np.float64)
+
+
+def _assert_within(y, ref, bound, what):
     err = np.abs(y - ref)
     worst = int(np.argmax(err / bound))
     assert (err <= bound).all(), (f"{what}: row {worst} error {err[worst]:.3e} > bound "
                                   f"{bound[worst]:.3e} (ref {ref[worst]:.6g}, got {y[worst]:.6g})")
+
+
+def _check_rows(y, w, x, what):
+    """y [rows] from the kernel vs the float64 products (see the module docstring)."""
+    assert np.isfinite(y).all(), f"{what}: non-finite output (NaN poison not overwritten?)"
+    x = np.asarray(x, np.float64)
+    bound = GEMV_TOL * np.linalg.norm(w, axis=1) * np.linalg.norm(x) + 1e-30
+    _assert_within(y, w @ _x_seen(x), bound, what + " vs the rounded-x oracle")
+    _assert_within(y, w @ x, bound + np.abs(w) @ actquant.q16_error_bound(x), what + " vs exact")
 
 
 @pytest.mark.parametrize("name", list(TYPES))
@@ -69,7 +88,7 @@ def test_gemv_store_every_format_and_odd_shape(name):
         out = nan_poisoned(cp, rows)
         node = eops.gemv("t", "store", [eops.Seg(dt, out)], cp.asarray(x), K)
         node.launch()
-        _check_rows(out.get().astype(np.float64), w @ x.astype(np.float64), w, x,
+        _check_rows(out.get().astype(np.float64), w, x,
                     f"{name} [{rows}x{K}]")
 
 
@@ -92,21 +111,21 @@ def test_gemv_multi_segment_bias_norm_add_swiglu():
             for j, ((raw, _), t, o, b) in enumerate(zip(mats, (12, 14, 8), outs, bdev))]
     eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, eps).launch()
     for (raw, w), o, b in zip(mats, outs, biases):
-        _check_rows(o.get().astype(np.float64) - b, w @ xn, w, xn, "segment with bias")
+        _check_rows(o.get().astype(np.float64) - b, w, xn, "segment with bias")
     # add into an existing output (residual)
     raw, w = _matrix(13, 6, K, 3)
     base = rng.normal(size=6).astype(np.float32)
     out = cp.asarray(base)
     eops.gemv("o", "add", [eops.Seg(device_tensor(cp, "o", raw, 13, (K, 6), keep), out)],
               cp.asarray(x), K).launch()
-    _check_rows(out.get().astype(np.float64) - base, w @ x.astype(np.float64), w, x, "add")
+    _check_rows(out.get().astype(np.float64) - base, w, x, "add")
     # swiglu of a Q5_K gate and a Q6_K up (mixed formats, as in the source model)
     (rg, wg), (ru, wu) = _matrix(13, 11, K, 4), _matrix(14, 11, K, 5)
     h = nan_poisoned(cp, 11)
     eops.gemv("ffn", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, 13, (K, 11), keep), h),
                                 eops.Seg(device_tensor(cp, "u", ru, 14, (K, 11), keep), h)],
               cp.asarray(x), K, nw_dev, eps).launch()
-    ref = ops.swiglu(wg @ xn, wu @ xn)
+    ref = ops.swiglu(wg @ _x_seen(xn), wu @ _x_seen(xn))
     got = h.get().astype(np.float64)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
@@ -185,3 +204,20 @@ def test_attention_decode_against_oracle(D, n_head, n_kv, chunk):
     # values), the oracle in fp64: fp16 rounding may then land one half away (2^-10 relative)
     np.testing.assert_allclose(kc.get()[:steps].view(np.float16).astype(np.float64), ks[:steps],
                                rtol=2.0 ** -10, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_gemv_nonfinite_input_is_not_laundered(bad):
+    """Rounding x to integer codes must not turn NaN/Inf into finite numbers: the finite
+    checks (argmax count, then the eager re-run) rely on non-finite values propagating."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    rows, K, keep = 6, 512, []
+    for t in (TYPES["Q4_K"], TYPES["Q8_0"], TYPES["F16"]):
+        raw, _ = _matrix(t, rows, K, seed=t)
+        x = np.random.default_rng(1).normal(size=K).astype(np.float32)
+        x[300] = bad
+        out = cp.zeros(rows, cp.float32)
+        eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep), out)],
+                  cp.asarray(x), K).launch()
+        assert not np.isfinite(out.get()).any(), f"type {t}: non-finite x[300] gave finite rows"

@@ -162,12 +162,20 @@ class EngineBackend:
         self.reset()
         return out
 
-    def node_times(self, token: int = 0) -> list[dict]:
-        """One decode step run eagerly with a CUDA event pair around every node:
-        [{name, kind, fmt, us, bytes, gb_s}] (host launch gaps are not inside the pairs)."""
+    def node_times(self, token: int = 0, method: str = "eager") -> list[dict]:
+        """Per-node time of one decode step: [{name, kind, fmt, us, bytes, gb_s}].
+        method "eager": one eager run with a CUDA event pair around every node (host launch
+        gaps are not inside the pairs); "graph": every node replayed back to back in a CUDA
+        graph of its own (executor.time_nodes_graph), as it runs inside the step graph."""
         self.bufs.state.set(np.array([token, self.pos, 0, 0], np.int32), stream=self.stream)
+        if method == "eager":
+            timed = self.step_exec.time_nodes()
+        elif method == "graph":
+            timed = self.step_exec.time_nodes_graph(restore=(self.bufs.state, self.bufs.x, self.bufs.key))
+        else:
+            raise ConfigError(f"node timing method {method!r}: expected eager or graph")
         rows = []
-        for n, us in self.step_exec.time_nodes():
+        for n, us in timed:
             rows.append({"name": n.name, "kind": n.kind, "fmt": n.fmt, "us": us,
                          "bytes": n.bytes, "gb_s": n.bytes / us / 1e3 if us > 0 else None})
         return rows

@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
-SOURCES = ("gemv.cu", "attention.cu", "misc.cu")
+SOURCES = ("gemv.cu", "gemv_f32.cu", "attention.cu", "misc.cu")
 SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory above this needs an opt-in attribute
 
 
@@ -21,8 +21,11 @@ def _module(source: str):
 @lru_cache(maxsize=None)
 def kernel(name: str):
     """The RawKernel `name` from whichever source defines it (KeyError if none does)."""
-    if name.startswith("gemv_"):  # instantiated by the GEMV_KERNEL macro: no literal name
+    # GEMV kernels are instantiated by a GEMV_KERNEL macro: no literal name to search for
+    if name.startswith("gemv_"):
         return _module("gemv.cu").get_function(name)
+    if name.startswith("gemvf_"):
+        return _module("gemv_f32.cu").get_function(name)
     for src in SOURCES:
         if re.search(rf"\b{re.escape(name)}\(", (KERNEL_DIR / src).read_text()):
             return _module(src).get_function(name)

@@ -3,6 +3,7 @@ argument structs packed exactly as the CUDA structs lay them out."""
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 
@@ -18,6 +19,9 @@ MAX_SEG = 4          # kernels/gemv.cu MAX_SEG
 ATT_WARPS = 8        # kernels/attention.cu ATT_WARPS
 ARGMAX_BLOCKS = 264  # 2 per SM on a 132-SM H200; grid-stride loop covers any vocab
 BLOCKS_PER_SM = 16   # GEMV grid cap (128-thread blocks: 16 fill an SM's 2048 threads)
+# GEMV implementation: "q16" (v4, int16 activations + dp2a, kernels/gemv.cu) or "f32" (v1-v3,
+# fp32 activations, kernels/gemv_f32.cu), kept selectable for same-run A/B measurements.
+GEMV_IMPL = os.environ.get("GGUF_HARNESS_GEMV", "q16")
 SEG_FMT = "<QQQii"   # struct Seg: w, bias, out, type, rows (32 bytes)
 ATTN_FMT = "<8Q5i3f"  # struct AttnArgs (96 bytes)
 
@@ -41,6 +45,13 @@ def warps_per_row(K: int) -> int:
     warp's serial loop leaves the GEMV latency-bound (measured v1: 19 groups, 15 us/node)."""
     groups = -(-K // 256)
     return 1 if groups <= 4 else (2 if groups <= 8 else 4)
+
+
+def gemv_smem(K: int) -> int:
+    """Dynamic shared memory of a q16 GEMV block (kernels/gemv.cu stage_xq): int16 codes,
+    a sum per 8 codes and a float scale per 32 values, for K rounded up to 256."""
+    kp = -(-K // 256) * 256
+    return 2 * kp + 4 * (kp // 8) + 4 * (kp // 32)
 
 
 def seg_table(segs: list[Seg]):
@@ -69,8 +80,14 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         raise ValueError("swiglu takes a gate and an up matrix with equal rows")
     rows = segs[0].w.rows if mode == "swiglu" else sum(s.w.rows for s in segs)
     wpr = warps_per_row(K)
-    k = module.kernel(f"gemv_{mode}_w{wpr}")
-    smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
+    if GEMV_IMPL == "f32":
+        k = module.kernel(f"gemvf_{mode}_w{wpr}")
+        smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
+    elif GEMV_IMPL == "q16":
+        k = module.kernel(f"gemv_{mode}_w{wpr}")
+        smem = gemv_smem(K)
+    else:
+        raise ValueError(f"GGUF_HARNESS_GEMV={GEMV_IMPL!r}: expected q16 or f32")
     module.allow_smem(k, smem)
     table = seg_table(segs)
     wbytes = sum(s.w.nbytes for s in segs)

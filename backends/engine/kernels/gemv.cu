@@ -1,90 +1,218 @@
-// Matrix-vector products directly on GGUF blocks: y[r] = sum_k W[r, k] * x[k].
+// Matrix-vector products directly on GGUF blocks: y[r] = sum_k W[r, k] * x[k]  (engine v4).
 //
-// One launch covers up to MAX_SEG matrices ("segments", e.g. Q, K and V) that share the
-// input vector; each segment has its own GGML type, rows, bias and output. One warp per
-// row, WARPS rows per block; the input vector is staged once per block in shared memory,
-// optionally RMS-normalised on the way (ggml_rms_norm then ggml_mul by the norm weight,
-// llama.cpp src/models/qwen2.cpp), which removes a separate norm node per use.
+// One launch covers up to MAX_SEG matrices ("segments", e.g. Q, K and V, segs.cuh) sharing
+// the input vector. WARPS warps per block, WPR warps per row. Per block:
+//   1. prefetch (to L2) the rows this block computes first, so their HBM latency overlaps 2.
+//   2. stage x in shared memory: optionally RMS-normalised (ggml_rms_norm then ggml_mul by
+//      the norm weight, llama.cpp src/models/qwen2.cpp), then quantised per 32-value block
+//      to int16 codes with a float scale, plus the sum of every 8 codes (qdot8's offsets).
+//   3. walk its rows (grid-stride, each iteration prefetching the next one's rows); every
+//      lane takes 8 weights per 256-value group and calls qdot8 (integer dp2a, qdot.cuh).
 // Epilogues: store (+bias), add into the output (residual stream), SwiGLU of a gate/up
 // pair (silu(gate) * up, llm_graph_context::build_ffn with LLM_FFN_SILU + LLM_FFN_PAR).
-#include "dequant.cuh"
+//
+// Why int16 activations (llama.cpp's mmvq uses int8, q8_1): the integer dot product is what
+// makes the GEMV cheap (docs/perf-notes.md: fp32 dequantisation cost ~30 instructions per
+// weight and made every node latency/issue-bound), and 16-bit codes keep the activation's
+// relative rounding error at <= 2^-16 of its block maximum instead of 2^-8, so the engine
+// stays far more accurate than llama.cpp (tests/test_engine_kernels.py derives the bound).
+#include "qdot.cuh"
+#include "segs.cuh"
 
-#define MAX_SEG 4
-#define WARPS 4
+#define XQ_MAX 32767.f
+#define XQ_FLUSH 1e-30f  // blocks with max |x| below this become zeros (XQ_MAX / amax overflows ~1e-34)
 
-struct Seg {              // 32 bytes, mirrored by backends/engine/ops.py SEG_DTYPE
-    u64 w;                // weight blocks, [rows, row_bytes] u8
-    u64 bias;             // f32 [rows] or 0
-    u64 out;              // f32 [rows]
-    int type;             // GGML type id
-    int rows;
-};
-
-// Lives in device memory (one per node, written once when the step is built): 152 bytes.
-struct SegTable { Seg s[MAX_SEG]; int n; int row_bytes[MAX_SEG]; };
-
-// Stage x [K] into shared memory; with norm != 0: x * rsqrt(mean(x^2) + eps) * norm.
-// x is read with float4 loads (all of a thread's loads in flight at once: the prologue is
-// on the critical path of every node) and stored padded (XPAD in dequant.cuh) so the
-// lanes' float4 reads in row_dot are free of bank conflicts.
-__device__ __forceinline__ void stage_x(const float* __restrict__ x, const float* __restrict__ norm,
-                                        float eps, int K, float* xs, float* scratch) {
-    float ss = 0.f;
-    if ((K & 3) == 0) {
-        const float4* x4 = (const float4*)x;
-#pragma unroll 4
-        for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
-            const float4 v = x4[i];
-            *(float4*)(xs + XPAD(4 * i)) = v;
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-    } else {
-        for (int i = threadIdx.x; i < K; i += blockDim.x) {
-            const float v = x[i];
-            xs[XPAD(i)] = v;
-            ss += v * v;
-        }
-    }
+// Shared-memory layout for K values, Kp = K rounded up to 256 (zero codes beyond K):
+//   int4  xq[Kp / 8]   8 int16 codes per entry (lane L of group g reads entry 32g + L)
+//   int   xs[Kp / 8]   sum of the 8 codes of that entry
+//   float xd[Kp / 32]  scale of each 32-value block (NaN if the block held NaN/Inf)
+// Bytes: 2.625 Kp (mirrored by backends/engine/ops.py gemv_smem).
+__device__ __forceinline__ void stage_xq(const float* __restrict__ x, const float* __restrict__ norm,
+                                         float eps, int K, int4* xq, int* xs, float* xd, float* scratch) {
+    const bool vec = (K & 3) == 0;
+    float scale = 1.f;
     if (norm) {
-        const float scale = rsqrtf(block_sum(ss, scratch) / (float)K + eps);
+        float ss = 0.f;
+        if (vec) {
+            const float4* x4 = (const float4*)x;
 #pragma unroll 4
-        for (int i = threadIdx.x; i < K; i += blockDim.x) xs[XPAD(i)] = xs[XPAD(i)] * scale * norm[i];
+            for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
+                const float4 v = x4[i];
+                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+        } else {
+            for (int i = threadIdx.x; i < K; i += blockDim.x) ss += x[i] * x[i];
+        }
+        scale = rsqrtf(block_sum(ss, scratch) / (float)K + eps);
+    }
+    const int nch = ((K + 255) >> 8) * 32;  // multiple of 32: the c < nch test is warp-uniform
+    for (int c0 = 0; c0 < nch; c0 += blockDim.x) {
+        const int c = c0 + threadIdx.x, i0 = 8 * c;
+        float v[8];
+        if (vec && i0 + 8 <= K) {
+            const float4 a = ((const float4*)x)[2 * c], b = ((const float4*)x)[2 * c + 1];
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = i0 + k < K ? x[i0 + k] : 0.f;
+        }
+        if (norm) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = i0 + k < K ? v[k] * scale * norm[i0 + k] : 0.f;
+        }
+        float am = 0.f;
+        int bad = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            am = fmaxf(am, fabsf(v[k]));
+            bad |= !finite_f32(v[k]);
+        }
+        // the 4 lanes 4j..4j+3 hold one 32-value block
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+        bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+        bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+        if (c < nch) {
+            const float id = am > XQ_FLUSH ? XQ_MAX / am : 0.f;
+            int q[8], s = 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                q[k] = __float2int_rn(v[k] * id);
+                s += q[k];
+            }
+            xq[c] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
+                              (q[4] & 0xffff) | (q[5] << 16), (q[6] & 0xffff) | (q[7] << 16));
+            xs[c] = s;
+            // NaN/Inf must survive quantisation so the finite checks can name this node
+            if ((c & 3) == 0) xd[c >> 2] = bad ? __int_as_float(0x7fc00000) : am / XQ_MAX;
+        }
     }
     __syncthreads();
 }
 
-__device__ __forceinline__ int find_seg(const SegTable& t, int& row) {
-    int i = 0;
-    while (i < t.n - 1 && row >= t.s[i].rows) { row -= t.s[i].rows; ++i; }
-    return i;
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Ask L2 for the 128-byte lines of `rows` bytes at p; the warps of a row share the lines.
+__device__ __forceinline__ void prefetch_bytes(const u8* p, int nbytes, int first, int step) {
+    const u8* end = p + nbytes;
+    for (const u8* a = (const u8*)((size_t)p & ~(size_t)127) + 128 * first; a < end; a += 128 * step)
+        prefetch_l2(a);
+}
+
+__device__ __forceinline__ void prefetch_row(const SegTable& t, int row, int total_rows, bool pair,
+                                             int first, int step) {
+    if (row >= total_rows) return;
+    const int si = pair ? 0 : find_seg(t, row);
+    prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row, t.row_bytes[si], first, step);
+    if (pair) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, t.row_bytes[1], first, step);
+}
+
+// Lane's partial dot product of one row with the staged x over groups g0, g0 + gstep, ...
+// (no early exit, so the loop unrolls and several groups' loads are in flight together).
+template <int T> __device__ __forceinline__ float row_dot(const u8* row, const int4* xq, const int* xs,
+                                                          const float* xd, int K, int lane, int g0, int gstep) {
+    const int ng = (K + 255) / 256;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int g = g0; g < ng; g += gstep) {
+        if (lane_valid<T>(g, lane, K)) {
+            const int c = 32 * g + lane;
+            float r;
+            if constexpr (Fmt<T>::QK == 1) r = fdot8<T>(row, g, lane, K, xq[c]);
+            else r = qdot8<T>(row, g, lane, xq[c], xs[c]);
+            acc = fmaf(r, xd[c >> 2], acc);
+        }
+    }
+    return acc;
+}
+
+// Gate and up rows of the same type in one loop: twice the independent loads per iteration.
+template <int T> __device__ __forceinline__ float2 row_dot2(const u8* r0, const u8* r1, const int4* xq,
+                                                            const int* xs, const float* xd, int K, int lane,
+                                                            int g0, int gstep) {
+    const int ng = (K + 255) / 256;
+    float a0 = 0.f, a1 = 0.f;
+#pragma unroll 2
+    for (int g = g0; g < ng; g += gstep) {
+        if (lane_valid<T>(g, lane, K)) {
+            const int c = 32 * g + lane;
+            const float d = xd[c >> 2];
+            if constexpr (Fmt<T>::QK == 1) {
+                a0 = fmaf(fdot8<T>(r0, g, lane, K, xq[c]), d, a0);
+                a1 = fmaf(fdot8<T>(r1, g, lane, K, xq[c]), d, a1);
+            } else {
+                a0 = fmaf(qdot8<T>(r0, g, lane, xq[c], xs[c]), d, a0);
+                a1 = fmaf(qdot8<T>(r1, g, lane, xq[c], xs[c]), d, a1);
+            }
+        }
+    }
+    return make_float2(a0, a1);
+}
+
+#define FOR_EACH_TYPE(X) X(T_F32) X(T_F16) X(T_BF16) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) \
+    X(T_Q8_0) X(T_Q2_K) X(T_Q3_K) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K)
+
+// Runtime dispatch on the GGML type id (uniform per warp, so no divergence).
+__device__ __forceinline__ float row_dot_any(int type, const u8* row, const int4* xq, const int* xs,
+                                             const float* xd, int K, int lane, int g0, int gstep) {
+    switch (type) {
+#define CASE(T) case T: return row_dot<T>(row, xq, xs, xd, K, lane, g0, gstep);
+        FOR_EACH_TYPE(CASE)
+#undef CASE
+    }
+    return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
+}
+
+__device__ __forceinline__ float2 row_dot2_any(int t0, int t1, const u8* r0, const u8* r1, const int4* xq,
+                                               const int* xs, const float* xd, int K, int lane, int g0,
+                                               int gstep) {
+    if (t0 == t1) {
+        switch (t0) {
+#define CASE(T) case T: return row_dot2<T>(r0, r1, xq, xs, xd, K, lane, g0, gstep);
+            FOR_EACH_TYPE(CASE)
+#undef CASE
+        }
+    }
+    return make_float2(row_dot_any(t0, r0, xq, xs, xd, K, lane, g0, gstep),
+                       row_dot_any(t1, r1, xq, xs, xd, K, lane, g0, gstep));
 }
 
 // MODE 0: out = y (+ bias); MODE 1: out += y (+ bias); MODE 2: SwiGLU, segments 0 and 1 are
 // gate and up with equal rows, out(seg 0) = silu(gate) * up.
-// WPR warps share one row (each takes every WPR-th 256-value group; partial sums meet in
-// shared memory), so long rows are not one warp's serial loop. A block stages x once and
-// then walks row groups with a grid-stride loop (the grid is capped near full occupancy,
-// so the staging cost is paid per resident block, not per 4 rows).
 template <int MODE, int WPR>
 __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, float eps, int K,
                           int total_rows) {
-    extern __shared__ float xs[];
+    extern __shared__ int4 smem4[];
     __shared__ float scratch[32];
     __shared__ float part[2][WARPS];
-    stage_x(x, norm, eps, K, xs, scratch);
+    const int Kp = (K + 255) & ~255;
+    int4* xq = smem4;
+    int* xs = (int*)(smem4 + Kp / 8);
+    float* xd = (float*)(xs + Kp / 8);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % WPR;
-    const int rows_per_block = WARPS / WPR;
-    for (int base = blockIdx.x * rows_per_block; base < total_rows; base += gridDim.x * rows_per_block) {
+    const int rows_per_block = WARPS / WPR, stride = gridDim.x * rows_per_block;
+    const int first = blockIdx.x * rows_per_block + warp / WPR;
+    prefetch_row(t, first, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
+    stage_xq(x, norm, eps, K, xq, xs, xd, scratch);
+    for (int base = blockIdx.x * rows_per_block; base < total_rows; base += stride) {
         int row = base + warp / WPR;
+        prefetch_row(t, row + stride, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
         float y = 0.f, up = 0.f;
         int si = 0;
         if (row < total_rows) {
-            si = MODE == 2 ? 0 : find_seg(t, row);
-            const Seg& s = t.s[si];
-            y = row_dot_any(s.type, (const u8*)s.w + (size_t)t.row_bytes[si] * row, xs, K, lane, sub, WPR);
             if (MODE == 2) {
-                const Seg& u = t.s[1];
-                up = row_dot_any(u.type, (const u8*)u.w + (size_t)t.row_bytes[1] * row, xs, K, lane, sub, WPR);
+                const float2 r = row_dot2_any(t.s[0].type, t.s[1].type,
+                                              (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row,
+                                              (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row,
+                                              xq, xs, xd, K, lane, sub, WPR);
+                y = r.x;
+                up = r.y;
+            } else {
+                si = find_seg(t, row);
+                y = row_dot_any(t.s[si].type, (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row,
+                                xq, xs, xd, K, lane, sub, WPR);
             }
         }
         y = warp_sum(y);
