@@ -165,11 +165,16 @@ def test_argmax_ties_nonfinite_and_finish():
     assert s[0] == 777 and s[1] == 42 and s[2] == 2 and int(key.get()[0]) == 0
 
 
+@pytest.mark.parametrize("impl", ["v3", "gqa"])
 @pytest.mark.parametrize("D,n_head,n_kv,chunk", [(16, 4, 2, 0), (48, 3, 1, 16), (64, 14, 2, 0), (128, 12, 2, 0), (64, 4, 4, 16),
-                                                 (256, 6, 2, 0), (128, 8, 1, 16)])
-def test_attention_decode_against_oracle(D, n_head, n_kv, chunk):
+                                                 (256, 6, 2, 0), (128, 8, 1, 16), (64, 16, 2, 0)])
+def test_attention_decode_against_oracle(D, n_head, n_kv, chunk, impl):
     cp = cupy_or_skip()
     from backends.engine import ops as eops
+    if impl == "gqa" and (D not in eops.GQA_DIMS or n_head // n_kv > eops.GQA_MAXG):
+        pytest.skip("shape outside the gqa kernel (falls back to v3)")
+    if impl == "gqa" and chunk:
+        pytest.skip("the gqa kernel splits on its own")
     n_ctx, steps, base = 64, 40, 10000.0
     rng = np.random.default_rng(D + n_head)
     kc = cp.zeros((n_ctx, n_kv, D), cp.uint16)
@@ -181,7 +186,8 @@ def test_attention_decode_against_oracle(D, n_head, n_kv, chunk):
     part = cp.zeros(n_head * n_split * (D + 2), cp.float32) if chunk else None
     nodes = eops.attention("a", q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
                            n_rot=D, freq_base=base, freq_scale=1.0, n_ctx=n_ctx, chunk=chunk,
-                           part=part)
+                           part=part, impl=impl)
+    assert ("attn_gqa" in nodes[0].kernel.name) == (impl == "gqa")
     ks, vs = np.zeros((n_ctx, n_kv, D)), np.zeros((n_ctx, n_kv, D))
     for pos in range(steps):
         qh, kh, vh = (rng.normal(size=(1, n, D)) for n in (n_head, n_kv, n_kv))
@@ -221,3 +227,35 @@ def test_gemv_nonfinite_input_is_not_laundered(bad):
         eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep), out)],
                   cp.asarray(x), K).launch()
         assert not np.isfinite(out.get()).any(), f"type {t}: non-finite x[300] gave finite rows"
+
+
+def test_gemv_every_block_shape():
+    """Every (warps per block, warps per row) instantiation of the q16 GEMV, on formats with
+    32- and 256-value blocks, rows not a multiple of the rows per block, all three modes."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("block shapes are a q16 option")
+    K, keep = 2304, []
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=K).astype(np.float32)
+    for t in (TYPES["Q5_0"], TYPES["Q6_K"]):
+        raw, w = _matrix(t, 37, K, seed=t)
+        (rg, wg), (ru, wu) = _matrix(t, 37, K, seed=t + 1), _matrix(t, 37, K, seed=t + 2)
+        for nw, wpr in sorted(eops.GEMV_SHAPES):
+            what = f"type {t} b{nw} w{wpr}"
+            out = nan_poisoned(cp, 37)
+            eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, 37), keep), out)],
+                      cp.asarray(x), K, wpr=wpr, nw=nw).launch()
+            _check_rows(out.get().astype(np.float64), w, x, what)
+            base = rng.normal(size=37).astype(np.float32)
+            acc = cp.asarray(base)
+            eops.gemv("t", "add", [eops.Seg(device_tensor(cp, "w", raw, t, (K, 37), keep), acc)],
+                      cp.asarray(x), K, wpr=wpr, nw=nw).launch()
+            _check_rows(acc.get().astype(np.float64) - base, w, x, what + " add")
+            h = nan_poisoned(cp, 37)
+            eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K, 37), keep), h),
+                                      eops.Seg(device_tensor(cp, "u", ru, t, (K, 37), keep), h)],
+                      cp.asarray(x), K, wpr=wpr, nw=nw).launch()
+            ref = ops.swiglu(wg @ _x_seen(x), wu @ _x_seen(x))
+            np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=what)

@@ -18,10 +18,16 @@ WARPS = 4            # rows per GEMV block (kernels/gemv.cu WARPS)
 MAX_SEG = 4          # kernels/gemv.cu MAX_SEG
 ATT_WARPS = 8        # kernels/attention.cu ATT_WARPS
 ARGMAX_BLOCKS = 264  # 2 per SM on a 132-SM H200; grid-stride loop covers any vocab
-BLOCKS_PER_SM = 16   # GEMV grid cap (128-thread blocks: 16 fill an SM's 2048 threads)
 # GEMV implementation: "q16" (v4, int16 activations + dp2a, kernels/gemv.cu) or "f32" (v1-v3,
 # fp32 activations, kernels/gemv_f32.cu), kept selectable for same-run A/B measurements.
 GEMV_IMPL = os.environ.get("GGUF_HARNESS_GEMV", "q16")
+# Attention: "gqa" (v4, kernels/attention_gqa.cu, head dims 64/128/256, <= 8 query heads per
+# KV head; other shapes fall back) or "v3" (kernels/attention.cu, one block per query head).
+ATTN_IMPL = os.environ.get("GGUF_HARNESS_ATTN", "gqa")
+GQA_DIMS = (64, 128, 256)
+GQA_MAXG = 8         # kernels/attention_gqa.cu MAXG
+GQA_WARPS = 4        # kernels/attention_gqa.cu NWARP
+GQA_FMT = "<9Q5i3f"  # struct GqaArgs (104 bytes)
 SEG_FMT = "<QQQii"   # struct Seg: w, bias, out, type, rows (32 bytes)
 ATTN_FMT = "<8Q5i3f"  # struct AttnArgs (96 bytes)
 
@@ -47,6 +53,15 @@ def warps_per_row(K: int) -> int:
     return 1 if groups <= 4 else (2 if groups <= 8 else 4)
 
 
+# (warps per block, warps per row) pairs instantiated in kernels/gemv.cu (GEMV_MODES)
+GEMV_SHAPES = {(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4), (8, 8)}
+
+
+def gemv_shape(K: int, rows: int) -> tuple[int, int]:
+    """(warps per row, warps per block) of a q16 GEMV node."""
+    return warps_per_row(K), WARPS
+
+
 def gemv_smem(K: int) -> int:
     """Dynamic shared memory of a q16 GEMV block (kernels/gemv.cu stage_xq): int16 codes,
     a sum per 8 codes and a float scale per 32 values, for K rounded up to 256."""
@@ -66,11 +81,12 @@ def seg_table(segs: list[Seg]):
 
 
 def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | None = None,
-         eps: float = 0.0) -> Node:
+         eps: float = 0.0, wpr: int | None = None, nw: int | None = None) -> Node:
     """y = W x for every segment (mode "store" | "add" | "swiglu", see kernels/gemv.cu).
 
     x: cupy float32 [K]; every segment's weights must have ne[0] == K. norm: F32 [K] weight
-    of an RMSNorm applied to x first. Raises UnsupportedError / ValueError on bad input.
+    of an RMSNorm applied to x first. wpr / nw: warps per row / per block (q16 only; default
+    gemv_shape). Raises UnsupportedError / ValueError on bad input.
     """
     for s in segs:
         check_type(s.w.type_id, s.w.name)
@@ -79,12 +95,16 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     if mode == "swiglu" and (len(segs) != 2 or segs[0].w.rows != segs[1].w.rows):
         raise ValueError("swiglu takes a gate and an up matrix with equal rows")
     rows = segs[0].w.rows if mode == "swiglu" else sum(s.w.rows for s in segs)
-    wpr = warps_per_row(K)
     if GEMV_IMPL == "f32":
+        wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
     elif GEMV_IMPL == "q16":
-        k = module.kernel(f"gemv_{mode}_w{wpr}")
+        dw, dn = gemv_shape(K, sum(s.w.rows for s in segs))
+        wpr, nw = wpr or dw, nw or dn
+        if (nw, wpr) not in GEMV_SHAPES:
+            raise ValueError(f"no q16 GEMV kernel with {wpr} warps per row, {nw} per block")
+        k = module.kernel(f"gemv_{mode}_w{wpr}_b{nw}")
         smem = gemv_smem(K)
     else:
         raise ValueError(f"GGUF_HARNESS_GEMV={GEMV_IMPL!r}: expected q16 or f32")
@@ -92,22 +112,39 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     table = seg_table(segs)
     wbytes = sum(s.w.nbytes for s in segs)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
-    grid = min(math.ceil(rows / (WARPS // wpr)), BLOCKS_PER_SM * module.sm_count())
-    return Node(name, "gemv", k, (grid,), (WARPS * 32,),
+    grid = min(math.ceil(rows / (nw // wpr)), (2048 // (32 * nw)) * module.sm_count())
+    return Node(name, "gemv", k, (grid,), (nw * 32,),
                 (table, x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
                  np.int32(rows)), smem=smem, bytes=wbytes + act,
                 flops=2 * K * sum(s.w.rows for s in segs), out=segs[0].out,
                 fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[table])
 
 
+def gqa_splits(n_ctx: int) -> int:
+    """Context splits of the v4 attention: >= 16 blocks per KV head, <= 128 positions each."""
+    return max(16, -(-n_ctx // 128))
+
+
 def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int, D: int,
               n_rot: int, freq_base: float, freq_scale: float, n_ctx: int,
-              chunk: int = 0, part=None) -> list[Node]:
-    """Decode attention nodes (kernels/attention.cu): one pass when chunk == 0, else split
-    over the context in chunks of `chunk` positions plus a merge node (part: float32
-    [n_head * n_split * (D + 2)] workspace)."""
+              chunk: int = 0, part=None, impl: str | None = None, splits: int | None = None) -> list[Node]:
+    """Decode attention nodes for one new token (q [n_head*D], k, v [n_kv*D] float32; kc, vc
+    fp16 caches [n_ctx, n_kv, D]; state[1] = position; out [n_head*D] float32).
+
+    impl "gqa" (default where the shape allows, kernels/attention_gqa.cu): one node, blocks
+    over (KV head, context split), `splits` parts (default gqa_splits(n_ctx)) merged by the
+    last block. impl "v3" (kernels/attention.cu): one pass when chunk == 0, else split over
+    the context in chunks of `chunk` positions plus a merge node (part: float32
+    [n_head * n_split * (D + 2)] workspace). Raises ValueError on unsupported shapes."""
     if D > 256 or n_head % n_kv or n_rot > D or n_rot % 2:
         raise ValueError(f"attention shape not supported: D={D} n_head={n_head} n_kv={n_kv} n_rot={n_rot}")
+    impl = impl or ATTN_IMPL
+    if impl == "gqa" and D in GQA_DIMS and n_head // n_kv <= GQA_MAXG:
+        return [_attention_gqa(name, q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
+                               n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale, n_ctx=n_ctx,
+                               splits=splits or gqa_splits(n_ctx))]
+    if impl not in ("gqa", "v3"):
+        raise ValueError(f"attention impl {impl!r}: expected gqa or v3")
     n_split = 1 if chunk == 0 else math.ceil(n_ctx / chunk)
     if n_split > 1 and (part is None or part.size < n_head * n_split * (D + 2)):
         raise ValueError("split attention needs a partials workspace")
@@ -124,6 +161,24 @@ def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int,
                           (min(D, 256),), (args, np.int32(n_split)),
                           bytes=4 * n_head * n_split * (D + 2), out=out, keep=[args]))
     return nodes
+
+
+def _attention_gqa(name, q, k, v, kc, vc, state, out, *, n_head, n_kv, D, n_rot, freq_base,
+                   freq_scale, n_ctx, splits) -> Node:
+    import cupy as cp
+    G = n_head // n_kv
+    chunk_max = -(-n_ctx // splits)
+    part = cp.zeros(n_kv * splits * G * (D + 2), cp.float32)
+    counter = cp.zeros(n_kv, cp.int32)
+    raw = struct.pack(GQA_FMT, *(int(a.data.ptr) for a in (q, k, v, kc, vc, state, out, part, counter)),
+                      n_head, n_kv, n_rot, splits, chunk_max, freq_base, 1.0 / math.sqrt(D), freq_scale)
+    args = _device_bytes(raw)
+    k_fn = module.kernel(f"attn_gqa_d{D}")
+    smem = 4 * (G * D + G * chunk_max + GQA_WARPS * G * D)  # qs, scores, warp sums
+    module.allow_smem(k_fn, smem)
+    kv_bytes = 2 * 2 * n_ctx * n_kv * D  # upper bound: the whole cache of this layer, fp16
+    return Node(name, "attention", k_fn, (n_kv, splits), (GQA_WARPS * 32,), (args,), smem=smem,
+                bytes=kv_bytes, flops=4 * n_ctx * n_head * D, out=out, keep=[args, part, counter])
 
 
 def embed(name: str, table: DeviceTensor, state, x) -> Node:

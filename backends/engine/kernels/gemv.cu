@@ -1,7 +1,7 @@
 // Matrix-vector products directly on GGUF blocks: y[r] = sum_k W[r, k] * x[k]  (engine v4).
 //
 // One launch covers up to MAX_SEG matrices ("segments", e.g. Q, K and V, segs.cuh) sharing
-// the input vector. WARPS warps per block, WPR warps per row. Per block:
+// the input vector. NW warps per block, WPR warps per row. Per block:
 //   1. prefetch (to L2) the rows this block computes first, so their HBM latency overlaps 2.
 //   2. stage x in shared memory: optionally RMS-normalised (ggml_rms_norm then ggml_mul by
 //      the norm weight, llama.cpp src/models/qwen2.cpp), then quantised per 32-value block
@@ -27,38 +27,38 @@
 //   int   xs[Kp / 8]   sum of the 8 codes of that entry
 //   float xd[Kp / 32]  scale of each 32-value block (NaN if the block held NaN/Inf)
 // Bytes: 2.625 Kp (mirrored by backends/engine/ops.py gemv_smem).
-__device__ __forceinline__ void stage_xq(const float* __restrict__ x, const float* __restrict__ norm,
-                                         float eps, int K, int4* xq, int* xs, float* xd, float* scratch) {
-    const bool vec = (K & 3) == 0;
-    float scale = 1.f;
-    if (norm) {
-        float ss = 0.f;
-        if (vec) {
-            const float4* x4 = (const float4*)x;
-#pragma unroll 4
-            for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
-                const float4 v = x4[i];
-                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-        } else {
-            for (int i = threadIdx.x; i < K; i += blockDim.x) ss += x[i] * x[i];
-        }
-        scale = rsqrtf(block_sum(ss, scratch) / (float)K + eps);
-    }
+//
+// One pass over x: with an RMSNorm, the codes are those of y = x * norm_weight and the
+// norm's scalar 1/rms(x) is returned, to be applied to each finished row sum (scaling a
+// block does not change its codes, so this equals quantising the normalised vector up to
+// float rounding at code ties); without a norm it returns 1. The block reduction's
+// barriers also publish the shared-memory codes.
+__device__ __forceinline__ float stage_xq(const float* __restrict__ x, const float* __restrict__ norm,
+                                          float eps, int K, int4* xq, int* xs, float* xd, float* scratch) {
+    const bool vec = (K & 7) == 0;
     const int nch = ((K + 255) >> 8) * 32;  // multiple of 32: the c < nch test is warp-uniform
+    float ss = 0.f;
+#pragma unroll 2
     for (int c0 = 0; c0 < nch; c0 += blockDim.x) {
         const int c = c0 + threadIdx.x, i0 = 8 * c;
         float v[8];
         if (vec && i0 + 8 <= K) {
             const float4 a = ((const float4*)x)[2 * c], b = ((const float4*)x)[2 * c + 1];
             v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+            if (norm) {
+                const float4 na = ((const float4*)norm)[2 * c], nb = ((const float4*)norm)[2 * c + 1];
+                ss += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] + v[6] * v[6] + v[7] * v[7];
+                v[0] *= na.x; v[1] *= na.y; v[2] *= na.z; v[3] *= na.w; v[4] *= nb.x; v[5] *= nb.y; v[6] *= nb.z; v[7] *= nb.w;
+            }
         } else {
 #pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = i0 + k < K ? x[i0 + k] : 0.f;
-        }
-        if (norm) {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = i0 + k < K ? v[k] * scale * norm[i0 + k] : 0.f;
+            for (int k = 0; k < 8; ++k) {
+                v[k] = i0 + k < K ? x[i0 + k] : 0.f;
+                if (norm) {
+                    ss += v[k] * v[k];
+                    v[k] = i0 + k < K ? v[k] * norm[i0 + k] : 0.f;
+                }
+            }
         }
         float am = 0.f;
         int bad = 0;
@@ -87,7 +87,8 @@ __device__ __forceinline__ void stage_xq(const float* __restrict__ x, const floa
             if ((c & 3) == 0) xd[c >> 2] = bad ? __int_as_float(0x7fc00000) : am / XQ_MAX;
         }
     }
-    __syncthreads();
+    const float tot = block_sum(ss, scratch);  // barriers: codes visible to every warp
+    return norm ? rsqrtf(tot / (float)K + eps) : 1.f;
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
@@ -181,21 +182,21 @@ __device__ __forceinline__ float2 row_dot2_any(int t0, int t1, const u8* r0, con
 
 // MODE 0: out = y (+ bias); MODE 1: out += y (+ bias); MODE 2: SwiGLU, segments 0 and 1 are
 // gate and up with equal rows, out(seg 0) = silu(gate) * up.
-template <int MODE, int WPR>
+template <int MODE, int WPR, int NW>
 __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, float eps, int K,
                           int total_rows) {
     extern __shared__ int4 smem4[];
     __shared__ float scratch[32];
-    __shared__ float part[2][WARPS];
+    __shared__ float part[2][NW];
     const int Kp = (K + 255) & ~255;
     int4* xq = smem4;
     int* xs = (int*)(smem4 + Kp / 8);
     float* xd = (float*)(xs + Kp / 8);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % WPR;
-    const int rows_per_block = WARPS / WPR, stride = gridDim.x * rows_per_block;
+    const int rows_per_block = NW / WPR, stride = gridDim.x * rows_per_block;
     const int first = blockIdx.x * rows_per_block + warp / WPR;
     prefetch_row(t, first, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
-    stage_xq(x, norm, eps, K, xq, xs, xd, scratch);
+    const float xscale = stage_xq(x, norm, eps, K, xq, xs, xd, scratch);
     for (int base = blockIdx.x * rows_per_block; base < total_rows; base += stride) {
         int row = base + warp / WPR;
         prefetch_row(t, row + stride, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
@@ -215,8 +216,8 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
                                 xq, xs, xd, K, lane, sub, WPR);
             }
         }
-        y = warp_sum(y);
-        if (MODE == 2) up = warp_sum(up);
+        y = warp_sum(y) * xscale;
+        if (MODE == 2) up = warp_sum(up) * xscale;
         if (WPR > 1) {
             if (lane == 0) { part[0][warp] = y; part[1][warp] = up; }
             __syncthreads();
@@ -237,19 +238,14 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
     }
 }
 
-#define GEMV_KERNEL(NAME, MODE, WPR)                                                            \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                    \
-    NAME(const SegTable* __restrict__ t, const float* x, const float* norm, float eps, int K,   \
-         int total_rows) {                                                                      \
-        gemv_body<MODE, WPR>(*t, x, norm, eps, K, total_rows);                                  \
+#define GEMV_KERNEL(MODE, MNAME, WPR, NW)                                                      \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                       \
+    gemv_##MNAME##_w##WPR##_b##NW(const SegTable* __restrict__ t, const float* x, const float* norm, \
+                                  float eps, int K, int total_rows) {                           \
+        gemv_body<MODE, WPR, NW>(*t, x, norm, eps, K, total_rows);                              \
     }
-// kernel names: gemv_<mode>_w<warps per row>
-GEMV_KERNEL(gemv_store_w1, 0, 1)
-GEMV_KERNEL(gemv_store_w2, 0, 2)
-GEMV_KERNEL(gemv_store_w4, 0, 4)
-GEMV_KERNEL(gemv_add_w1, 1, 1)
-GEMV_KERNEL(gemv_add_w2, 1, 2)
-GEMV_KERNEL(gemv_add_w4, 1, 4)
-GEMV_KERNEL(gemv_swiglu_w1, 2, 1)
-GEMV_KERNEL(gemv_swiglu_w2, 2, 2)
-GEMV_KERNEL(gemv_swiglu_w4, 2, 4)
+#define GEMV_MODES(WPR, NW) GEMV_KERNEL(0, store, WPR, NW) GEMV_KERNEL(1, add, WPR, NW) \
+    GEMV_KERNEL(2, swiglu, WPR, NW)
+// kernel names: gemv_<mode>_w<warps per row>_b<warps per block>
+GEMV_MODES(1, 4) GEMV_MODES(2, 4) GEMV_MODES(4, 4)
+GEMV_MODES(1, 8) GEMV_MODES(2, 8) GEMV_MODES(4, 8) GEMV_MODES(8, 8)

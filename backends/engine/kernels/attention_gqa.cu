@@ -1,0 +1,205 @@
+// Decode attention v4: one block per (KV head g, context split s), all query heads of the
+// group at once, the context split into NS parts merged by the last block to finish.
+//
+// Same semantics as attention.cu (llama.cpp src/models/qwen2.cpp + ggml_rope_ext mode NEOX,
+// build_attn: softmax(q.k / sqrt(D)) . v, query head h reads KV head h / (n_head / n_kv);
+// the new token's k and v are rounded to fp16 as the cache stores them). Why a second
+// kernel (docs/perf-notes.md, engine v4): attention.cu used one block per query head, so a
+// 14-head model ran 14 blocks on 132 SMs, each walking the whole context; here every K/V
+// row is read once per group (not once per query head) and the context is spread over
+// n_kv * NS blocks. Split-context merge as in flash-decoding (Dao et al. 2023); online
+// softmax maths: Milakov & Gimelshein 2018.
+//
+// Per block, 4 warps, positions [t0, t1) of this split (chunk = ceil((pos + 1) / NS)):
+//   A. q of the G heads: RoPE, scale -> shared; the block owning `pos` also ropes k and
+//      writes the new k, v rows to the cache (it is the only block that reads that row).
+//   B. scores: warp w takes positions t0 + w + 4i; lanes split the D dims (D/32 each);
+//      one warp reduction per head.
+//   C. softmax per head over the block's positions (max, exp, sum) in shared memory.
+//   D. p . v: warps over positions, lanes over dims, G accumulators per lane; the 4 warps'
+//      sums meet in shared memory -> unnormalised partial (o, m, l) to global memory.
+//   E. the last block of group g (atomic counter, reset for the next launch) merges the NS
+//      partials: out = sum_s o_s e^{m_s - M} / sum_s l_s e^{m_s - M}.
+#include "common.cuh"
+
+#define NWARP 4
+#define MAXG 8   // query heads per KV head
+
+struct GqaArgs {
+    const float* q; const float* k; const float* v;   // [n_head*D], [n_kv*D], [n_kv*D]
+    u16* kc; u16* vc;                                 // [n_ctx, n_kv, D] fp16
+    const int* state;                                 // state[1] = position of the new token
+    float* out;                                       // [n_head*D]
+    float* part;                                      // [n_kv, NS, G, D + 2]
+    int* counter;                                     // [n_kv], zero between launches
+    int n_head, n_kv, n_rot, ns, chunk_max;
+    float freq_base, scale, freq_scale;
+};
+
+__device__ __forceinline__ float rope_theta(const GqaArgs& a, int pos, int p) {
+    return a.freq_scale * (float)pos * powf(a.freq_base, -2.f * (float)p / (float)a.n_rot);
+}
+
+// Element i of a rotated head vector x (NEOX pairs (p, p + n_rot/2)).
+__device__ __forceinline__ float rope_elem(const GqaArgs& a, const float* x, int i, int pos) {
+    const int half = a.n_rot / 2;
+    if (i >= a.n_rot) return x[i];
+    const int p = i < half ? i : i - half;
+    float sn, cs;
+    sincosf(rope_theta(a, pos, p), &sn, &cs);
+    const float x0 = x[p], x1 = x[p + half];
+    return i < half ? x0 * cs - x1 * sn : x0 * sn + x1 * cs;
+}
+
+template <int D>
+__device__ void attn_gqa_body(const GqaArgs& a) {
+    constexpr int E = D / 32;  // dims per lane
+    extern __shared__ float sm[];
+    const int G = a.n_head / a.n_kv, g = blockIdx.x, s = blockIdx.y, NS = a.ns;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    float* qs = sm;                          // [G][D]
+    float* sc = qs + G * D;                  // [G][chunk_max]
+    float* red = sc + G * a.chunk_max;       // [NWARP][G][D]  (bytes: backends/engine/ops.py)
+    __shared__ float mh[MAXG], lh[MAXG];
+    __shared__ int last;
+    const int pos = a.state[1], n = pos + 1;
+    const int chunk = (n + NS - 1) / NS, t0 = s * chunk, t1 = min(n, t0 + chunk), P = max(0, t1 - t0);
+    const size_t row = (size_t)a.n_kv * D;
+    // A. q (and, in the block owning pos, the new k/v row)
+    for (int idx = tid; idx < G * D; idx += blockDim.x) {
+        const int h = idx / D, i = idx - h * D;
+        qs[idx] = rope_elem(a, a.q + (size_t)(g * G + h) * D, i, pos) * a.scale;
+    }
+    if (t0 <= pos && pos < t1) {
+        for (int i = tid; i < D; i += blockDim.x) {
+            const size_t o = (size_t)pos * row + (size_t)g * D + i;
+            a.kc[o] = f2h(rope_elem(a, a.k + (size_t)g * D, i, pos));
+            a.vc[o] = f2h(a.v[(size_t)g * D + i]);
+        }
+    }
+    __syncthreads();
+    // B. scores
+    float qr[MAXG][E];
+#pragma unroll
+    for (int h = 0; h < MAXG; ++h)
+#pragma unroll
+        for (int e = 0; e < E; ++e) qr[h][e] = h < G ? qs[h * D + lane * E + e] : 0.f;
+    const u16* kb = a.kc + (size_t)g * D + lane * E;
+#pragma unroll 2
+    for (int t = t0 + warp; t < t1; t += NWARP) {
+        float kv[E];
+        const u16* kr = kb + (size_t)t * row;
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+            const u32 w = *(const u32*)(kr + e);
+            kv[e] = h2f((u16)(w & 0xffff));
+            kv[e + 1] = h2f((u16)(w >> 16));
+        }
+#pragma unroll
+        for (int h = 0; h < MAXG; ++h) {
+            if (h < G) {
+                float d = 0.f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) d = fmaf(qr[h][e], kv[e], d);
+                d = warp_sum(d);
+                if (lane == 0) sc[h * a.chunk_max + (t - t0)] = d;
+            }
+        }
+    }
+    __syncthreads();
+    // C. softmax per head over this block's positions
+    for (int h = warp; h < G; h += NWARP) {
+        float* sh = sc + h * a.chunk_max;
+        float m = -INFINITY;
+        for (int j = lane; j < P; j += 32) m = fmaxf(m, sh[j]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int j = lane; j < P; j += 32) {
+            const float p = expf(sh[j] - m);
+            sh[j] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) { mh[h] = m; lh[h] = l; }
+    }
+    __syncthreads();
+    // D. p . v
+    float acc[MAXG][E];
+#pragma unroll
+    for (int h = 0; h < MAXG; ++h)
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
+    const u16* vb = a.vc + (size_t)g * D + lane * E;
+#pragma unroll 2
+    for (int t = t0 + warp; t < t1; t += NWARP) {
+        float vv[E];
+        const u16* vr = vb + (size_t)t * row;
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+            const u32 w = *(const u32*)(vr + e);
+            vv[e] = h2f((u16)(w & 0xffff));
+            vv[e + 1] = h2f((u16)(w >> 16));
+        }
+#pragma unroll
+        for (int h = 0; h < MAXG; ++h) {
+            if (h < G) {
+                const float p = sc[h * a.chunk_max + (t - t0)];
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[h][e] = fmaf(p, vv[e], acc[h][e]);
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < MAXG; ++h)
+        if (h < G)
+#pragma unroll
+            for (int e = 0; e < E; ++e) red[(warp * G + h) * D + lane * E + e] = acc[h][e];
+    __syncthreads();
+    float* part = a.part + ((size_t)g * NS + s) * G * (D + 2);
+    for (int idx = tid; idx < G * D; idx += blockDim.x) {
+        const int h = idx / D, i = idx - h * D;
+        float o = 0.f;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) o += red[(w * G + h) * D + i];
+        part[h * (D + 2) + i] = o;
+        if (i == 0) {
+            part[h * (D + 2) + D] = P > 0 ? mh[h] : -INFINITY;
+            part[h * (D + 2) + D + 1] = P > 0 ? lh[h] : 0.f;
+        }
+    }
+    // E. the last block of the group merges (threadfence: partials visible before the count)
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        last = atomicAdd(a.counter + g, 1) == NS - 1;
+        if (last) a.counter[g] = 0;  // ready for the next launch (graph replay)
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* pg = a.part + (size_t)g * NS * G * (D + 2);
+    for (int idx = tid; idx < G * D; idx += blockDim.x) {
+        const int h = idx / D, i = idx - h * D;
+        float M = -INFINITY;
+        for (int j = 0; j < NS; ++j) M = fmaxf(M, __ldcg(pg + ((size_t)j * G + h) * (D + 2) + D));
+        float o = 0.f, L = 0.f;
+        for (int j = 0; j < NS; ++j) {
+            const float* pj = pg + ((size_t)j * G + h) * (D + 2);
+            const float mj = __ldcg(pj + D);
+            if (mj == -INFINITY) continue;  // empty split (beyond the current position)
+            const float w = expf(mj - M);
+            o += __ldcg(pj + i) * w;
+            L += __ldcg(pj + D + 1) * w;
+        }
+        a.out[(size_t)(g * G + h) * D + i] = o / L;
+    }
+}
+
+#define GQA_KERNEL(D) \
+    extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_gqa_d##D(const GqaArgs* __restrict__ ap) { \
+        const GqaArgs a = *ap;                                                                              \
+        attn_gqa_body<D>(a);                                                                                \
+    }
+GQA_KERNEL(64)
+GQA_KERNEL(128)
+GQA_KERNEL(256)
