@@ -44,9 +44,10 @@ class OracleBackend:
 
     def __init__(self, cache_dir: str | os.PathLike | None = None,
                  capture: Callable[[str, int, np.ndarray], None] | None = None,
-                 kv_round: str | None = None) -> None:
+                 kv_round: str | None = None, act_round: str | None = None) -> None:
         env = os.environ.get(CACHE_ENV)
         self._kv_round = kv_round  # "f16": emulate an fp16 KV cache (kernel tests)
+        self._act_round = act_round  # "engine": the engine's GEMV input rounding (qwen2)
         self._cache_dir = Path(cache_dir) if cache_dir else (Path(env) if env else None)
         self._capture = capture
         self._oracle = None
@@ -71,6 +72,8 @@ class OracleBackend:
         arch = open_gguf(model.path).arch  # header only: cheap, and checks the file first
         cls = _oracle_class(arch)
         extra = {"kv_round": self._kv_round} if self._kv_round else {}
+        if self._act_round:
+            extra["act_round"] = self._act_round
         self._oracle = cls(model.path, n_ctx=cfg.n_ctx, cache_dir=self._cache_dir,
                            sha256=model.sha256, capture=self._capture, **extra)
         self.load_seconds = self._oracle.load_seconds

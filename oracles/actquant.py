@@ -64,21 +64,22 @@ Q16_FLUSH = 1e-30  # kernels/gemv.cu XQ_FLUSH
 
 
 def round_q16(x) -> np.ndarray:
-    """x [k] -> float64 values after the engine's GEMV input rounding (engine v4,
+    """x [..., k] -> float64 values after the engine's GEMV input rounding (engine v4,
     backends/engine/kernels/gemv.cu stage_xq), float32 arithmetic as the kernel does it:
-    per 32-value block (the last one zero-padded) amax = max|x|, q = round-half-even(x *
-    (32767 / amax)) as int16, value = q * (amax / 32767). |value - x| <= amax / 65534 (up to
-    float32 rounding of the scale). Blocks with amax <= Q16_FLUSH become zeros (32767 / amax
-    would overflow float32 below ~1e-34)."""
-    x = np.asarray(x, dtype=np.float64).astype(F32).reshape(-1)
-    k = x.size
-    b = np.concatenate([x, np.zeros(-k % 32, F32)]).reshape(-1, 32)
+    per 32-value block of each row (the last one zero-padded) amax = max|x|, q =
+    round-half-even(x * (32767 / amax)) as int16, value = q * (amax / 32767).
+    |value - x| <= amax / 65534 (up to float32 rounding of the scale). Blocks with
+    amax <= Q16_FLUSH become zeros (32767 / amax would overflow float32 below ~1e-34)."""
+    x = np.asarray(x, dtype=np.float64).astype(F32)
+    shape, k = x.shape, x.shape[-1]
+    rows = x.reshape(-1, k)
+    b = np.concatenate([rows, np.zeros((rows.shape[0], -k % 32), F32)], axis=1).reshape(rows.shape[0], -1, 32)
     amax = np.max(np.abs(b), axis=-1, keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > F32(Q16_FLUSH), F32(32767) / amax, F32(0)).astype(F32)
     q = np.rint((b * inv).astype(F32))
     d = (amax / F32(32767)).astype(F32).astype(np.float64)
-    return (q * d).reshape(-1)[:k]
+    return (q * d).reshape(rows.shape[0], -1)[:, :k].reshape(shape)
 
 
 def q16_error_bound(x) -> np.ndarray:

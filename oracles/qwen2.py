@@ -26,7 +26,7 @@ import numpy as np
 
 from harness.errors import ConfigError
 from harness.gguf_file import open_gguf
-from oracles import ops
+from oracles import actquant, ops
 from oracles.qwen2_params import Qwen2Params, read_params
 from oracles.sequence import TokenSequence
 from oracles.weights import GGUFWeights
@@ -58,6 +58,9 @@ class Qwen2Oracle(TokenSequence):
     model_path: GGUF file; n_ctx: KV cache length in tokens (default min(context_length,
     2048)); cache_dir / sha256: optional dequantised-weight cache (oracles.weights);
     kv_round: None (float64 KV cache) or "f16" (values rounded to fp16 when cached);
+    act_round: None, or "engine": every matrix product's input rounded as the engine's q16
+    GEMV rounds it (oracles.actquant.round_q16), so engine tests separate kernel error from
+    that deliberate rounding;
     capture: optional callback(name, layer, array) for named intermediates (layer -1 for
     the head). All weights are dequantised and shape-checked here, so errors surface at load.
     Raises UnsupportedError (architecture, rope scaling, tensor type), ModelError (missing
@@ -67,10 +70,14 @@ class Qwen2Oracle(TokenSequence):
 
     def __init__(self, model_path: str | os.PathLike, n_ctx: int | None = None,
                  cache_dir: str | os.PathLike | None = None, sha256: str | None = None,
-                 capture: Capture | None = None, kv_round: str | None = None) -> None:
+                 capture: Capture | None = None, kv_round: str | None = None,
+                 act_round: str | None = None) -> None:
         t0 = time.perf_counter()
         if kv_round not in (None, "f16"):
             raise ConfigError(f"kv_round must be None or 'f16', got {kv_round!r}")
+        if act_round not in (None, "engine"):
+            raise ConfigError(f"act_round must be None or 'engine', got {act_round!r}")
+        self.act_round = act_round
         # kv_round="f16": store K and V rounded to fp16 as llama.cpp's and the engine's f16
         # KV caches do, so kernel tests can separate kernel error from KV precision
         self.kv_round = kv_round
@@ -116,14 +123,14 @@ class Qwen2Oracle(TokenSequence):
         h = ops.rms_norm(x, w.vector64(pre + "attn_norm.weight"), p.eps)
         self._node("attn_norm", il, h)
         a = self._attention(il, h, pos)
-        o = w.linear(pre + "attn_output.weight", a)
+        o = self._lin(pre + "attn_output.weight", a)
         self._node("attn_out", il, o)
         ffn_inp = o + x
         self._node("ffn_inp", il, ffn_inp)
         g = ops.rms_norm(ffn_inp, w.vector64(pre + "ffn_norm.weight"), p.eps)
         self._node("ffn_norm", il, g)
-        f = ops.swiglu(w.linear(pre + "ffn_gate.weight", g), w.linear(pre + "ffn_up.weight", g))
-        f = w.linear(pre + "ffn_down.weight", f)
+        f = ops.swiglu(self._lin(pre + "ffn_gate.weight", g), self._lin(pre + "ffn_up.weight", g))
+        f = self._lin(pre + "ffn_down.weight", f)
         self._node("ffn_out", il, f)
         out = f + ffn_inp
         self._node("l_out", il, out)
@@ -132,9 +139,9 @@ class Qwen2Oracle(TokenSequence):
     def _attention(self, il: int, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """QKV projections, RoPE, KV-cache write, causal GQA attention -> [n, H*Dh]."""
         p, w, pre, n = self.params, self.weights, f"blk.{il}.", h.shape[0]
-        q = w.linear(pre + "attn_q.weight", h, pre + "attn_q.bias").reshape(n, p.n_head, p.head_dim)
-        k = w.linear(pre + "attn_k.weight", h, pre + "attn_k.bias").reshape(n, p.n_head_kv, p.head_dim)
-        v = w.linear(pre + "attn_v.weight", h, pre + "attn_v.bias").reshape(n, p.n_head_kv, p.head_dim)
+        q = self._lin(pre + "attn_q.weight", h, pre + "attn_q.bias").reshape(n, p.n_head, p.head_dim)
+        k = self._lin(pre + "attn_k.weight", h, pre + "attn_k.bias").reshape(n, p.n_head_kv, p.head_dim)
+        v = self._lin(pre + "attn_v.weight", h, pre + "attn_v.bias").reshape(n, p.n_head_kv, p.head_dim)
         q = ops.rope_neox(q, pos, p.n_rot, p.freq_base, p.freq_scale)
         k = ops.rope_neox(k, pos, p.n_rot, p.freq_base, p.freq_scale)
         self._node("Qcur", il, q)
@@ -150,11 +157,17 @@ class Qwen2Oracle(TokenSequence):
         self._node("kqv_out", il, a)
         return a
 
+    def _lin(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
+        """x @ W^T (+ b) in float64; with act_round "engine", x first rounded like the engine."""
+        if self.act_round == "engine":
+            x = actquant.round_q16(x)
+        return self.weights.linear(name, x, bias)
+
     def _head(self, x_last: np.ndarray) -> np.ndarray:
         """Output norm and LM head on [1, d]; float64 [n_vocab] logits."""
         w = self.weights
         h = ops.rms_norm(x_last, w.vector64("output_norm.weight"), self.params.eps)
         self._node("result_norm", -1, h)
-        logits = w.linear(self._out_name, h, self._out_bias)[0]
+        logits = self._lin(self._out_name, h, self._out_bias)[0]
         self._node("result_output", -1, logits)
         return logits

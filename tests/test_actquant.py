@@ -38,3 +38,11 @@ def test_round_q16_zero_block_and_padding():
     x[35] = 2.0
     r = round_q16(x)
     assert (r[:32] == 0).all() and abs(r[35] - 2.0) <= 2.0 / 65534 and (np.delete(r[32:], 3) == 0).all()
+
+
+def test_round_q16_rows_are_independent():
+    x = np.random.default_rng(2).normal(size=(3, 70)).astype(np.float32)
+    x[1] *= 1000
+    r = round_q16(x)
+    for i in range(3):
+        np.testing.assert_array_equal(r[i], round_q16(x[i]))
