@@ -45,3 +45,11 @@ def sm_count() -> int:
     """Streaming multiprocessors of the current device (grid sizing)."""
     import cupy as cp
     return int(cp.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def blocks_per_sm(k, threads: int, smem: int) -> int:
+    """Resident blocks of kernel `k` per SM at this block size and dynamic shared memory
+    (cuOccupancyMaxActiveBlocksPerMultiprocessor: registers, shared memory, thread limits)."""
+    from cupy_backends.cuda.api import driver
+    return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, threads, smem)))
+

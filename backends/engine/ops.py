@@ -112,7 +112,9 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     table = seg_table(segs)
     wbytes = sum(s.w.nbytes for s in segs)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
-    grid = min(math.ceil(rows / (nw // wpr)), (2048 // (32 * nw)) * module.sm_count())
+    # one wave: at most as many blocks as can be resident; a block then walks its rows with
+    # a grid-stride loop that prefetches the next iteration's rows (kernels/gemv.cu)
+    grid = min(math.ceil(rows / (nw // wpr)), module.blocks_per_sm(k, nw * 32, smem) * module.sm_count())
     return Node(name, "gemv", k, (grid,), (nw * 32,),
                 (table, x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
                  np.int32(rows)), smem=smem, bytes=wbytes + act,

@@ -36,8 +36,17 @@ struct GqaArgs {
     float freq_base, scale, freq_scale;
 };
 
-__device__ __forceinline__ float rope_theta(const GqaArgs& a, int pos, int p) {
-    return a.freq_scale * (float)pos * powf(a.freq_base, -2.f * (float)p / (float)a.n_rot);
+// sin and cos of the RoPE angle theta = freq_scale * pos * freq_base^(-2p/n_rot) (fp32, as
+// ggml's rope computes it). The angle is reduced to [-pi, pi] by a two-constant Cody-Waite
+// step (exact enough for |theta| < 1e5) and evaluated with the fast __sincosf (abs error
+// < 4e-7 on [-pi, pi]): sincosf would add its Payne-Hanek slow path, whose local-memory
+// array made every launch of a kernel that contains it slow (docs/perf-notes.md, v4).
+__device__ __forceinline__ void rope_sincos(const GqaArgs& a, int pos, int p, float& sn, float& cs) {
+    const float theta = a.freq_scale * (float)pos * powf(a.freq_base, -2.f * (float)p / (float)a.n_rot);
+    const float k = rintf(theta * 0.159154943f);             // 1 / (2 pi)
+    float r = fmaf(-k, 6.28318548f, theta);                  // 2 pi, high part (fp32)
+    r = fmaf(-k, -1.74845553e-7f, r);                        // 2 pi - 6.28318548f
+    __sincosf(r, &sn, &cs);
 }
 
 // Element i of a rotated head vector x (NEOX pairs (p, p + n_rot/2)).
@@ -46,7 +55,7 @@ __device__ __forceinline__ float rope_elem(const GqaArgs& a, const float* x, int
     if (i >= a.n_rot) return x[i];
     const int p = i < half ? i : i - half;
     float sn, cs;
-    sincosf(rope_theta(a, pos, p), &sn, &cs);
+    rope_sincos(a, pos, p, sn, cs);
     const float x0 = x[p], x1 = x[p + half];
     return i < half ? x0 * cs - x1 * sn : x0 * sn + x1 * cs;
 }
