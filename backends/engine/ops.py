@@ -27,7 +27,6 @@ ATTN_IMPL = os.environ.get("GGUF_HARNESS_ATTN", "gqa")
 GQA_DIMS = (64, 128, 256)
 GQA_MAXG = 8         # kernels/attention_gqa.cu MAXG
 GQA_WARPS = 4        # kernels/attention_gqa.cu NWARP
-GQA_FMT = "<9Q5i3f"  # struct GqaArgs (104 bytes)
 SEG_FMT = "<QQQii"   # struct Seg: w, bias, out, type, rows (32 bytes)
 ATTN_FMT = "<8Q5i3f"  # struct AttnArgs (96 bytes)
 
@@ -57,9 +56,14 @@ def warps_per_row(K: int) -> int:
 GEMV_SHAPES = {(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4), (8, 8)}
 
 
-def gemv_shape(K: int, rows: int) -> tuple[int, int]:
-    """(warps per row, warps per block) of a q16 GEMV node."""
-    return warps_per_row(K), WARPS
+def gemv_shape(K: int, rows: int, mode: str = "store") -> tuple[int, int]:
+    """(warps per row, warps per block) of a q16 GEMV node, from the cold back-to-back
+    sweep of every shape on the real models (docs/perf-notes.md, engine v4): 2 warps per
+    row in 8-warp blocks for the projections; gate/up pairs with short rows and the output
+    head (many rows, short K) keep 1 warp per row in 4-warp blocks."""
+    if rows >= 32768 or (mode == "swiglu" and K <= 1024):
+        return 1, 4
+    return 2, 8
 
 
 def gemv_smem(K: int) -> int:
@@ -100,7 +104,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
     elif GEMV_IMPL == "q16":
-        dw, dn = gemv_shape(K, sum(s.w.rows for s in segs))
+        dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)
         wpr, nw = wpr or dw, nw or dn
         if (nw, wpr) not in GEMV_SHAPES:
             raise ValueError(f"no q16 GEMV kernel with {wpr} warps per row, {nw} per block")
@@ -122,9 +126,13 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
                 fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[table])
 
 
+GQA_MAX_SPLITS = 128  # kernels/attention_gqa.cu MAX_NS
+
+
 def gqa_splits(n_ctx: int) -> int:
-    """Context splits of the v4 attention: >= 16 blocks per KV head, <= 128 positions each."""
-    return max(16, -(-n_ctx // 128))
+    """Context splits of the v4 attention: 16..128 blocks per KV head, ~32 positions each
+    at a full context (a block walks its positions serially; the merge is one load round)."""
+    return min(GQA_MAX_SPLITS, max(16, -(-n_ctx // 32)))
 
 
 def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int, D: int,
@@ -172,15 +180,17 @@ def _attention_gqa(name, q, k, v, kc, vc, state, out, *, n_head, n_kv, D, n_rot,
     chunk_max = -(-n_ctx // splits)
     part = cp.zeros(n_kv * splits * G * (D + 2), cp.float32)
     counter = cp.zeros(n_kv, cp.int32)
-    raw = struct.pack(GQA_FMT, *(int(a.data.ptr) for a in (q, k, v, kc, vc, state, out, part, counter)),
-                      n_head, n_kv, n_rot, splits, chunk_max, freq_base, 1.0 / math.sqrt(D), freq_scale)
-    args = _device_bytes(raw)
+    if not 1 <= splits <= GQA_MAX_SPLITS:
+        raise ValueError(f"attention splits {splits} outside 1..{GQA_MAX_SPLITS}")
+    args = tuple(a for a in (q, k, v, kc, vc, state, out, part, counter)) + (
+        np.int32(n_head), np.int32(n_kv), np.int32(n_rot), np.int32(splits), np.int32(chunk_max),
+        np.float32(freq_base), np.float32(1.0 / math.sqrt(D)), np.float32(freq_scale))
     k_fn = module.kernel(f"attn_gqa_d{D}")
     smem = 4 * (G * D + G * chunk_max + GQA_WARPS * G * D)  # qs, scores, warp sums
     module.allow_smem(k_fn, smem)
     kv_bytes = 2 * 2 * n_ctx * n_kv * D  # upper bound: the whole cache of this layer, fp16
-    return Node(name, "attention", k_fn, (n_kv, splits), (GQA_WARPS * 32,), (args,), smem=smem,
-                bytes=kv_bytes, flops=4 * n_ctx * n_head * D, out=out, keep=[args, part, counter])
+    return Node(name, "attention", k_fn, (n_kv, splits), (GQA_WARPS * 32,), args, smem=smem,
+                bytes=kv_bytes, flops=4 * n_ctx * n_head * D, out=out, keep=[part, counter])
 
 
 def embed(name: str, table: DeviceTensor, state, x) -> Node:

@@ -23,8 +23,11 @@
 #include "common.cuh"
 
 #define NWARP 4
-#define MAXG 8   // query heads per KV head
+#define MAXG 8     // query heads per KV head
+#define MAX_NS 128 // context splits (backends/engine/ops.py gqa_splits)
 
+// Built from the kernel's by-value parameters (no argument struct in global memory: that
+// would cost one dependent memory round trip before any other load could start).
 struct GqaArgs {
     const float* q; const float* k; const float* v;   // [n_head*D], [n_kv*D], [n_kv*D]
     u16* kc; u16* vc;                                 // [n_ctx, n_kv, D] fp16
@@ -186,28 +189,53 @@ __device__ void attn_gqa_body(const GqaArgs& a) {
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // merge, in three short phases so no thread walks the splits with dependent loads:
+    // (m, l) of every (head, split) -> shared; per head the max and normalised weights;
+    // then each (h, i) sums its NS partials with independent loads.
+    __shared__ float wm[MAXG * MAX_NS], wl[MAXG * MAX_NS];
     const float* pg = a.part + (size_t)g * NS * G * (D + 2);
+    for (int idx = tid; idx < G * NS; idx += blockDim.x) {
+        const int h = idx / NS, j = idx - h * NS;
+        const float* pj = pg + ((size_t)j * G + h) * (D + 2);
+        wm[idx] = __ldcg(pj + D);
+        wl[idx] = __ldcg(pj + D + 1);
+    }
+    __syncthreads();
+    for (int h = warp; h < G; h += NWARP) {
+        float M = -INFINITY;
+        for (int j = lane; j < NS; j += 32) M = fmaxf(M, wm[h * NS + j]);
+        M = warp_max(M);  // finite: split 0 always holds position 0
+        float L = 0.f;
+        for (int j = lane; j < NS; j += 32) {
+            const float mj = wm[h * NS + j];
+            const float w = mj == -INFINITY ? 0.f : expf(mj - M);  // empty split: weight 0
+            wm[h * NS + j] = w;
+            L += w * wl[h * NS + j];
+        }
+        L = warp_sum(L);
+        for (int j = lane; j < NS; j += 32) wm[h * NS + j] /= L;
+    }
+    __syncthreads();
     for (int idx = tid; idx < G * D; idx += blockDim.x) {
         const int h = idx / D, i = idx - h * D;
-        float M = -INFINITY;
-        for (int j = 0; j < NS; ++j) M = fmaxf(M, __ldcg(pg + ((size_t)j * G + h) * (D + 2) + D));
-        float o = 0.f, L = 0.f;
+        float o = 0.f;
+#pragma unroll 8
         for (int j = 0; j < NS; ++j) {
-            const float* pj = pg + ((size_t)j * G + h) * (D + 2);
-            const float mj = __ldcg(pj + D);
-            if (mj == -INFINITY) continue;  // empty split (beyond the current position)
-            const float w = expf(mj - M);
-            o += __ldcg(pj + i) * w;
-            L += __ldcg(pj + D + 1) * w;
+            const float w = wm[h * NS + j];
+            if (w != 0.f) o += __ldcg(pg + ((size_t)j * G + h) * (D + 2) + i) * w;
         }
-        a.out[(size_t)(g * G + h) * D + i] = o / L;
+        a.out[(size_t)(g * G + h) * D + i] = o;
     }
 }
 
-#define GQA_KERNEL(D) \
-    extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_gqa_d##D(const GqaArgs* __restrict__ ap) { \
-        const GqaArgs a = *ap;                                                                              \
-        attn_gqa_body<D>(a);                                                                                \
+#define GQA_KERNEL(D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_gqa_d##D(                        \
+        const float* q, const float* k, const float* v, u16* kc, u16* vc, const int* state,        \
+        float* out, float* part, int* counter, int n_head, int n_kv, int n_rot, int ns,            \
+        int chunk_max, float freq_base, float scale, float freq_scale) {                           \
+        const GqaArgs a = {q, k, v, kc, vc, state, out, part, counter, n_head, n_kv, n_rot, ns,    \
+                           chunk_max, freq_base, scale, freq_scale};                               \
+        attn_gqa_body<D>(a);                                                                       \
     }
 GQA_KERNEL(64)
 GQA_KERNEL(128)
