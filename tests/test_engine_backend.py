@@ -59,8 +59,15 @@ def test_engine_matches_oracle(fixture, request):
         # same int16 rounding of every GEMV input: ~1e-6 relative; 2e-5 of the logit range
         # (an fp16 KV cache alone would cost ~5e-4, measured 2.6e-4 on tiny_qwen2_f32 against
         # a float64 KV cache; the int16 input rounding alone measured 1.1e-4 of the range on
-        # tiny_qwen2_f32 against the unrounded oracle, engine v4)
-        assert c["max_abs"] <= 2e-5 * (r.max() - r.min()), f"step {i}: {c}"
+        # tiny_qwen2_f32 against the unrounded oracle, engine v4).
+        # q16: rounding to integer codes is discontinuous. The kernel's fp32 products and the
+        # oracle's fp64 values differ by ~1e-7 relative, which flips the codes of inputs that
+        # sit within ~3e-3 of a half-way point (~0.6 % of them per GEMV), each flip moving
+        # the input by one step (amax / 32767); through the layers that measured 3.0e-5 of
+        # the range on both tiny models (engine v4). 1e-4 keeps a 3x margin; a kernel bug
+        # moves logits by ~1e-2 of the range or more.
+        tol = 1e-4 if eops.GEMV_IMPL == "q16" else 2e-5
+        assert c["max_abs"] <= tol * (r.max() - r.min()), f"step {i}: {c}"
         if c["ref_margin_rel"] > 1e-3:
             assert c["top1_agree"], f"step {i}: top-1 differs at margin {c['ref_margin_rel']}"
     eng.close()

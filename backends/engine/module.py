@@ -22,7 +22,7 @@ def _module(source: str):
 def kernel(name: str):
     """The RawKernel `name` from whichever source defines it (KeyError if none does)."""
     # GEMV kernels are instantiated by a GEMV_KERNEL macro: no literal name to search for
-    if name.startswith("gemv_"):
+    if name.startswith(("gemv_", "gemvp_")):
         return _module("gemv.cu").get_function(name)
     if name.startswith("gemvf_"):
         return _module("gemv_f32.cu").get_function(name)

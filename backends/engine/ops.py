@@ -53,7 +53,13 @@ def warps_per_row(K: int) -> int:
 
 
 # (warps per block, warps per row) pairs instantiated in kernels/gemv.cu (GEMV_MODES)
-GEMV_SHAPES = {(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4), (8, 8)}
+GEMV_SHAPES = {(4, 1), (8, 1), (8, 2), (8, 4), (8, 8)}
+# q16 GEMV segment table: "value" (kernel parameter, v4) or "pointer" (device memory, v1-v3)
+GEMV_ARGS = os.environ.get("GGUF_HARNESS_GEMV_ARGS", "value")
+SEG_DT = np.dtype([("w", "<u8"), ("bias", "<u8"), ("out", "<u8"), ("type", "<i4"), ("rows", "<i4")],
+                  align=True)
+TABLE_DT = np.dtype([("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4", (MAX_SEG,))],
+                    align=True)  # struct SegTable, kernels/segs.cuh (152 bytes)
 
 
 def gemv_shape(K: int, rows: int, mode: str = "store") -> tuple[int, int]:
@@ -63,7 +69,7 @@ def gemv_shape(K: int, rows: int, mode: str = "store") -> tuple[int, int]:
     head (many rows, short K) keep 1 warp per row in 4-warp blocks."""
     if rows >= 32768 or (mode == "swiglu" and K <= 1024):
         return 1, 4
-    return 2, 8
+    return (2, 8) if K <= 6144 else (4, 8)  # > 6144: a guess (not yet swept), 9 groups per warp
 
 
 def gemv_smem(K: int) -> int:
@@ -71,6 +77,18 @@ def gemv_smem(K: int) -> int:
     a sum per 8 codes and a float scale per 32 values, for K rounded up to 256."""
     kp = -(-K // 256) * 256
     return 2 * kp + 4 * (kp // 8) + 4 * (kp // 32)
+
+
+def seg_table_value(segs: list[Seg]):
+    """struct SegTable as a numpy structured scalar, passed by value as a kernel parameter."""
+    if not 1 <= len(segs) <= MAX_SEG:
+        raise ValueError(f"a GEMV node takes 1..{MAX_SEG} matrices, got {len(segs)}")
+    t = np.zeros((), TABLE_DT)
+    for i, s in enumerate(segs):
+        t["s"][i] = (s.w.ptr, s.bias, int(s.out.data.ptr), s.w.type_id, s.w.rows)
+        t["row_bytes"][i] = s.w.row_bytes
+    t["n"] = len(segs)
+    return t[()]
 
 
 def seg_table(segs: list[Seg]):
@@ -108,12 +126,16 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         wpr, nw = wpr or dw, nw or dn
         if (nw, wpr) not in GEMV_SHAPES:
             raise ValueError(f"no q16 GEMV kernel with {wpr} warps per row, {nw} per block")
-        k = module.kernel(f"gemv_{mode}_w{wpr}_b{nw}")
+        prefix = {"value": "gemv", "pointer": "gemvp"}.get(GEMV_ARGS)
+        if prefix is None:
+            raise ValueError(f"GGUF_HARNESS_GEMV_ARGS={GEMV_ARGS!r}: expected value or pointer")
+        k = module.kernel(f"{prefix}_{mode}_w{wpr}_b{nw}")
         smem = gemv_smem(K)
     else:
         raise ValueError(f"GGUF_HARNESS_GEMV={GEMV_IMPL!r}: expected q16 or f32")
     module.allow_smem(k, smem)
-    table = seg_table(segs)
+    by_value = GEMV_IMPL == "q16" and GEMV_ARGS == "value"
+    table = seg_table_value(segs) if by_value else seg_table(segs)
     wbytes = sum(s.w.nbytes for s in segs)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
     # one wave: at most as many blocks as can be resident; a block then walks its rows with
@@ -123,16 +145,17 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
                 (table, x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
                  np.int32(rows)), smem=smem, bytes=wbytes + act,
                 flops=2 * K * sum(s.w.rows for s in segs), out=segs[0].out,
-                fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[table])
+                fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[] if by_value else [table])
 
 
 GQA_MAX_SPLITS = 128  # kernels/attention_gqa.cu MAX_NS
 
 
 def gqa_splits(n_ctx: int) -> int:
-    """Context splits of the v4 attention: 16..128 blocks per KV head, ~32 positions each
-    at a full context (a block walks its positions serially; the merge is one load round)."""
-    return min(GQA_MAX_SPLITS, max(16, -(-n_ctx // 32)))
+    """Context splits of the v4 attention: 16 up to 4096 positions, then ~256 positions per
+    split (<= 128). Measured (docs/perf-notes.md, v4): 64 splits cost 28 us at position 100
+    against 17 us for 16, because the last block of each group reads every split's partial."""
+    return min(GQA_MAX_SPLITS, max(16, -(-n_ctx // 256)))
 
 
 def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int, D: int,
@@ -178,7 +201,7 @@ def _attention_gqa(name, q, k, v, kc, vc, state, out, *, n_head, n_kv, D, n_rot,
     import cupy as cp
     G = n_head // n_kv
     chunk_max = -(-n_ctx // splits)
-    part = cp.zeros(n_kv * splits * G * (D + 2), cp.float32)
+    part = cp.zeros(n_kv * splits * G * (D + 4), cp.float32)  # kernels/attention_gqa.cu PS
     counter = cp.zeros(n_kv, cp.int32)
     if not 1 <= splits <= GQA_MAX_SPLITS:
         raise ValueError(f"attention splits {splits} outside 1..{GQA_MAX_SPLITS}")

@@ -33,7 +33,7 @@ struct GqaArgs {
     u16* kc; u16* vc;                                 // [n_ctx, n_kv, D] fp16
     const int* state;                                 // state[1] = position of the new token
     float* out;                                       // [n_head*D]
-    float* part;                                      // [n_kv, NS, G, D + 2]
+    float* part;                                      // [n_kv, NS, G, D + 4] (16-byte rows)
     int* counter;                                     // [n_kv], zero between launches
     int n_head, n_kv, n_rot, ns, chunk_max;
     float freq_base, scale, freq_scale;
@@ -167,16 +167,17 @@ __device__ void attn_gqa_body(const GqaArgs& a) {
 #pragma unroll
             for (int e = 0; e < E; ++e) red[(warp * G + h) * D + lane * E + e] = acc[h][e];
     __syncthreads();
-    float* part = a.part + ((size_t)g * NS + s) * G * (D + 2);
+    constexpr int PS = D + 4;  // partial row: o[D], m, l, pad (float4-aligned rows)
+    float* part = a.part + ((size_t)g * NS + s) * G * PS;
     for (int idx = tid; idx < G * D; idx += blockDim.x) {
         const int h = idx / D, i = idx - h * D;
         float o = 0.f;
 #pragma unroll
         for (int w = 0; w < NWARP; ++w) o += red[(w * G + h) * D + i];
-        part[h * (D + 2) + i] = o;
+        part[h * PS + i] = o;
         if (i == 0) {
-            part[h * (D + 2) + D] = P > 0 ? mh[h] : -INFINITY;
-            part[h * (D + 2) + D + 1] = P > 0 ? lh[h] : 0.f;
+            part[h * PS + D] = P > 0 ? mh[h] : -INFINITY;
+            part[h * PS + D + 1] = P > 0 ? lh[h] : 0.f;
         }
     }
     // E. the last block of the group merges (threadfence: partials visible before the count)
@@ -193,10 +194,10 @@ __device__ void attn_gqa_body(const GqaArgs& a) {
     // (m, l) of every (head, split) -> shared; per head the max and normalised weights;
     // then each (h, i) sums its NS partials with independent loads.
     __shared__ float wm[MAXG * MAX_NS], wl[MAXG * MAX_NS];
-    const float* pg = a.part + (size_t)g * NS * G * (D + 2);
+    const float* pg = a.part + (size_t)g * NS * G * PS;
     for (int idx = tid; idx < G * NS; idx += blockDim.x) {
         const int h = idx / NS, j = idx - h * NS;
-        const float* pj = pg + ((size_t)j * G + h) * (D + 2);
+        const float* pj = pg + ((size_t)j * G + h) * PS;
         wm[idx] = __ldcg(pj + D);
         wl[idx] = __ldcg(pj + D + 1);
     }
@@ -216,15 +217,17 @@ __device__ void attn_gqa_body(const GqaArgs& a) {
         for (int j = lane; j < NS; j += 32) wm[h * NS + j] /= L;
     }
     __syncthreads();
-    for (int idx = tid; idx < G * D; idx += blockDim.x) {
-        const int h = idx / D, i = idx - h * D;
-        float o = 0.f;
+    // float4 loads: one block reads NS * G * D floats here, so 4 values per load matter
+    for (int idx = tid; idx < G * D / 4; idx += blockDim.x) {
+        const int h = idx / (D / 4), i = 4 * (idx - h * (D / 4));
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
         for (int j = 0; j < NS; ++j) {
             const float w = wm[h * NS + j];
-            if (w != 0.f) o += __ldcg(pg + ((size_t)j * G + h) * (D + 2) + i) * w;
+            const float4 v = __ldcg((const float4*)(pg + ((size_t)j * G + h) * PS + i));
+            o.x = fmaf(v.x, w, o.x); o.y = fmaf(v.y, w, o.y); o.z = fmaf(v.z, w, o.z); o.w = fmaf(v.w, w, o.w);
         }
-        a.out[(size_t)(g * G + h) * D + i] = o;
+        *(float4*)(a.out + (size_t)(g * G + h) * D + i) = o;
     }
 }
 

@@ -238,14 +238,21 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
     }
 }
 
+// Two argument conventions: the segment table by value (kernel parameter space: no memory
+// round trip before the first weight prefetch can be issued; engine v4 default) or through
+// a device pointer (engine v1-v3; kept selectable for A/B, GGUF_HARNESS_GEMV_ARGS=pointer).
 #define GEMV_KERNEL(MODE, MNAME, WPR, NW)                                                      \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                       \
-    gemv_##MNAME##_w##WPR##_b##NW(const SegTable* __restrict__ t, const float* x, const float* norm, \
+    gemv_##MNAME##_w##WPR##_b##NW(const SegTable t, const float* x, const float* norm,          \
                                   float eps, int K, int total_rows) {                           \
+        gemv_body<MODE, WPR, NW>(t, x, norm, eps, K, total_rows);                               \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                       \
+    gemvp_##MNAME##_w##WPR##_b##NW(const SegTable* __restrict__ t, const float* x,              \
+                                   const float* norm, float eps, int K, int total_rows) {       \
         gemv_body<MODE, WPR, NW>(*t, x, norm, eps, K, total_rows);                              \
     }
 #define GEMV_MODES(WPR, NW) GEMV_KERNEL(0, store, WPR, NW) GEMV_KERNEL(1, add, WPR, NW) \
     GEMV_KERNEL(2, swiglu, WPR, NW)
-// kernel names: gemv_<mode>_w<warps per row>_b<warps per block>
-GEMV_MODES(1, 4) GEMV_MODES(2, 4) GEMV_MODES(4, 4)
-GEMV_MODES(1, 8) GEMV_MODES(2, 8) GEMV_MODES(4, 8) GEMV_MODES(8, 8)
+// kernel names: gemv[p]_<mode>_w<warps per row>_b<warps per block>
+GEMV_MODES(1, 4) GEMV_MODES(1, 8) GEMV_MODES(2, 8) GEMV_MODES(4, 8) GEMV_MODES(8, 8)
