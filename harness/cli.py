@@ -7,6 +7,7 @@ Top-down map of the project:
                   -> harness.results (atomic JSON) -> reports.html (report.html)
   harness models  -> harness.models (real models from PyPI chunk packages)
   harness synth   -> harness.synth_cmd -> harness.synth (synthetic GGUF files)
+  harness bench   -> harness.bench_cmd -> harness.bench_nodes (engine step, node by node)
 Errors of the user's input (HarnessError) print one line and exit 2; no traceback.
 """
 from __future__ import annotations
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("result", type=Path, help="a result.json written by `harness run/verify`")
     from .synth_cmd import add_synth_parser
     add_synth_parser(sub)
+    from .bench_cmd import add_bench_parser
+    add_bench_parser(sub)
     return ap
 
 
@@ -108,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "synth":
             from .synth_cmd import run_synth
             return run_synth(args, console)
+        if args.cmd == "bench":
+            from .bench_cmd import run_bench
+            return run_bench(args, console)
         from .main_job import run_job
         return run_job(args, console)
     except HarnessError as e:

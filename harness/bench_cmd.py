@@ -1,0 +1,78 @@
+"""`harness bench nodes`: per-node timing of one engine decode step (harness.bench_nodes).
+
+    harness bench nodes [--model NAME|PATH] [--ctx 512] [--method graph,eager] [--out out]
+
+Writes out/runs/<time>-<sha>/nodes.json and nodes.html (a new folder, never overwritten) and
+prints the totals by kind, the slowest nodes and the step time. Needs an NVIDIA GPU + CuPy.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from . import models, results
+from .errors import ConfigError
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: `bench nodes` times one engine decode step node by node")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    n = bsub.add_parser("nodes", help="per-node timing of one engine decode step (GPU)")
+    n.add_argument("--model", default=models.DEFAULT_MODEL, help="registry name or .gguf path")
+    n.add_argument("--ctx", type=int, default=512, help="context size (KV cache length)")
+    n.add_argument("--method", default="graph,eager", help="timing methods: graph, eager or both")
+    n.add_argument("--steps", type=int, default=64, help="chained replays timed for the step time")
+    n.add_argument("--out", default="out", help="output root (runs go to OUT/runs/...)")
+
+
+def run_bench(args, console: Console) -> int:
+    if args.bench_cmd != "nodes":
+        raise ConfigError(f"unknown bench command {args.bench_cmd!r}")
+    from .bench_nodes import METHODS, run_nodes
+    methods = tuple(m.strip() for m in args.method.split(",") if m.strip())
+    if not methods or any(m not in METHODS for m in methods):
+        raise ConfigError(f"--method {args.method!r}: expected a comma list of {', '.join(METHODS)}")
+    if args.ctx < 8 or args.steps < 1:
+        raise ConfigError("need --ctx >= 8 and --steps >= 1")
+    from .gguf_file import open_gguf
+    from .machine import machine_info
+    from .main_job import _model_meta, _tokenize
+    from .progress import bytes_progress
+    from .prompt import STANDARD_PROMPT, STANDARD_PROMPT_TOKENS
+    with bytes_progress(console, f"model {args.model}") as advance:
+        model = models.resolve(args.model, progress=advance)
+    info = open_gguf(model.path)
+    tok, ids = _tokenize(model, STANDARD_PROMPT, STANDARD_PROMPT_TOKENS)
+    tok.close()
+    res = run_nodes(model, args.ctx, list(ids), methods, steps=args.steps,
+                    log=lambda m: console.print(m, markup=False))
+    result = {"schema": res["schema"], "created": datetime.now(timezone.utc).isoformat(),
+              "machine": machine_info(), "model": _model_meta(info) | {"name": model.name,
+                                                                         "sha256": model.sha256},
+              "nodes": res}
+    run_dir = results.new_run_dir(Path(args.out) / "runs", result["machine"].get("git", {}).get("sha"))
+    results.write_json(run_dir / "nodes.json", result)
+    _print(console, res)
+    from reports.nodes_html import render_nodes_report
+    console.print(f"result: {run_dir / 'nodes.json'}", markup=False, soft_wrap=True)
+    console.print(f"report: {render_nodes_report(result, run_dir / 'nodes.html')}", markup=False,
+                  soft_wrap=True)
+    return 0
+
+
+def _print(console: Console, res: dict) -> None:
+    for name, m in res["methods"].items():
+        t = Table(title=f"{name}: sum {m['sum_us']:.1f} us, step {m['step_us']:.1f} us, "
+                        f"gap {m['gap_us']:.1f} us")
+        for col in ("node", "kind", "formats", "us", "GB/s", "% of sum"):
+            t.add_column(col, justify="left" if col in ("node", "kind", "formats") else "right")
+        for r in m["top"][:10]:
+            t.add_row(escape(r["name"]), r["kind"], escape(r["fmt"]), f"{r['us']:.2f}",
+                      f"{r['gb_s']:.0f}" if r["gb_s"] is not None else "-", f"{r['pct']:.1f}")
+        console.print(t)
+        console.print("by kind: " + ", ".join(f"{g['name']} {g['us']:.0f} us ({g['pct']:.0f} %)"
+                                              for g in m["by_kind"]), markup=False)

@@ -1,0 +1,122 @@
+"""`harness bench nodes`: one decode step of the engine timed node by node (GPU only).
+
+Two timings per node (backends/engine/executor.py):
+  eager  one eager run with a CUDA event pair around every node, behind a kernel that holds
+         the stream until every launch is queued, so host launch time is not measured;
+  graph  every node replayed back to back in a CUDA graph of its own: its cost inside a
+         graph (launch latency included; weights hot in L2 when they fit in it).
+Next to them the step time of the captured step graph (chained replays, as decoding runs);
+step - sum(node times) is what per-node figures do not show: dependency gaps between
+kernels, and weights that are cold in a real step.
+
+Result: schema gguf-harness/nodes/1, written with the HTML beside it into a new run folder.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+SCHEMA = "gguf-harness/nodes/1"
+METHODS = ("graph", "eager")
+TOP_N = 20
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def split_name(name: str) -> tuple[int | None, str]:
+    """("blk.3.ffn_down") -> (3, "ffn_down"); a node outside the layers -> (None, name)."""
+    m = _LAYER.match(name)
+    return (int(m.group(1)), m.group(2)) if m else (None, name)
+
+
+def aggregate(rows: list[dict], step_us: float | None) -> dict:
+    """Summaries of one method's node rows [{name, kind, fmt, us, bytes}] (us > 0 expected).
+
+    Returns {"nodes": rows + gb_s (bytes / us / 1e3) and pct (of the node sum), "sum_us",
+    "step_us", "gap_us" (step - sum, None without a step time), "by_kind": [{kind, n, us, pct}]
+    largest first, "by_op": per node name without the layer prefix (e.g. all ffn_down),
+    "top": the TOP_N slowest nodes}. Raises ValueError on an empty list or a negative time."""
+    if not rows:
+        raise ValueError("no node timings")
+    if any(r["us"] < 0 for r in rows):
+        raise ValueError("negative node time")
+    total = sum(r["us"] for r in rows)
+    nodes = [dict(r, gb_s=(r["bytes"] / r["us"] / 1e3) if r["us"] > 0 else None,
+                  pct=100 * r["us"] / total if total > 0 else 0.0) for r in rows]
+
+    def group(key) -> list[dict]:
+        acc: dict[str, list[float]] = defaultdict(list)
+        for r in nodes:
+            acc[key(r)].append(r["us"])
+        out = [{"name": k, "n": len(v), "us": sum(v), "pct": 100 * sum(v) / total if total else 0.0}
+               for k, v in acc.items()]
+        return sorted(out, key=lambda g: -g["us"])
+
+    return {"nodes": nodes, "sum_us": total, "step_us": step_us,
+            "gap_us": None if step_us is None else step_us - total,
+            "by_kind": group(lambda r: r["kind"]),
+            "by_op": group(lambda r: split_name(r["name"])[1]),
+            "top": sorted(nodes, key=lambda r: -r["us"])[:TOP_N]}
+
+
+def layer_matrix(rows: list[dict]) -> tuple[list[int], list[str], list[list[float]]]:
+    """(layers, ops, us[layer][op]) of the per-layer nodes, ops in first-seen order; nodes
+    outside the layers (embedding, head, argmax) are left out (they are in the totals)."""
+    layers: list[int] = []
+    ops: list[str] = []
+    cell: dict[tuple[int, str], float] = defaultdict(float)
+    for r in rows:
+        layer, op = split_name(r["name"])
+        if layer is None:
+            continue
+        if layer not in layers:
+            layers.append(layer)
+        if op not in ops:
+            ops.append(op)
+        cell[layer, op] += r["us"]
+    layers.sort()
+    return layers, ops, [[cell[layer, op] for op in ops] for layer in layers]
+
+
+def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: int = 64,
+              log=print) -> dict:
+    """Load the engine on `model` (harness.config.ModelRef), feed the prompt, time the step
+    graph over `steps` chained replays (median of 3) and every node with each method.
+    Raises UnsupportedError without CuPy/GPU (from the engine), ConfigError on bad input."""
+    import cupy as cp
+
+    from backends.engine import EngineBackend
+
+    from .config import RunConfig
+    from .errors import ConfigError
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise ConfigError(f"node timing methods {bad or methods}: expected some of {', '.join(METHODS)}")
+    if len(prompt_ids) + steps + 1 > n_ctx:
+        raise ConfigError(f"n_ctx {n_ctx} too small for {len(prompt_ids)} prompt tokens + {steps} steps")
+    e = EngineBackend()
+    e.load(model, RunConfig(n_ctx=n_ctx))
+    try:
+        ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        for _ in range(3):
+            e.reset()
+            e.prefill(prompt_ids)
+            ev0.record(e.stream)
+            for _ in range(steps):
+                e.step_exec.replay()  # position and token advance on the device
+            ev1.record(e.stream)
+            ev1.synchronize()
+            times.append(cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / steps)
+        step_us = sorted(times)[1]
+        log(f"step graph: {step_us:.1f} us/token ({steps} chained replays, median of 3)")
+        out = {"schema": SCHEMA, "n_ctx": n_ctx, "n_prompt": len(prompt_ids), "step_us": step_us,
+               "engine": e.info(), "methods": {}}
+        e.reset()
+        e.prefill(prompt_ids)
+        for m in methods:
+            rows = e.node_times(int(prompt_ids[-1]), method=m)
+            out["methods"][m] = aggregate(rows, step_us)
+            log(f"{m}: {len(rows)} nodes, sum {out['methods'][m]['sum_us']:.1f} us")
+        return out
+    finally:
+        e.close()

@@ -1,0 +1,34 @@
+"""Self-contained HTML page of a `harness bench nodes` result (schema gguf-harness/nodes/1):
+tables by kind, by op and the slowest nodes, and a per-layer stacked bar plot per timing
+method. Jinja2 autoescaping is on (model names are untrusted), plots are data URIs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.bench_nodes import layer_matrix
+from harness.results import write_atomic
+
+from . import node_plots
+from .html import _env
+from .plots import data_uri
+
+TEMPLATE = "nodes.html.j2"
+
+
+def render_nodes_html(result: dict) -> str:
+    """result: {"created", "machine", "model": {name, sha256, ...}, "nodes": run_nodes output}."""
+    res = result["nodes"]
+    plots = {}
+    for name, m in res["methods"].items():
+        png = node_plots.stacked_layers(*layer_matrix(m["nodes"]), f"per-layer node time ({name})")
+        plots[name] = data_uri(png) if png else None
+    return _env().get_template(TEMPLATE).render(
+        model=result["model"], res=res, created=result.get("created", ""), plots=plots,
+        machine_text=json.dumps(result.get("machine", {}), indent=1, sort_keys=True))
+
+
+def render_nodes_report(result: dict, out_path: Path) -> Path:
+    """Write the page atomically to out_path; returns out_path."""
+    write_atomic(Path(out_path), render_nodes_html(result).encode("utf-8"))
+    return Path(out_path)

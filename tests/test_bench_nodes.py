@@ -1,0 +1,95 @@
+"""`harness bench nodes`: aggregation, per-layer matrix, HTML page and CLI errors on the CPU;
+the timing itself on a GPU (marker gpu)."""
+from __future__ import annotations
+
+import pytest
+
+from harness import cli
+from harness.bench_nodes import aggregate, layer_matrix, split_name
+
+ROWS = [  # a 2-layer step: made-up times, bytes chosen so GB/s is easy to check by hand
+    {"name": "token_embd", "kind": "embed", "fmt": "Q5_0", "us": 1.0, "bytes": 1000},
+    {"name": "blk.0.qkv", "kind": "gemv", "fmt": "Q5_0+Q8_0", "us": 4.0, "bytes": 8_000_000},
+    {"name": "blk.0.attn", "kind": "attention", "fmt": "", "us": 6.0, "bytes": 0},
+    {"name": "blk.1.qkv", "kind": "gemv", "fmt": "Q5_0+Q8_0", "us": 5.0, "bytes": 8_000_000},
+    {"name": "blk.1.attn", "kind": "attention", "fmt": "", "us": 4.0, "bytes": 0},
+    {"name": "output", "kind": "gemv", "fmt": "Q8_0", "us": 20.0, "bytes": 40_000_000},
+]
+
+
+def test_split_name():
+    assert split_name("blk.12.ffn_down") == (12, "ffn_down")
+    assert split_name("blk.3.attn.merge") == (3, "attn.merge")
+    assert split_name("output") == (None, "output")
+    assert split_name("blk.x.qkv") == (None, "blk.x.qkv")
+
+
+def test_aggregate_totals_groups_and_gap():
+    a = aggregate(ROWS, step_us=50.0)
+    assert a["sum_us"] == pytest.approx(40.0)
+    assert a["gap_us"] == pytest.approx(10.0)
+    kinds = {g["name"]: g for g in a["by_kind"]}
+    assert kinds["gemv"]["us"] == pytest.approx(29.0) and kinds["gemv"]["n"] == 3
+    assert kinds["attention"]["pct"] == pytest.approx(25.0)
+    assert [g["name"] for g in a["by_kind"]] == ["gemv", "attention", "embed"]  # largest first
+    ops = {g["name"]: g for g in a["by_op"]}
+    assert ops["qkv"]["us"] == pytest.approx(9.0) and ops["qkv"]["n"] == 2
+    assert a["top"][0]["name"] == "output"
+    out = next(r for r in a["nodes"] if r["name"] == "output")
+    assert out["gb_s"] == pytest.approx(2000.0)  # 40 MB in 20 us
+    assert sum(r["pct"] for r in a["nodes"]) == pytest.approx(100.0)
+    assert aggregate(ROWS, None)["gap_us"] is None
+
+
+def test_aggregate_rejects_empty_and_negative():
+    with pytest.raises(ValueError):
+        aggregate([], 1.0)
+    with pytest.raises(ValueError):
+        aggregate([dict(ROWS[0], us=-1.0)], 1.0)
+
+
+def test_layer_matrix():
+    layers, ops, m = layer_matrix(ROWS)
+    assert layers == [0, 1] and ops == ["qkv", "attn"]
+    assert m == [[4.0, 6.0], [5.0, 4.0]]
+
+
+def test_nodes_html_escapes_and_embeds_plot():
+    from reports.nodes_html import render_nodes_html
+    res = {"schema": "gguf-harness/nodes/1", "n_ctx": 512, "n_prompt": 70, "step_us": 50.0,
+           "engine": {"nodes_per_step": 6, "bytes_per_step": 56_001_000},
+           "methods": {"graph": aggregate(ROWS, 50.0)}}
+    html = render_nodes_html({"created": "now", "machine": {"cpu": "x"},
+                              "model": {"name": "<script>alert(1)</script>", "sha256": "ab"},
+                              "nodes": res})
+    assert "<script>alert(1)</script>" not in html and "&lt;script&gt;" in html
+    assert "data:image/png;base64," in html
+    assert "blk.1.qkv" in html and "50.0" in html
+
+
+@pytest.mark.parametrize("argv,says", [(["--method", "wall"], "--method"),
+                                       (["--method", ""], "--method"),
+                                       (["--ctx", "4"], "--ctx")])
+def test_cli_bad_arguments_exit_2_before_touching_the_model(argv, says, tmp_path, capsys):
+    missing = tmp_path / "missing.gguf"  # never opened: the arguments are checked first
+    assert cli.main(["bench", "nodes", *argv, "--model", str(missing), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "missing.gguf" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.gpu
+def test_run_nodes_on_a_tiny_model(tiny_qwen2_q):
+    from gpu_util import cupy_or_skip
+    cupy_or_skip()
+    from harness.bench_nodes import run_nodes
+    from harness.config import ModelRef
+    res = run_nodes(ModelRef(tiny_qwen2_q.stem, tiny_qwen2_q), 128, [3, 17, 42, 101], steps=8,
+                    log=lambda m: None)
+    assert res["step_us"] > 0
+    for m in ("graph", "eager"):
+        a = res["methods"][m]
+        assert all(r["us"] > 0 for r in a["nodes"]), m
+        assert len(a["nodes"]) == res["engine"]["nodes_per_step"]
+        layers, ops, _ = layer_matrix(a["nodes"])
+        assert layers and "ffn_down" in ops
