@@ -5,9 +5,13 @@ Top-down map of the project:
                        -> harness.verify (greedy / teacher-forced loops), harness.metrics
                        -> backends.registry (llamacpp in a child process, oracle, engine)
                   -> harness.results (atomic JSON) -> reports.html (report.html)
+  harness report --history -> reports.history (per-commit pages + trend plots over runs)
   harness models  -> harness.models (real models from PyPI chunk packages)
   harness synth   -> harness.synth_cmd -> harness.synth (synthetic GGUF files)
+  harness ab      -> harness.ab_cmd -> harness.ab (A/B of two results) -> reports.ab_html
+  harness bench-table -> harness.benchtable (llama-bench style pp/tg table of a result)
   harness bench   -> harness.bench_cmd -> harness.bench_nodes (engine step, node by node)
+  harness plan    -> harness.plan_cmd -> harness.plan (GPU memory capacity plan)
 Errors of the user's input (HarnessError) print one line and exit 2; no traceback.
 """
 from __future__ import annotations
@@ -67,12 +71,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["list", "path"], help="list the registry, or assemble "
                    "NAME once into the cache and print its path")
     p.add_argument("name", nargs="?", help="registry model name (see `harness models list`)")
-    p = sub.add_parser("report", help="(re-)render report.html from a result.json")
-    p.add_argument("result", type=Path, help="a result.json written by `harness run/verify`")
+    p = sub.add_parser("report", help="(re-)render report.html from a result.json, or the "
+                       "per-commit history pages (--history)")
+    p.add_argument("result", type=Path, nargs="?",
+                   help="a result.json written by `harness run/verify`")
+    p.add_argument("--history", type=Path, nargs="?", const=Path("out"), metavar="OUT_ROOT",
+                   help="read OUT_ROOT/runs/*/result.json (default out), write "
+                   "OUT_ROOT/reports/<sha>/index.html and OUT_ROOT/reports/index.html")
+    p = sub.add_parser("bench-table", help="llama-bench style pp/tg table of a result's bench "
+                       "rows (harness.benchtable)", formatter_class=fmt)
+    p.add_argument("result", type=Path, help="a result.json with a bench section")
+    p.add_argument("--format", choices=["md", "csv", "json"], default="md", help="output format")
+    p.add_argument("--llama-bench", type=Path, action="append", metavar="FILE.json",
+                   help="add the rows of a `llama-bench -o json|jsonl` file (repeatable)")
     from .synth_cmd import add_synth_parser
     add_synth_parser(sub)
+    from .ab_cmd import add_ab_parser
+    add_ab_parser(sub)
     from .bench_cmd import add_bench_parser
     add_bench_parser(sub)
+    from .plan_cmd import add_plan_parser
+    add_plan_parser(sub)
     return ap
 
 
@@ -93,6 +112,16 @@ def _cmd_models(args) -> int:
 
 
 def _cmd_report(args) -> int:
+    if (args.result is None) == (args.history is None):
+        raise ConfigError("harness report: give either RESULT.json or --history [OUT_ROOT]")
+    if args.history is not None:
+        from reports.history import build_history
+        try:
+            print(build_history(args.history, console).index)
+        except OSError as e:  # OUT_ROOT/reports not writable, a run folder unreadable
+            raise ConfigError(f"cannot write the history pages under {args.history}: {e}") \
+                from None
+        return 0
     from reports.html import render_report_from_json
     try:
         print(render_report_from_json(args.result))
@@ -108,12 +137,21 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_models(args)
         if args.cmd == "report":
             return _cmd_report(args)
+        if args.cmd == "bench-table":
+            from .benchtable import run_bench_table
+            return run_bench_table(args)
+        if args.cmd == "ab":
+            from .ab_cmd import run_ab
+            return run_ab(args, console)
         if args.cmd == "synth":
             from .synth_cmd import run_synth
             return run_synth(args, console)
         if args.cmd == "bench":
             from .bench_cmd import run_bench
             return run_bench(args, console)
+        if args.cmd == "plan":
+            from .plan_cmd import run_plan
+            return run_plan(args, console)
         from .main_job import run_job
         return run_job(args, console)
     except HarnessError as e:

@@ -18,7 +18,6 @@ from ..base import CAP_GRAPH, CAP_NODES, CAP_TIMINGS
 from .executor import Executor
 from .formats import check_type
 
-MARGIN_BYTES = 512 << 20  # safety margin kept free on the device (planner, docs/sources.md §2)
 
 
 class EngineBackend:
@@ -47,7 +46,7 @@ class EngineBackend:
         for n in names:
             check_type(info.tensor(n).type_id, n)
         n_vocab = info.tensor("token_embd.weight").ne[1]
-        self._plan(sum(info.tensor(n).nbytes for n in names), p, n_vocab, cfg.n_ctx)
+        self._plan(info, model.name, cfg.n_ctx)
         self.arena = Arena(info, names)
         self.bufs = qwen2.Buffers.allocate(p, n_vocab, cfg.n_ctx)
         body, head = qwen2.build(self.arena, self.bufs, p, cfg.n_ctx)
@@ -58,18 +57,16 @@ class EngineBackend:
         self._loaded = True
         self.reset()
 
-    def _plan(self, weight_bytes: int, p, n_vocab: int, n_ctx: int) -> None:
-        """Refuse before allocating when weights + KV + activations + margin exceed free memory."""
+    def _plan(self, info, name: str, n_ctx: int) -> None:
+        """Refuse before allocating when the capacity plan (harness.plan: weights + KV +
+        workspace + safety margin against cudaMemGetInfo's free bytes) does not fit.
+        token_embd stays on the device: the engine has no host placement yet."""
         import cupy as cp
-        kv = 2 * 2 * p.n_layer * n_ctx * p.n_head_kv * p.head_dim
-        act = 4 * (3 * p.n_embd + 3 * p.n_embd_q + p.n_ff + n_vocab)
-        need = weight_bytes + kv + act + MARGIN_BYTES
+        from harness.plan import plan_model, require_fit
         free, _ = cp.cuda.runtime.memGetInfo()
-        if need > free:
-            raise ModelError(f"the model needs {need / 2**30:.2f} GiB on the GPU (weights "
-                             f"{weight_bytes / 2**30:.2f}, KV {kv / 2**30:.2f}, margin "
-                             f"{MARGIN_BYTES >> 20} MiB) but only {free / 2**30:.2f} GiB is free")
-        self.planned_bytes = need
+        plan = plan_model(info, n_ctx, free, embd_on_host=False)
+        require_fit(plan, f"engine: {name}")
+        self.planned_bytes = plan.need
 
     # -- Backend protocol ------------------------------------------------------------------
     def reset(self) -> None:
