@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jinja2
 
+from harness.benchtable import report_table
 from harness.results import read_json, write_atomic
 
 from . import plots
@@ -52,6 +53,7 @@ def render_html(result: dict) -> str:
     (optionally round-tripped through JSON, with "inf"/"nan" strings for non-finite floats)."""
     ctx = build_context(result)
     ctx["plots"] = _plots(result)
+    ctx["bench_table"] = report_table(result)  # llama-bench style pp/tg rows, or None
     return _env().get_template(TEMPLATE).render(**ctx)
 
 
