@@ -1,0 +1,171 @@
+"""`harness ab A.json B.json`: compare result B against result A (harness.ab).
+
+    harness ab PREV.json NEW.json [--threshold 0.02] [--fail-on-slower] [--force]
+               [--format table|md|json] [--out DIR]
+
+Prints the comparison to stdout (a rich table by default; Markdown or JSON on request);
+with --out writes ab.json + ab.html into a new folder under DIR (never an existing one).
+Exit code: 0 without correctness failures (with --fail-on-slower: and without SLOWER
+verdicts), 1 otherwise, 2 for bad input (unreadable or non-result files, results of
+different models/prompts without --force).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from . import ab
+from .errors import ConfigError
+
+DASH = "–"
+METRIC_LABEL = {"decode_tok_s": "decode tok/s", "prefill_tok_s": "prefill tok/s"}
+VERDICT_STYLE = {"FASTER": "bold green", "SLOWER": "bold red", "SAME": "", "UNKNOWN": "yellow"}
+PERF_HEAD = ("metric", "backend", "n_ctx", "A median", "B median", "Δ", "noise", "n A/B",
+             "verdict", "note")
+CHECK_HEAD = ("check", "backend", "mode", "n_ctx", "A", "B", "state", "")
+
+
+def add_ab_parser(sub) -> None:
+    p = sub.add_parser("ab", help="compare two results: speed verdicts within noise, "
+                       "correctness changes as failures")
+    p.add_argument("a", type=Path, help="result.json A (before)")
+    p.add_argument("b", type=Path, help="result.json B (after)")
+    p.add_argument("--threshold", type=float, default=ab.DEFAULT_THRESHOLD,
+                   help="smallest relative tok/s change that counts when the runs' spread is "
+                   f"smaller (default {ab.DEFAULT_THRESHOLD})")
+    p.add_argument("--fail-on-slower", action="store_true",
+                   help="exit 1 also when any metric is SLOWER")
+    p.add_argument("--force", action="store_true",
+                   help="compare results of different models/prompts (SHAs not compared)")
+    p.add_argument("--format", choices=["table", "md", "json"], default="table",
+                   help="stdout format (default table)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write ab.json + ab.html into a new folder under this one")
+
+
+def _pct(x: float | None, sign: bool = True) -> str:
+    return DASH if x is None else f"{100 * x:+.2f} %" if sign else f"±{100 * x:.2f} %"
+
+
+def _val(x: float | None) -> str:
+    return DASH if x is None else f"{x:.1f}"
+
+
+def _short(s: str | None) -> str:
+    return DASH if s is None else s[:12] if len(s) == 64 else s
+
+
+def perf_cells(p: dict) -> list[str]:
+    """Text cells of one performance row (a PerfRow as dict)."""
+    return [METRIC_LABEL.get(p["metric"], p["metric"]), str(p["backend"]), str(p["n_ctx"]),
+            _val(p["a_median"]), _val(p["b_median"]), _pct(p["delta"]),
+            _pct(p["noise"], sign=False), f"{p['a_n']}/{p['b_n']}", p["verdict"], p["note"]]
+
+
+def check_cells(c: dict) -> list[str]:
+    """Text cells of one correctness row (a CheckRow as dict); SHAs cut to 12 hex."""
+    return [c["check"], str(c["backend"]), str(c["mode"] or DASH), str(c["n_ctx"]),
+            _short(c["a"]), _short(c["b"]), c["state"], "FAILURE" if c["failure"] else ""]
+
+
+def summary_line(doc: dict) -> str:
+    """One line: failure count, verdict counts, threshold and the exit code."""
+    n = doc["counts"]
+    return (f"correctness failures: {doc['failures']}; performance: {n['FASTER']} FASTER, "
+            f"{n['SLOWER']} SLOWER, {n['SAME']} SAME, {n['UNKNOWN']} UNKNOWN "
+            f"(threshold {doc['threshold']:g}"
+            f"{', --fail-on-slower' if doc.get('fail_on_slower') else ''}); "
+            f"exit {doc.get('exit_code')}")
+
+
+def _sides(doc: dict) -> list[str]:
+    return [f"{k}: {s['path']}  model {s['model']} ({str(s['model_sha256'])[:12]}), "
+            f"git {s['git']}{' dirty' if s['dirty'] else ''}, created {s['created']}"
+            for k, s in (("A", doc["a"]), ("B", doc["b"]))]
+
+
+def print_table(doc: dict, out: Console) -> None:
+    """Rich tables on `out`; every cell is a Text (no markup: values come from the files)."""
+    for line in _sides(doc) + [f"not comparable: {m}" for m in doc["mismatches"]]:
+        out.print(Text(line))
+    t = Table(title="performance (B vs A)", title_justify="left")
+    for h in PERF_HEAD:
+        t.add_column(h, justify="right" if h in ("A median", "B median", "Δ", "noise") else "left")
+    for p in doc["perf"]:
+        style = VERDICT_STYLE.get(p["verdict"], "")
+        t.add_row(*[Text(c, style=style if h == "verdict" else "")
+                    for h, c in zip(PERF_HEAD, perf_cells(p))])
+    out.print(t)
+    t = Table(title="correctness", title_justify="left")
+    for h in CHECK_HEAD:
+        t.add_column(h)
+    for c in doc["checks"]:
+        t.add_row(*[Text(x, style="bold red" if c["failure"] else "") for x in check_cells(c)])
+    out.print(t)
+    out.print(Text(summary_line(doc), style="bold red" if doc["exit_code"] else "bold green"))
+
+
+def _md_row(cells: list[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+
+def markdown(doc: dict) -> str:
+    """The comparison as Markdown (two pipe tables and a summary line)."""
+    lines = ["# A/B comparison", ""] + [f"- {s}" for s in _sides(doc)]
+    lines += [f"- not comparable: {m}" for m in doc["mismatches"]]
+    lines += ["", "## Performance", "", _md_row(list(PERF_HEAD)),
+              _md_row(["---"] * len(PERF_HEAD))]
+    lines += [_md_row(perf_cells(p)) for p in doc["perf"]]
+    lines += ["", "## Correctness", "", _md_row(list(CHECK_HEAD)),
+              _md_row(["---"] * len(CHECK_HEAD))]
+    lines += [_md_row(check_cells(c)) for c in doc["checks"]]
+    return "\n".join(lines + ["", summary_line(doc), ""])
+
+
+def build_doc(args) -> tuple[dict, int]:
+    """(ab.json document, exit code) for the parsed arguments; ConfigError on bad input."""
+    a, b = ab.load_result(args.a), ab.load_result(args.b)
+    res = ab.compare(a, b, threshold=args.threshold, force=args.force)
+    code = ab.exit_code(res, fail_on_slower=args.fail_on_slower)
+    doc = {**res.to_dict(), "created": datetime.now(UTC).isoformat(timespec="seconds"),
+           "fail_on_slower": args.fail_on_slower, "exit_code": code,
+           "a": ab.side_info(a, args.a), "b": ab.side_info(b, args.b)}
+    return doc, code
+
+
+def write_out(doc: dict, root: Path) -> Path:
+    """ab.json + ab.html in a new folder under root (harness.results.new_run_dir naming);
+    both written atomically. Raises ConfigError when root cannot hold a new folder."""
+    from reports.ab_html import render_ab
+
+    from .machine import git_info
+    from .results import new_run_dir, write_json
+    try:
+        folder = new_run_dir(root, git_info().get("sha"))
+    except (OSError, RuntimeError) as e:  # root is a file, not writable, 1000 folders taken
+        raise ConfigError(f"cannot create a folder under {root}: {e}") from None
+    write_json(folder / "ab.json", doc)
+    render_ab(doc, folder / "ab.html")
+    return folder
+
+
+def run_ab(args, console: Console) -> int:
+    """The `harness ab` command; returns the exit code (ConfigError for bad input)."""
+    doc, code = build_doc(args)
+    if args.format == "json":
+        print(json.dumps(doc, indent=1))
+    elif args.format == "md":
+        print(markdown(doc), end="")
+    else:
+        width = None if sys.stdout.isatty() else 160  # wide tables in files and CI logs
+        print_table(doc, Console(file=sys.stdout, width=width))
+    if args.out is not None:
+        folder = write_out(doc, args.out)
+        console.print(Text(f"wrote {folder / 'ab.json'} and {folder / 'ab.html'}"))
+    return code

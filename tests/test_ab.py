@@ -1,0 +1,369 @@
+"""`harness ab`: noise-aware speed verdicts and correctness failures between two results.
+
+Results are small synthetic dicts of schema gguf-harness/run/1 (helpers below) whose bench
+times are chosen so the expected verdict follows from the documented rule by hand:
+rate = tokens / seconds, delta = median(B) / median(A) - 1, noise = the larger
+(max - min) / median, SAME when |delta| <= max(threshold, noise). The last tests run on the
+two committed H200 results of the 0.5B model (engine v3 and v4).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import struct
+from datetime import UTC, datetime
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import harness.machine
+import harness.results
+from harness import ab
+from harness.cli import main
+from harness.errors import ConfigError
+
+MODEL_SHA = "ab" * 32
+EVIL = "<script>alert(1)</script>"
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+V3 = RESULTS / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v3.json"
+V4 = RESULTS / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v4.json"
+
+
+# ---- synthetic results ------------------------------------------------------------------
+
+def bench_row(backend: str, n_ctx: int, decode_s: list[float],
+              prefill_s: list[float] | None = None) -> dict:
+    """A bench row as bench_e2e writes it (128 decode steps, 70 prompt tokens)."""
+    prefill_s = prefill_s if prefill_s is not None else [0.01, 0.01, 0.01]
+    return {"backend": backend, "n_ctx": n_ctx, "n_prompt": 70, "n_decode": 128,
+            "reps": len(decode_s), "raw": {"decode_s": decode_s, "prefill_s": prefill_s}}
+
+
+def run(backend: str, mode: str, n_ctx: int, ids_sha: str = "11" * 32,
+        logits_sha: str = "22" * 32, status: str = "ok") -> dict:
+    return {"backend": backend, "mode": mode, "n_ctx": n_ctx, "status": status,
+            "error": None if status == "ok" else "RuntimeError: boom", "ids": [1, 2, 3],
+            "summary": {"ids_sha256": ids_sha, "final_logits_sha256": logits_sha}}
+
+
+def result(decode_s: list[float] | None = None, name: str = "tiny") -> dict:
+    """One engine run pair at c=512, a PASS verdict and (optionally) one bench row."""
+    return {
+        "schema": "gguf-harness/run/1", "created": "2026-01-01T00:00:00+00:00",
+        "machine": {"git": {"sha": "deadbeef", "dirty": False}, "gpu": None},
+        "model": {"name": name, "sha256": MODEL_SHA},
+        "settings": {"n_predict": 3, "reference": "oracle"},
+        "prompt": {"ids": [5, 6, 7], "text": "hi"},
+        "reference": {"backend": "oracle", "mode": "greedy", "n_ctx": 512, "status": "ok",
+                      "ids": [1, 2, 3], "ids_sha256": "11" * 32,
+                      "final_logits_sha256": "33" * 32},
+        "runs": [run("engine", "greedy", 512), run("engine", "teacher_forced", 512)],
+        "verdicts": [{"backend": "engine", "n_ctx": 512, "verdict": "PASS", "reason": "ok"}],
+        "bench": {"rows": [bench_row("engine", 512, decode_s)] if decode_s else [],
+                  "errors": []},
+    }
+
+
+def perf(res: ab.ABResult, metric: str = "decode_tok_s") -> ab.PerfRow:
+    (row,) = [p for p in res.perf if p.metric == metric]
+    return row
+
+
+def failures(res: ab.ABResult) -> list[tuple[str, str]]:
+    return [(c.check, c.state) for c in res.checks if c.failure]
+
+
+TIGHT = [0.200, 0.2001, 0.2002]  # rate spread ~0.1 %
+
+
+# ---- performance verdicts ---------------------------------------------------------------
+
+def test_faster():
+    res = ab.compare(result(TIGHT), result([0.100, 0.1001, 0.1002]))
+    p = perf(res)
+    assert p.verdict == "FASTER"
+    assert p.delta == pytest.approx(0.2001 / 0.1001 - 1)  # rates 128/t: ratio of median times
+    assert p.a_median == pytest.approx(128 / 0.2001)
+    assert failures(res) == [] and ab.exit_code(res, fail_on_slower=True) == 0
+
+
+def test_slower_and_fail_on_slower():
+    res = ab.compare(result(TIGHT), result([0.250, 0.2501, 0.2502]))
+    p = perf(res)
+    assert p.verdict == "SLOWER" and p.delta == pytest.approx(0.2001 / 0.2501 - 1)
+    assert ab.exit_code(res) == 0  # slower is not a correctness failure ...
+    assert ab.exit_code(res, fail_on_slower=True) == 1  # ... unless asked
+
+
+def test_same_within_noise():
+    # A's rates 640, 581.8, 533.3: spread (640 - 533.3) / 581.8 = 18.3 %; B 5 % faster
+    noisy = [0.20, 0.22, 0.24]
+    faster5 = [t / 1.05 for t in noisy]
+    p = perf(ab.compare(result(noisy), result(faster5)))
+    assert p.delta == pytest.approx(0.05)
+    assert p.noise == pytest.approx((640 - 128 / 0.24) / (128 / 0.22))
+    assert p.verdict == "SAME"
+    # the same 5 % with tight samples is a real change
+    tight5 = [t / 1.05 for t in TIGHT]
+    assert perf(ab.compare(result(TIGHT), result(tight5))).verdict == "FASTER"
+
+
+def test_threshold():
+    b = result([t / 1.03 for t in TIGHT])  # 3 % faster, noise ~0.1 %
+    assert perf(ab.compare(result(TIGHT), b)).verdict == "FASTER"  # default 2 %
+    p = perf(ab.compare(result(TIGHT), b, threshold=0.05))
+    assert p.verdict == "SAME" and p.tolerance == pytest.approx(0.05)
+
+
+def test_unknown_with_too_few_samples():
+    p = perf(ab.compare(result(TIGHT), result([0.1, 0.1])))
+    assert p.verdict == "UNKNOWN" and p.b_n == 2
+    assert p.delta == pytest.approx(0.2001 / 0.1 - 1)  # still reported, not judged
+
+
+def test_unknown_with_non_finite_noise():
+    p = perf(ab.compare(result(TIGHT), result([0.1, 0.0, 0.1])))  # a zero time: no rate
+    assert p.verdict == "UNKNOWN"
+
+
+def test_prefill_rates_from_prompt_tokens():
+    a, b = result(TIGHT), result(TIGHT)
+    b["bench"]["rows"][0]["raw"]["prefill_s"] = [0.005, 0.005, 0.005]
+    p = perf(ab.compare(a, b), "prefill_tok_s")
+    assert p.a_median == pytest.approx(70 / 0.01) and p.b_median == pytest.approx(70 / 0.005)
+    assert p.verdict == "FASTER"
+
+
+def test_bench_row_missing_or_crashed_in_b():
+    b = result(None)
+    p = perf(ab.compare(result(TIGHT), b))
+    assert p.verdict == "UNKNOWN" and p.note == "missing in B"
+    b["bench"]["errors"] = [{"backend": "engine", "n_ctx": 512, "error": "BackendCrash: died"}]
+    res = ab.compare(result(TIGHT), b)
+    assert ("bench", "failed") in failures(res) and ab.exit_code(res) == 1
+
+
+# ---- correctness ------------------------------------------------------------------------
+
+def test_identical_results_have_no_failure():
+    res = ab.compare(result(TIGHT), result(TIGHT))
+    assert failures(res) == [] and ab.exit_code(res) == 0
+    states = {(c.check, c.backend, c.mode) for c in res.checks if c.state == "same"}
+    assert ("ids_sha256", "oracle", "greedy") in states
+    assert ("final_logits_sha256", "engine", "teacher_forced") in states
+
+
+def test_ids_sha_change_is_failure():
+    b = result(TIGHT)
+    b["runs"][0]["summary"]["ids_sha256"] = "99" * 32
+    res = ab.compare(result(TIGHT), b)
+    (row,) = [c for c in res.checks if c.failure]
+    assert (row.check, row.backend, row.mode, row.state) == ("ids_sha256", "engine", "greedy",
+                                                             "changed")
+    assert ab.exit_code(res) == 1
+
+
+def test_logits_sha_change_is_failure():
+    b = result(TIGHT)
+    b["reference"]["final_logits_sha256"] = "44" * 32
+    assert failures(ab.compare(result(TIGHT), b)) == [("final_logits_sha256", "changed")]
+
+
+def test_fail_verdict_in_b():
+    b = result(TIGHT)
+    b["verdicts"][0]["verdict"] = "FAIL"
+    res = ab.compare(result(TIGHT), b)
+    assert failures(res) == [("verdict", "failed")] and ab.exit_code(res) == 1
+
+
+def test_errored_run_in_b():
+    b = result(TIGHT)
+    b["runs"][1] = run("engine", "teacher_forced", 512, status="error")
+    del b["runs"][1]["summary"]
+    fails = failures(ab.compare(result(TIGHT), b))
+    assert ("status", "failed") in fails and ("final_logits_sha256", "missing in B") in fails
+
+
+def test_missing_run_in_b():
+    b = result(TIGHT)
+    del b["runs"][1]
+    res = ab.compare(result(TIGHT), b)
+    assert failures(res) == [("run", "missing in B")]
+    assert [(c.backend, c.mode, c.n_ctx) for c in res.checks if c.failure] == [
+        ("engine", "teacher_forced", 512)]
+
+
+def test_new_run_in_b_is_not_a_failure():
+    b = result(TIGHT)
+    b["runs"].append(run("llamacpp", "greedy", 512))
+    res = ab.compare(result(TIGHT), b)
+    assert failures(res) == [] and any(c.state == "new in B" for c in res.checks)
+
+
+def test_ids_sha_computed_from_ids_when_not_stored():
+    ids = [3, 1, 4, 1, 5]
+    expected = hashlib.sha256(struct.pack("<5q", *ids)).hexdigest()  # int64 little-endian
+    assert ab.run_sha({"ids": ids}, "ids_sha256") == expected
+    a, b = result(TIGHT), result(TIGHT)
+    for r in (a, b):
+        del r["runs"][0]["summary"]["ids_sha256"]
+    b["runs"][0]["ids"] = [1, 2, 4]
+    assert failures(ab.compare(a, b)) == [("ids_sha256", "changed")]
+
+
+def test_different_model_refused_unless_forced():
+    b = result(TIGHT)
+    b["model"]["sha256"] = "cd" * 32
+    b["runs"][0]["summary"]["ids_sha256"] = "99" * 32
+    with pytest.raises(ConfigError, match="model SHA256"):
+        ab.compare(result(TIGHT), b)
+    res = ab.compare(result(TIGHT), b, force=True)
+    assert not res.comparable and failures(res) == []
+    assert [c.state for c in res.checks if c.check == "ids_sha256" and c.mode == "greedy"
+            and c.backend == "engine"] == ["not comparable"]
+
+
+def test_different_prompt_refused():
+    b = result(TIGHT)
+    b["prompt"]["ids"] = [5, 6, 8]
+    with pytest.raises(ConfigError, match="prompt"):
+        ab.compare(result(TIGHT), b)
+
+
+def test_different_reference_backend_refused():
+    b = result(TIGHT)
+    b["settings"]["reference"] = "llamacpp"
+    with pytest.raises(ConfigError, match="reference backend"):
+        ab.compare(result(TIGHT), b)
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_bad_threshold(bad):
+    with pytest.raises(ConfigError, match="threshold"):
+        ab.compare(result(TIGHT), result(TIGHT), threshold=bad)
+
+
+# ---- command line -----------------------------------------------------------------------
+
+def _write(tmp_path: Path, name: str, obj) -> Path:
+    path = tmp_path / name
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return path
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["ab", *map(str, argv)])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    a = _write(tmp_path, "a.json", result(TIGHT))
+    same = _write(tmp_path, "same.json", result([0.2001, 0.2, 0.2002]))
+    slower = _write(tmp_path, "slower.json", result([0.3, 0.3001, 0.3002]))
+    changed = result(TIGHT)
+    changed["runs"][0]["summary"]["ids_sha256"] = "99" * 32
+    changed = _write(tmp_path, "changed.json", changed)
+    assert _cli(capsys, a, same)[0] == 0
+    code, out, _ = _cli(capsys, a, slower)
+    assert code == 0 and "SLOWER" in out
+    assert _cli(capsys, a, slower, "--threshold", "0.05", "--fail-on-slower")[0] == 1
+    code, out, _ = _cli(capsys, a, changed)
+    assert code == 1 and "FAILURE" in out
+
+
+def test_cli_bad_input_exit_2(tmp_path, capsys):
+    a = _write(tmp_path, "a.json", result(TIGHT))
+    other = copy.deepcopy(result(TIGHT))
+    other["schema"] = "gguf-harness/sweep/1"
+    other_model = result(TIGHT)
+    other_model["model"]["sha256"] = "cd" * 32
+    cases = [tmp_path / "missing.json", _write(tmp_path, "x.json", "{not json"),
+             _write(tmp_path, "list.json", [1, 2]), _write(tmp_path, "o.json", other),
+             _write(tmp_path, "m.json", other_model)]
+    for b in cases:
+        code, _, err = _cli(capsys, a, b)
+        assert code == 2, b
+        assert err.startswith("error:") and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1, err
+    assert _cli(capsys, a, tmp_path / "m.json", "--force")[0] == 0
+
+
+def test_cli_formats(tmp_path, capsys):
+    a = _write(tmp_path, "a.json", result(TIGHT))
+    b = _write(tmp_path, "b.json", result([0.1, 0.1001, 0.1002]))
+    code, out, _ = _cli(capsys, a, b, "--format", "json")
+    doc = json.loads(out)
+    assert code == 0 and doc["schema"] == "gguf-harness/ab/1" and doc["counts"]["FASTER"] == 1
+    assert doc["a"]["path"] == str(a) and doc["exit_code"] == 0
+    code, out, _ = _cli(capsys, a, b, "--format", "md")
+    assert "| decode tok/s | engine | 512 |" in out and "FASTER" in out
+
+
+class _Tags(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.srcs = [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        self.srcs += [v for k, v in attrs if k in ("src", "href")]
+
+
+def test_html_escapes_model_name(tmp_path, capsys):
+    a = _write(tmp_path, "a.json", result(TIGHT, name=EVIL))
+    b = _write(tmp_path, "b.json", result([0.1, 0.1001, 0.1002], name=EVIL))
+    assert _cli(capsys, a, b, "--out", tmp_path / "ab")[0] == 0
+    (folder,) = (tmp_path / "ab").iterdir()
+    html = (folder / "ab.html").read_text()
+    assert EVIL not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    p = _Tags()
+    p.feed(html)
+    assert "script" not in p.tags and "img" in p.tags  # the chart
+    assert p.srcs and all(s.startswith("data:image/png;base64,") for s in p.srcs)
+    doc = json.loads((folder / "ab.json").read_text())
+    assert doc["a"]["model"] == EVIL and doc["counts"]["FASTER"] == 1
+
+
+def test_out_never_overwrites(tmp_path, capsys, monkeypatch):
+    class Frozen(datetime):  # every folder name gets the same time stamp
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    monkeypatch.setattr(harness.results, "datetime", Frozen)
+    monkeypatch.setattr(harness.machine, "git_info", lambda: {"sha": "0123456789abc"})
+    root = tmp_path / "ab"
+    taken = root / "20260102T030405Z-0123456789"
+    taken.mkdir(parents=True)
+    (taken / "ab.json").write_text("earlier")
+    a = _write(tmp_path, "a.json", result(TIGHT))
+    for _ in range(2):
+        assert _cli(capsys, a, a, "--out", root)[0] == 0
+    assert (taken / "ab.json").read_text() == "earlier"
+    assert not (taken / "ab.html").exists()
+    new = sorted(p.name for p in root.iterdir() if p != taken)
+    assert new == [taken.name + "-1", taken.name + "-2"]
+    for name in new:
+        assert json.loads((root / name / "ab.json").read_text())["failures"] == 0
+        assert (root / name / "ab.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_out_is_a_file(tmp_path, capsys):
+    a = _write(tmp_path, "a.json", result(TIGHT))
+    code, _, err = _cli(capsys, a, a, "--out", a)
+    assert code == 2 and "cannot create a folder" in err
+
+
+# ---- the committed H200 results of the 0.5B model (engine v3 -> v4) ---------------------
+
+def test_real_results_v3_vs_v4():
+    res = ab.compare(ab.load_result(V3), ab.load_result(V4))
+    decode = {p.n_ctx: p for p in res.perf if p.backend == "engine" and p.metric == "decode_tok_s"}
+    assert set(decode) == {512, 2048}
+    for p in decode.values():
+        assert p.verdict == "FASTER" and p.delta > 0.5  # v4 decodes ~1.7x as fast as v3
+    ids = [c for c in res.checks if c.backend == "llamacpp" and c.check == "ids_sha256"]
+    assert len(ids) == 4  # greedy and teacher-forced at 512 and 2048
+    assert all(c.state == "same" and not c.failure for c in ids)
