@@ -2,7 +2,10 @@
 prefill and decode tok/s of every backend at
 every context, in the same run, next to the device's copy bandwidth measured at the start.
 
-Per backend and context: load (child process), backend.bench(prompt, n_decode, reps), close.
+Per backend and context: load (child process), backend.bench(prompt, n_decode, reps + 1),
+close. The first repetition is a warm-up and is dropped, as llama-bench does: llama.cpp-CUDA's
+first prefill measured ~12x slower than the next ones (0.09 s vs 0.0075 s, 0.5B on the H200),
+which made its prefill spread 90-97 % and its mean meaningless.
 Decode tok/s = n_decode / median decode seconds; effective bandwidth = decode weight bytes
 per step (harness.model_bytes) / step time, as % of the copy bandwidth. Engine/llama.cpp
 ratios are reported per context. Throughput is only meaningful next to a passing
@@ -47,7 +50,7 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
                 before = mem_used() if mem_used else None
                 b = create(name)
                 b.load(model, replace(base, n_ctx=n_ctx))
-                r = b.bench(list(prompt_ids), n_decode, reps)
+                r = _drop_warmup(b.bench(list(prompt_ids), n_decode, reps + 1), reps)
                 row = _row(name, n_ctx, r, len(prompt_ids), n_decode, step_bytes, copy_gbs)
                 if mem_used:
                     row["gpu_mem_used_bytes"] = mem_used() - before
@@ -65,6 +68,19 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
                         pass
     return {"rows": rows, "errors": errors, "ratios": _ratios(rows), "copy_gb_s": copy_gbs,
             "n_decode": n_decode, "reps": reps}
+
+
+def _drop_warmup(r: dict, reps: int) -> dict:
+    """The per-repetition lists of a bench() result without the first (warm-up) entry.
+    Raises HarnessError when a list does not hold reps + 1 values."""
+    out = {}
+    for k, v in r.items():
+        if isinstance(v, list):
+            if len(v) != reps + 1:
+                raise HarnessError(f"bench returned {len(v)} values for {k}, expected {reps + 1}")
+            v = v[1:]
+        out[k] = v
+    return out
 
 
 def _ratios(rows: list[dict]) -> list[dict]:
