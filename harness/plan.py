@@ -141,8 +141,9 @@ def plan_model(info: GGUFInfo, n_ctx: int, free: int, embd_on_host: bool | None 
     """plan_sizes for a GGUF file's header (tensors needed for decoding, MTP excluded)."""
     if n_ctx < 1:
         raise ModelError(f"n_ctx {n_ctx} < 1")
+    from .model_bytes import decode_tensors
     s = shape_of(info)
-    weights = sum(t.nbytes for n, t in info.tensors.items() if ".nextn." not in n)
+    weights = sum(t.nbytes for t in decode_tensors(info).values())
     e = info.tensor("token_embd.weight")
     tied = "output.weight" not in info.tensors
     host = False if tied else embd_on_host  # a tied head reads the whole table every step

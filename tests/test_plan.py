@@ -54,7 +54,7 @@ def test_over_budget_is_a_clear_error_naming_the_shortfall():
 def _header_facts(path):
     """Tensor bytes and KV geometry straight from gguf-py (independent of harness.gguf_file)."""
     r = GGUFReader(path)
-    total = sum(int(t.n_bytes) for t in r.tensors if ".nextn." not in t.name)
+    total = sum(int(t.n_bytes) for t in r.tensors)  # these fixtures have no MTP block
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
 
     def val(key):
@@ -115,3 +115,20 @@ def test_cli_plan_needs_a_free_figure_without_a_gpu(tiny_qwen2_q, capsys, monkey
     assert cli.main(["plan", "--model", str(tiny_qwen2_q)]) == 2
     assert "--free" in capsys.readouterr().err
     assert cli.main(["plan", "--model", str(tiny_qwen2_q), "--ctx", "64", "--vram-limit", str(1 << 40)]) == 0
+
+
+def test_mtp_block_is_not_planned_or_counted(tmp_path):
+    """An MTP block's attention/FFN tensors have plain names (blk.N.attn_q...): only the block
+    index says they are MTP. Neither the plan nor the decode bytes may count them."""
+    import dataclasses
+
+    from harness.model_bytes import decode_weight_bytes
+    from harness.synth.qwen35 import write_qwen35
+    from harness.synth.qwen35_presets import shape
+    tiny = shape("qwen35-tiny")
+    plain = open_gguf(write_qwen35(tmp_path / "a.gguf", tiny, "Q8_0", seed=1))
+    mtp = open_gguf(write_qwen35(tmp_path / "b.gguf", dataclasses.replace(tiny, n_nextn=1), "Q8_0", seed=1))
+    extra = [n for n in mtp.tensors if n not in plain.tensors]
+    assert any(".nextn." not in n for n in extra)  # the trap: MTP tensors without 'nextn'
+    assert decode_weight_bytes(mtp) == decode_weight_bytes(plain)
+    assert _item(plan_model(mtp, 64, 1 << 40), "weights") == _item(plan_model(plain, 64, 1 << 40), "weights")
