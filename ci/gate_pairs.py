@@ -46,7 +46,7 @@ def load_run(path: Path) -> dict | None:
     result with a `created` time."""
     try:
         obj = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply
         print(f"gate_pairs: warning: cannot read {path}: {e}", file=sys.stderr)
         return None
     if not isinstance(obj, dict) or not str(obj.get("schema", "")).startswith(RUN_SCHEMA):
@@ -64,10 +64,12 @@ def load_run(path: Path) -> dict | None:
 
 def group_key(run: dict) -> str:
     """Canonical JSON of what must be equal for two runs to be compared."""
-    model = run.get("model") or {}
-    gpu = ((run.get("machine") or {}).get("gpu") or {}).get("name")
+    def d(x) -> dict:  # a malformed result must not stop the gate for every later run
+        return x if isinstance(x, dict) else {}
+    model = d(run.get("model"))
+    gpu = d(d(run.get("machine")).get("gpu")).get("name")
     key = {"model": model.get("name"), "sha256": model.get("sha256"),
-           "settings": run.get("settings"), "prompt_ids": (run.get("prompt") or {}).get("ids"),
+           "settings": run.get("settings"), "prompt_ids": d(run.get("prompt")).get("ids"),
            "gpu": gpu, "bench": "bench" in run}
     return json.dumps(key, sort_keys=True)
 

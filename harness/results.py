@@ -63,8 +63,13 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def read_json(path: Path) -> dict:
-    """Load a result; ValueError if it is not a gguf-harness result of a known schema."""
-    obj = json.loads(Path(path).read_text())
+    """Load a result; ValueError if it is not JSON (nesting too deep included) or not a
+    gguf-harness result of a known schema."""
+    text = Path(path).read_text()
+    try:
+        obj = json.loads(text)
+    except RecursionError:  # valid JSON nested past the recursion limit: hostile, not a result
+        raise ValueError(f"{path}: JSON nested too deeply") from None
     if not isinstance(obj, dict) or not str(obj.get("schema", "")).startswith("gguf-harness/"):
         raise ValueError(f"{path} is not a gguf-harness result")
     return obj

@@ -1,0 +1,109 @@
+"""Edge cases found by trying the newer commands as a new user (plan, ab, bench-table,
+report --history, bench nodes) with hostile input: each must end in one `error:` line on
+stderr and exit 2, never a traceback, and must not touch files it was only asked to read."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+V4 = RESULTS / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v4.json"
+
+
+def one_error_line(err: str) -> str:
+    """The stderr of a bad-input exit: exactly one line, starting with `error:`."""
+    assert err.startswith("error:"), repr(err[:200])
+    assert err.count("\n") == 1 and err.endswith("\n"), repr(err[:400])
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.fixture
+def deep_json(tmp_path) -> Path:
+    """Valid JSON nested deeper than Python's recursion limit: json.loads raises
+    RecursionError, which is not a ValueError."""
+    p = tmp_path / "deep.json"
+    p.write_text("[" * 100_000 + "]" * 100_000)
+    return p
+
+
+@pytest.mark.parametrize("argv", [
+    lambda deep: ["ab", str(V4), str(deep)],
+    lambda deep: ["ab", str(deep), str(V4)],
+    lambda deep: ["bench-table", str(deep)],
+    lambda deep: ["report", str(deep)],
+], ids=["ab-b", "ab-a", "bench-table", "report"])
+def test_deeply_nested_result_is_bad_input(argv, deep_json, capsys):
+    assert main(argv(deep_json)) == 2
+    one_error_line(capsys.readouterr().err)
+
+
+def test_history_skips_a_deeply_nested_result(tmp_path, capsys):
+    out = tmp_path / "OUT"
+    (out / "runs" / "bad").mkdir(parents=True)
+    (out / "runs" / "bad" / "result.json").write_text("[" * 100_000 + "]" * 100_000)
+    (out / "runs" / "good").mkdir()
+    shutil.copy(V4, out / "runs" / "good" / "result.json")
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (out / "runs").rglob("*")
+              if p.is_file()}
+    assert main(["report", "--history", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "runs/bad/result.json" in err  # named in a warning, then skipped
+    assert (out / "reports" / "index.html").is_file()
+    after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (out / "runs").rglob("*")
+             if p.is_file()}
+    assert after == before
+
+
+def test_result_json_is_still_read(capsys):
+    # guard for the fixes above: a real result still gives a table
+    assert main(["bench-table", str(V4), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["test"] for r in rows} == {"pp70", "tg128"}
+
+
+# ---- ci/gate_pairs.py: one malformed result in OUT/runs must not break every later gate
+
+PAIRS = Path(__file__).resolve().parent.parent / "ci" / "gate_pairs.py"
+
+
+def _gate_pairs(runs: Path, before: Path) -> list[list[str]]:
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(PAIRS), str(runs), "--before", str(before)], check=False,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    return [line.split("\t") for line in r.stdout.splitlines()]
+
+
+def _bad_results() -> dict[str, str]:
+    good = json.loads(V4.read_text())
+    out = {"deep": "[" * 100_000 + "]" * 100_000}
+    for key, value in (("model", "x"), ("machine", [1]), ("prompt", 5)):
+        out[f"{key}-not-an-object"] = json.dumps(good | {key: value})
+    out["gpu-not-an-object"] = json.dumps(good | {"machine": good["machine"] | {"gpu": "H200"}})
+    return out
+
+
+@pytest.mark.parametrize("name", list(_bad_results()))
+def test_gate_pairs_survives_a_malformed_result(name, tmp_path):
+    runs = tmp_path / "runs"
+    (runs / "good").mkdir(parents=True)
+    shutil.copy(V4, runs / "good" / "result.json")
+    (runs / "bad").mkdir()
+    bad = runs / "bad" / "result.json"
+    bad.write_text(_bad_results()[name])
+    before = tmp_path / "before.txt"
+    before.write_text("")  # both results are new in this nightly
+    lines = _gate_pairs(runs, before)
+    # the good one is a baseline; the bad one is either reported unreadable ('!') or a
+    # baseline of its own group ('-'), never a crash
+    assert ["-", str((runs / "good" / "result.json").resolve())] in lines
+    assert any(line[1] == str(bad.resolve()) and line[0] in ("!", "-") for line in lines)
