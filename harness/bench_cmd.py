@@ -38,6 +38,10 @@ def run_bench(args, console: Console) -> int:
         raise ConfigError(f"--method {args.method!r}: expected a comma list of {', '.join(METHODS)}")
     if args.ctx < 8 or args.steps < 1:
         raise ConfigError("need --ctx >= 8 and --steps >= 1")
+    from backends import registry
+    no_gpu = registry.available_backends().get("engine")
+    if no_gpu:  # before the model is assembled and tokenised: the engine cannot load here
+        raise ConfigError(f"harness bench nodes needs the engine backend: {no_gpu}")
     from .gguf_file import open_gguf
     from .machine import machine_info
     from .main_job import _model_meta, _tokenize

@@ -62,6 +62,23 @@ def test_history_skips_a_deeply_nested_result(tmp_path, capsys):
     assert after == before
 
 
+def test_bench_nodes_without_gpu_fails_before_touching_the_model(monkeypatch, capsys):
+    import backends.registry
+    import harness.models
+
+    def unavailable():
+        return {"llamacpp": None, "oracle": None, "engine": "no CUDA device found"}
+
+    def no_resolve(*a, **k):
+        raise AssertionError("the model was resolved before the GPU check")
+
+    monkeypatch.setattr(backends.registry, "available_backends", unavailable)
+    monkeypatch.setattr(harness.models, "resolve", no_resolve)
+    assert main(["bench", "nodes"]) == 2
+    err = one_error_line(capsys.readouterr().err)
+    assert "no CUDA device found" in err
+
+
 def test_result_json_is_still_read(capsys):
     # guard for the fixes above: a real result still gives a table
     assert main(["bench-table", str(V4), "--format", "json"]) == 0
