@@ -168,6 +168,8 @@ def _records(path: Path) -> list:
         raise ConfigError(f"llama-bench file {path}: expected a JSON array of test objects")
     if len(recs) > MAX_RECORDS:
         raise ConfigError(f"llama-bench file {path} has more than {MAX_RECORDS} records")
+    if not recs:  # e.g. llama-bench died before its first test: say so rather than drop it
+        raise ConfigError(f"llama-bench file {path} has no test records")
     return recs
 
 

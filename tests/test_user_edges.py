@@ -79,6 +79,15 @@ def test_bench_nodes_without_gpu_fails_before_touching_the_model(monkeypatch, ca
     assert "no CUDA device found" in err
 
 
+@pytest.mark.parametrize("text", ["", "[]", "\n\n"], ids=["empty", "empty-array", "blank-lines"])
+def test_llama_bench_file_without_records_is_bad_input(text, tmp_path, capsys):
+    lb = tmp_path / "lb.json"
+    lb.write_text(text)
+    assert main(["bench-table", str(V4), "--llama-bench", str(lb)]) == 2
+    err = one_error_line(capsys.readouterr().err)
+    assert "lb.json" in err
+
+
 def test_result_json_is_still_read(capsys):
     # guard for the fixes above: a real result still gives a table
     assert main(["bench-table", str(V4), "--format", "json"]) == 0
