@@ -63,6 +63,9 @@ class Progress:
 def bytes_progress(console: Console, label: str):
     """Context giving a callback(n_bytes) that advances a transient byte-count bar (total
     unknown up front: assembling or hashing a model)."""
+    if not console.is_terminal:  # a transient bar shows nothing there but leaves an empty line
+        yield lambda n: None
+        return
     bar = RichProgress(TextColumn(label), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                        console=console, transient=True)
     tid = bar.add_task(label, total=None)

@@ -88,6 +88,12 @@ def test_llama_bench_file_without_records_is_bad_input(text, tmp_path, capsys):
     assert "lb.json" in err
 
 
+def test_error_after_a_model_lookup_is_one_line(tmp_path, capsys):
+    # the transient byte-count bar used to leave an empty line before `error:` off a terminal
+    assert main(["plan", "--model", str(tmp_path / "missing.gguf"), "--free", "1"]) == 2
+    one_error_line(capsys.readouterr().err)
+
+
 def test_result_json_is_still_read(capsys):
     # guard for the fixes above: a real result still gives a table
     assert main(["bench-table", str(V4), "--format", "json"]) == 0
