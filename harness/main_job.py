@@ -30,7 +30,10 @@ def _model_meta(info) -> dict:
             **{k: info.get(f"{arch}.{k}") for k in keys}}
 
 
-def _choose_backends(spec: str | None, reference: str) -> tuple[list[str], dict]:
+def _choose_backends(spec: str | None, reference: str, bench: bool = False) -> tuple[list[str], dict]:
+    """(backends to run, reference first if it was not listed; unavailable ones with why).
+    A reference alone is allowed only with bench (a throughput run of one backend, e.g.
+    llama.cpp on a model too large for the float64 oracle). Raises ConfigError."""
     from backends.registry import available_backends
     avail = available_backends()
     if spec:
@@ -49,9 +52,9 @@ def _choose_backends(spec: str | None, reference: str) -> tuple[list[str], dict]
         raise ConfigError(f"reference backend {reference!r} unavailable: {avail[reference]}")
     if reference not in names:
         names = [reference] + names
-    if len(names) < 2:
+    if len(names) < 2 and not bench:
         raise ConfigError(f"nothing to compare: give at least one backend besides the reference "
-                          f"{reference!r}")
+                          f"{reference!r} (or --bench for a throughput run of it alone)")
     return names, {n: why for n, why in avail.items() if why}
 
 
@@ -109,7 +112,7 @@ def _tokenize(model, text: str, n_tokens: int | None):
 
 def run_job(args, console: Console) -> int:
     contexts, text, n_tok = _check_args(args)
-    names, unavailable = _choose_backends(args.backends, args.reference)
+    names, unavailable = _choose_backends(args.backends, args.reference, getattr(args, "bench", False))
     with bytes_progress(console, f"model {args.model}") as advance:
         model = models.resolve(args.model, progress=advance)
     info = open_gguf(model.path)
@@ -206,7 +209,11 @@ def _print_summary(console: Console, result: dict) -> None:
                   _fmt(s.get("top1_agreement"), ".3f"), _fmt(s.get("kl_mean"), ".2e"),
                   _fmt(s.get("kl_max"), ".2e"), _fmt(s.get("max_abs"), ".3g"),
                   _fmt(tm.get("decode_tok_s"), ".1f"))
-    console.print(t)
+    if result["runs"]:
+        console.print(t)
+    else:
+        console.print(f"reference-only run ({ref['backend']}): no backend compared, ids sha256 "
+                      f"{ref['ids_sha256']}", markup=False)
     for v in result["verdicts"]:
         colour = "green" if v["verdict"] == "PASS" else "red"
         console.print(f"[{colour}]{v['verdict']}[/] {v['backend']} c={v['n_ctx']}: {escape(str(v['reason']))}",

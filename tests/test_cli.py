@@ -129,3 +129,20 @@ def test_good_run_writes_new_folder_each_time(tiny_qwen2_f32, tmp_path, capsys):
         assert [v["verdict"] for v in res["verdicts"]] == ["PASS"]
         assert (r / "report.html").stat().st_size > 1000
         assert not list(r.glob(".*")), "temporary files left behind"
+
+
+def test_reference_alone_only_with_bench(tiny_qwen2_q, tmp_path, capsys):
+    """One backend as its own reference is a throughput run (e.g. llama.cpp on a model too big
+    for the float64 oracle): refused without --bench, recorded without verdicts with it."""
+    import json
+    pytest.importorskip("llama_cpp")
+    base = ["verify", "--model", str(tiny_qwen2_q), "--backends", "llamacpp", "--reference",
+            "llamacpp", "--contexts", "128", "--n-predict", "4", "--out", str(tmp_path), "--no-report"]
+    assert main(base) == 2
+    assert "nothing to compare" in capsys.readouterr().err
+    assert main(base + ["--bench", "--bench-decode", "4", "--bench-reps", "1"]) == 0
+    (result,) = tmp_path.glob("runs/*/result.json")
+    r = json.loads(result.read_text())
+    assert r["reference"]["backend"] == "llamacpp" and len(r["reference"]["ids"]) == 4
+    assert r["runs"] == [] and r["verdicts"] == []
+    assert [(row["backend"], row["n_ctx"]) for row in r["bench"]["rows"]] == [("llamacpp", 128)]
