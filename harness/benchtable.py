@@ -266,12 +266,23 @@ def format_md(rows: list[dict]) -> str:
     return "\n".join([line(COLUMNS), line(rule), *map(line, cells)]) + "\n"
 
 
+def _csv_cell(v):
+    """Absent -> empty; a text cell that a spreadsheet would run as a formula (leading = + - @,
+    tab or CR: model names are untrusted) gets a leading apostrophe (OWASP CSV injection)."""
+    if v is None:
+        return ""
+    if isinstance(v, str) and v[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + v
+    return v
+
+
 def format_csv(rows: list[dict]) -> str:
-    """Header FIELDS + one line per row; numbers unformatted, absent values empty."""
+    """Header FIELDS + one line per row; numbers unformatted, absent values empty, text cells
+    guarded against formula injection (_csv_cell)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(FIELDS)
-    w.writerows([["" if r[k] is None else r[k] for k in FIELDS] for r in rows])
+    w.writerows([[_csv_cell(r[k]) for k in FIELDS] for r in rows])
     return buf.getvalue()
 
 

@@ -283,3 +283,15 @@ def test_report_has_table_and_escapes_model_name():
     assert "233.33 ± 152.75" in sec and "tg32" in sec
     assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in sec
     assert 'id="bench-table"' not in render_html({"schema": SCHEMA, "bench": {"rows": []}})
+
+
+def test_csv_guards_formula_cells(result_json, tmp_path, capsys):
+    """Untrusted model names must not become spreadsheet formulas in the CSV."""
+    lb = tmp_path / "lb.jsonl"
+    lb.write_text(json.dumps(_lb_record(model_type="=HYPERLINK(\"http://x\",\"y\")")) + "\n"
+                  + json.dumps(_lb_record(model_type="@SUM(A1)")) + "\n")
+    code, out, _ = _cli(capsys, result_json, "--format", "csv", "--llama-bench", lb)
+    assert code == 0
+    models = [r["model"] for r in csv.DictReader(io.StringIO(out))]
+    assert models[-2:] == ["'=HYPERLINK(\"http://x\",\"y\")", "'@SUM(A1)"]
+    assert all(not m.startswith(("=", "@", "+", "-")) for m in models)
