@@ -143,7 +143,13 @@ def plan_model(info: GGUFInfo, n_ctx: int, free: int, embd_on_host: bool | None 
         raise ModelError(f"n_ctx {n_ctx} < 1")
     from .model_bytes import decode_tensors
     s = shape_of(info)
-    weights = sum(t.nbytes for t in decode_tensors(info).values())
+    tensors = decode_tensors(info)
+    blocks = {int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    n_blocks = s.n_attn_layers + s.n_rec_layers
+    if blocks != set(range(n_blocks)):  # a header whose block_count the tensors do not back
+        raise ModelError(f"{info.path.name}: block_count gives {n_blocks} decode layers but the "
+                         f"file holds tensors for {len(blocks)} blocks")
+    weights = sum(t.nbytes for t in tensors.values())
     e = info.tensor("token_embd.weight")
     tied = "output.weight" not in info.tensors
     host = False if tied else embd_on_host  # a tied head reads the whole table every step

@@ -132,3 +132,13 @@ def test_mtp_block_is_not_planned_or_counted(tmp_path):
     assert any(".nextn." not in n for n in extra)  # the trap: MTP tensors without 'nextn'
     assert decode_weight_bytes(mtp) == decode_weight_bytes(plain)
     assert _item(plan_model(mtp, 64, 1 << 40), "weights") == _item(plan_model(plain, 64, 1 << 40), "weights")
+
+
+def test_block_count_must_match_the_tensors(tiny_qwen2_q):
+    """A header claiming more layers than the file has tensors for would plan a KV cache for
+    layers that do not exist: refused."""
+    info = open_gguf(tiny_qwen2_q)
+    n = info.metadata["qwen2.block_count"]
+    info.metadata["qwen2.block_count"] = 1000
+    with pytest.raises(ModelError, match=f"block_count gives 1000 decode layers but the file holds tensors for {n} blocks"):
+        plan_model(info, 64, free=1 << 40)
