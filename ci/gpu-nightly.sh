@@ -86,6 +86,9 @@ selected() {  # selected STAGE: not excluded by --skip / --only
     if [[ -n $ONLY ]] && ! in_list "$1" "$ONLY"; then return 1; fi
     ! in_list "$1" "$SKIP"
 }
+any_selected=0
+for stage in "${STAGES[@]}"; do selected "$stage" && any_selected=1; done
+((any_selected)) || die_usage "--skip / --only leave no stage to run"
 
 quote() {  # one argument as the shell would need it typed (plain when nothing is special)
     if [[ $1 =~ ^[A-Za-z0-9_./,:=+@%-]+$ ]]; then

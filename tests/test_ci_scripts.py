@@ -208,6 +208,7 @@ def test_dry_run_skip_and_only(tmp_path):
     (["--frobnicate"], {}),
     ([], {"GATE_THRESHOLD": "five"}),
     ([], {"CUDA_ARCH": "90 $(id)"}),
+    (["--only", "gate", "--skip", "gate"], {}),  # selects nothing
 ])
 def test_bad_arguments_exit_2(tmp_path, args, env):
     r = _script(*args, "--dry-run", OUT=tmp_path / "out", **env)
