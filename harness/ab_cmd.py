@@ -11,6 +11,8 @@ different models/prompts without --force).
 """
 from __future__ import annotations
 
+import html
+
 import json
 import sys
 from datetime import UTC, datetime
@@ -112,7 +114,9 @@ def print_table(doc: dict, out: Console) -> None:
 
 
 def _md_row(cells: list[str]) -> str:
-    return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+    # Markdown passes inline HTML through: escape it, and keep pipes/newlines from the table
+    return "| " + " | ".join(html.escape(c, quote=False).replace("|", "\\|").replace("\n", " ")
+                             for c in cells) + " |"
 
 
 def markdown(doc: dict) -> str:

@@ -37,6 +37,7 @@ numbers as recorded), json (list of row dicts, with the per-repetition samples_t
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
 import math
@@ -249,9 +250,10 @@ def display_cells(row: dict) -> list[str]:
 
 
 def _md_cell(s: str, limit: int = 120) -> str:
-    # untrusted names: no pipe, newline or control character may break the table
+    # untrusted names: no pipe, newline or control character may break the table, and no
+    # HTML in them may render (Markdown passes inline HTML through)
     s = "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in s[:limit])
-    return s.replace("|", "\\|")
+    return html.escape(s, quote=False).replace("|", "\\|")
 
 
 def format_md(rows: list[dict]) -> str:

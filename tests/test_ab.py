@@ -367,3 +367,9 @@ def test_real_results_v3_vs_v4():
     ids = [c for c in res.checks if c.backend == "llamacpp" and c.check == "ids_sha256"]
     assert len(ids) == 4  # greedy and teacher-forced at 512 and 2048
     assert all(c.state == "same" and not c.failure for c in ids)
+
+
+def test_md_rows_escape_inline_html_and_pipes():
+    from harness.ab_cmd import _md_row
+    row = _md_row(["<script>alert(1)</script>", "a|b", "x\ny"])
+    assert row == "| &lt;script&gt;alert(1)&lt;/script&gt; | a\\|b | x y |"

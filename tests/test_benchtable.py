@@ -295,3 +295,11 @@ def test_csv_guards_formula_cells(result_json, tmp_path, capsys):
     models = [r["model"] for r in csv.DictReader(io.StringIO(out))]
     assert models[-2:] == ["'=HYPERLINK(\"http://x\",\"y\")", "'@SUM(A1)"]
     assert all(not m.startswith(("=", "@", "+", "-")) for m in models)
+
+
+def test_md_escapes_inline_html(result_json, tmp_path, capsys):
+    lb = tmp_path / "lb.jsonl"
+    lb.write_text(json.dumps(_lb_record(model_type="<img src=x onerror=alert(1)> & co")) + "\n")
+    code, out, _ = _cli(capsys, result_json, "--format", "md", "--llama-bench", lb)
+    assert code == 0
+    assert "<img" not in out and "&lt;img src=x onerror=alert(1)&gt; &amp; co" in out
