@@ -37,7 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import metrics
+from .bench_e2e import rep_rates
 from .errors import ConfigError
+from .jsonread import as_dict, as_list
 from .results import SCHEMA, read_json
 
 AB_SCHEMA = "gguf-harness/ab/1"
@@ -133,14 +135,6 @@ def load_result(path: Path) -> dict:
     return obj
 
 
-def _dict(x) -> dict:
-    return x if isinstance(x, dict) else {}
-
-
-def _list(x) -> list:
-    return x if isinstance(x, list) else []
-
-
 def _num(x) -> float:
     """A JSON number (or "nan"/"inf" string, harness.results._clean) as float; else nan."""
     if isinstance(x, bool):
@@ -156,7 +150,7 @@ def _num(x) -> float:
 # ---- comparability ----------------------------------------------------------------------
 
 def _prompt_key(result: dict) -> object:
-    p = _dict(result.get("prompt"))
+    p = as_dict(result.get("prompt"))
     return p.get("ids") if p.get("ids") is not None else p.get("text")
 
 
@@ -164,12 +158,12 @@ def mismatches(a: dict, b: dict) -> list[str]:
     """Reasons why A and B are not comparable (different model, prompt, n_predict or
     reference backend)."""
     out = []
-    sha_a, sha_b = _dict(a.get("model")).get("sha256"), _dict(b.get("model")).get("sha256")
+    sha_a, sha_b = as_dict(a.get("model")).get("sha256"), as_dict(b.get("model")).get("sha256")
     if not sha_a or sha_a != sha_b:
         out.append(f"model SHA256 differs ({str(sha_a)[:12]} vs {str(sha_b)[:12]})")
     if _prompt_key(a) != _prompt_key(b):
         out.append("prompt differs")
-    set_a, set_b = _dict(a.get("settings")), _dict(b.get("settings"))
+    set_a, set_b = as_dict(a.get("settings")), as_dict(b.get("settings"))
     for key, what in (("n_predict", "n_predict"), ("reference", "reference backend")):
         if set_a.get(key) != set_b.get(key):
             # teacher-forced runs are fed the reference's ids: another reference, other SHAs
@@ -180,17 +174,12 @@ def mismatches(a: dict, b: dict) -> list[str]:
 # ---- performance ------------------------------------------------------------------------
 
 def rate_samples(row: dict, metric: str) -> list[float]:
-    """Per-repetition rates [tok/s] of `metric` from a bench row's raw seconds.
-
-    A time that is not a positive finite number gives nan (which makes the noise non-finite,
-    so the verdict is UNKNOWN)."""
+    """Per-repetition rates [tok/s] of `metric` from a bench row's raw seconds
+    (harness.bench_e2e.rep_rates). A time that is not a positive finite number gives nan
+    (which makes the noise non-finite, so the verdict is UNKNOWN)."""
     raw_key, count_key = PERF_METRICS[metric]
-    tokens = _num(_dict(row).get(count_key))
-    out = []
-    for s in _list(_dict(_dict(row).get("raw")).get(raw_key)):
-        t = _num(s)
-        out.append(tokens / t if t > 0 and math.isfinite(t) else math.nan)
-    return out
+    row = as_dict(row)
+    return rep_rates(_num(row.get(count_key)), as_dict(row.get("raw")).get(raw_key))
 
 
 def spread(xs: list[float]) -> float:
@@ -229,12 +218,12 @@ def perf_stats(a: list[float], b: list[float], threshold: float) -> dict:
 
 
 def _bench_rows(result: dict) -> dict[tuple[str, int], dict]:
-    rows = _list(_dict(result.get("bench")).get("rows"))
+    rows = as_list(as_dict(result.get("bench")).get("rows"))
     return {(str(r.get("backend")), r.get("n_ctx")): r for r in rows if isinstance(r, dict)}
 
 
 def _bench_errors(result: dict) -> dict[tuple[str, int], str]:
-    errs = _list(_dict(result.get("bench")).get("errors"))
+    errs = as_list(as_dict(result.get("bench")).get("errors"))
     return {(str(e.get("backend")), e.get("n_ctx")): str(e.get("error"))
             for e in errs if isinstance(e, dict)}
 
@@ -263,7 +252,7 @@ def perf_rows(a: dict, b: dict, threshold: float) -> tuple[list[PerfRow], list[C
 def _runs(result: dict) -> dict[RunKey, dict]:
     """Every run by (backend, mode, n_ctx), the reference run included."""
     out = {}
-    for run in [result.get("reference")] + _list(result.get("runs")):
+    for run in [result.get("reference")] + as_list(result.get("runs")):
         if isinstance(run, dict):
             out[(str(run.get("backend")), str(run.get("mode")), run.get("n_ctx"))] = run
     return out
@@ -272,7 +261,7 @@ def _runs(result: dict) -> dict[RunKey, dict]:
 def run_sha(run: dict, name: str) -> str | None:
     """A run's SHA256 `name` (ids_sha256 | final_logits_sha256) from its summary or itself;
     ids_sha256 is computed from the run's ids (harness.metrics.ids_sha256) when not stored."""
-    val = _dict(run.get("summary")).get(name) or run.get(name)
+    val = as_dict(run.get("summary")).get(name) or run.get(name)
     if val is None and name == "ids_sha256" and isinstance(run.get("ids"), list) and run["ids"]:
         try:
             val = metrics.ids_sha256(run["ids"])
@@ -323,7 +312,7 @@ def run_checks(a: dict, b: dict, comparable: bool) -> list[CheckRow]:
 
 
 def _verdicts(result: dict) -> dict[tuple[str, int], dict]:
-    vs = _list(result.get("verdicts"))
+    vs = as_list(result.get("verdicts"))
     return {(str(v.get("backend")), v.get("n_ctx")): v for v in vs if isinstance(v, dict)}
 
 
@@ -367,11 +356,11 @@ def compare(a: dict, b: dict, threshold: float = DEFAULT_THRESHOLD,
 
 def side_info(result: dict, path: Path | str | None = None) -> dict:
     """Identity of one side for headers: path, created, git, model name/SHA256, GPU, note."""
-    machine = _dict(result.get("machine"))
-    model = _dict(result.get("model"))
+    machine = as_dict(result.get("machine"))
+    model = as_dict(result.get("model"))
     return {"path": str(path) if path is not None else None, "created": result.get("created"),
-            "git": _dict(machine.get("git")).get("sha"),
-            "dirty": _dict(machine.get("git")).get("dirty"),
-            "gpu": _dict(machine.get("gpu")).get("name"),
+            "git": as_dict(machine.get("git")).get("sha"),
+            "dirty": as_dict(machine.get("git")).get("dirty"),
+            "gpu": as_dict(machine.get("gpu")).get("name"),
             "model": model.get("name"), "model_sha256": model.get("sha256"),
             "note": result.get("note")}

@@ -13,6 +13,7 @@ verification of the same backend, so it is only run after one, into the same res
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import replace
 
@@ -68,6 +69,17 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
                         pass
     return {"rows": rows, "errors": errors, "ratios": _ratios(rows), "copy_gb_s": copy_gbs,
             "n_decode": n_decode, "reps": reps}
+
+
+def rep_rates(n_tokens, seconds) -> list[float]:
+    """Per-repetition rates [tok/s] = n_tokens / seconds[i] of a bench row's raw times (as
+    read back from JSON: any entry may be of a wrong type). nan where a time or n_tokens is
+    not a positive finite number."""
+    def ok(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    if not isinstance(seconds, list):
+        return []
+    return [n_tokens / s if ok(n_tokens) and ok(s) else math.nan for s in seconds]
 
 
 def _drop_warmup(r: dict, reps: int) -> dict:

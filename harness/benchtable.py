@@ -44,7 +44,9 @@ import math
 import statistics
 from pathlib import Path
 
+from .bench_e2e import rep_rates
 from .errors import ConfigError
+from .jsonread import as_dict
 
 MAX_FILE_BYTES = 16 * 1024 * 1024
 MAX_RECORDS = 10_000
@@ -84,18 +86,13 @@ def _int(x) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
-def _dict(x) -> dict:
-    return x if isinstance(x, dict) else {}
-
-
 def _rates(n_tokens, seconds) -> list[float] | None:
-    """n_tokens / s for every repetition; None when n_tokens or any time is unusable."""
+    """n_tokens / s for every repetition (harness.bench_e2e.rep_rates); None when n_tokens is
+    not a positive int or any time is unusable."""
     if _int(n_tokens) is None or n_tokens <= 0 or not isinstance(seconds, list) or not seconds:
         return None
-    secs = [_num(s) for s in seconds[:MAX_SAMPLES]]
-    if any(s is None or s <= 0 for s in secs):
-        return None
-    return [n_tokens / s for s in secs]
+    rates = rep_rates(n_tokens, seconds[:MAX_SAMPLES])
+    return None if any(math.isnan(r) for r in rates) else rates
 
 
 def _row(common: dict, test: str, n_prompt: int, n_gen: int, n_depth: int,
@@ -111,16 +108,16 @@ def rows_from_result(result: dict) -> list[dict]:
     Read defensively (a report of an odd result must render): bench rows without a
     backend or without positive per-repetition seconds in raw.prefill_s / raw.decode_s
     give no pp / tg row."""
-    result = _dict(result)
-    model, machine = _dict(result.get("model")), _dict(result.get("machine"))
-    gpu = _dict(machine.get("gpu")).get("name")
-    ngl = _int(_dict(_dict(result.get("settings")).get("run")).get("n_gpu_layers"))
+    result = as_dict(result)
+    model, machine = as_dict(result.get("model")), as_dict(result.get("machine"))
+    gpu = as_dict(machine.get("gpu")).get("name")
+    ngl = _int(as_dict(as_dict(result.get("settings")).get("run")).get("n_gpu_layers"))
     name = model.get("name")
     size, params = _int(model.get("size")), _int(model.get("n_params"))
     out: list[dict] = []
-    bench_rows = _dict(result.get("bench")).get("rows")
+    bench_rows = as_dict(result.get("bench")).get("rows")
     for b in bench_rows if isinstance(bench_rows, list) else []:
-        b = _dict(b)
+        b = as_dict(b)
         backend = b.get("backend")
         if not isinstance(backend, str):
             continue
@@ -128,7 +125,7 @@ def rows_from_result(result: dict) -> list[dict]:
         common = {"model": str(name) if name is not None else "-", "size": size,
                   "params": params, "backend": label,
                   "ngl": ngl if backend == "llamacpp" else None, "ctx": _int(b.get("n_ctx"))}
-        raw = _dict(b.get("raw"))
+        raw = as_dict(b.get("raw"))
         n_prompt, n_decode = b.get("n_prompt"), b.get("n_decode")
         pre = _rates(n_prompt, raw.get("prefill_s"))
         if pre:

@@ -3,7 +3,7 @@
 Input layout (harness.results): OUT/runs/<name>/result.json (+ report.html beside it).
 A record keeps only what the history pages show (verdicts, bench rows, teacher-forced error
 summaries, kernel rows), so many large results (per-step arrays) are not held at once.
-Every field is read defensively (reports.view.as_dict/as_list): old, partial or
+Every field is read defensively (harness.jsonread.as_dict/as_list): old, partial or
 hand-edited results must still be listed. Strings stay plain; templates escape them.
 """
 from __future__ import annotations
@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from harness.jsonread import as_dict, as_list
 from harness.results import read_json
 
 from .fmt import to_float
-from .view import as_dict, as_list, verdict_rows
+from .view import verdict_rows
 
 NOGIT = "nogit"
 # a commit key becomes a folder name under OUT/reports: only hex shas are trusted for that

@@ -8,23 +8,17 @@ from __future__ import annotations
 
 from typing import Callable
 
+from harness.jsonread import as_dict, as_list
+
 from .fmt import to_float
 
 CONTEXT_TOKENS = 8  # reference tokens shown before a divergence
 
 
-def _list(x) -> list:
-    return x if isinstance(x, list) else []
-
-
-def _dict(x) -> dict:
-    return x if isinstance(x, dict) else {}
-
-
 def pieces(prompt: dict) -> dict[int, str]:
     """{token id: text} from prompt["pieces"]; entries with a non-integer key are dropped."""
     out: dict[int, str] = {}
-    for k, v in _dict(_dict(prompt).get("pieces")).items():
+    for k, v in as_dict(as_dict(prompt).get("pieces")).items():
         try:
             out[int(k)] = str(v)
         except (TypeError, ValueError):
@@ -48,7 +42,7 @@ def _margins(runs: list[dict]) -> dict[int, tuple]:
     only); teacher-forced runs cover every position, so they are read last and win."""
     out: dict[int, tuple] = {}
     for run in sorted(runs, key=lambda r: r.get("mode") == "teacher_forced"):
-        for n, s in enumerate(_list(run.get("steps"))):
+        for n, s in enumerate(as_list(run.get("steps"))):
             if isinstance(s, dict) and "ref_margin" in s:
                 out[int(s.get("i", n))] = (s.get("ref_margin"), s.get("ref_margin_rel"))
     return out
@@ -76,11 +70,11 @@ def token_table(result: dict, pcs: dict, margin_rel: float,
     divergence), div (different, after it), after (equal but conditioned on other text),
     missing. Rows whose reference margin is below `margin_rel` of the logit range get
     tie=True (near ties that rounding can flip)."""
-    ref_ids = _list(_dict(result.get("reference")).get("ids"))
-    runs = [_dict(r) for r in _list(result.get("runs"))]
+    ref_ids = as_list(as_dict(result.get("reference")).get("ids"))
+    runs = [as_dict(r) for r in as_list(result.get("runs"))]
     greedy = [(k, r) for k, r in enumerate(runs)
               if r.get("status") == "ok" and r.get("mode") == "greedy"]
-    cols = [(k, _list(r.get("ids")), run_label(r)) for k, r in greedy]
+    cols = [(k, as_list(r.get("ids")), run_label(r)) for k, r in greedy]
     firsts = [first_difference(ids, ref_ids) for _, ids, _ in cols]
     margins = _margins([r for r in runs if r.get("status") == "ok"])
     n = max([len(ref_ids)] + [len(ids) for _, ids, _ in cols])
@@ -99,7 +93,7 @@ def token_table(result: dict, pcs: dict, margin_rel: float,
 def _top5_rows(entries, ref_id, own_id, pcs: dict) -> list[dict]:
     """[[id, logit], ...] -> rows with rank, text and which id each side chose."""
     rows = []
-    for rank, e in enumerate(_list(entries), start=1):
+    for rank, e in enumerate(as_list(entries), start=1):
         if not (isinstance(e, (list, tuple)) and len(e) >= 2):
             continue
         tid = e[0]
@@ -111,10 +105,10 @@ def _top5_rows(entries, ref_id, own_id, pcs: dict) -> list[dict]:
 def divergences(result: dict, pcs: dict, run_label: Callable[[dict], str]) -> list[dict]:
     """First divergence of every run that has one: position, both ids and texts, the
     reference's top-2 margin, both top-5 [id, logit] lists, the reference text before it."""
-    ref_ids = _list(_dict(result.get("reference")).get("ids"))
+    ref_ids = as_list(as_dict(result.get("reference")).get("ids"))
     out = []
-    for k, run in enumerate(_dict(r) for r in _list(result.get("runs"))):
-        d = _dict(_dict(run.get("summary")).get("first_divergence"))
+    for k, run in enumerate(as_dict(r) for r in as_list(result.get("runs"))):
+        d = as_dict(as_dict(run.get("summary")).get("first_divergence"))
         if not d:
             continue
         idx = d.get("index")

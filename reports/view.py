@@ -6,20 +6,14 @@ metadata, token pieces, prompt text) stay plain strings here; the template escap
 """
 from __future__ import annotations
 
+from harness.jsonread import as_dict, as_list
+
 from .fmt import nbytes, to_float
 from .tokens import divergences, pieces, token_table
 
 VERDICT_CLASS = {"PASS": "pass", "FAIL": "fail", "ERROR": "error"}
 MODEL_CORE = ("name", "path", "sha256", "size")
 MODE_LABEL = {"greedy": "greedy", "teacher_forced": "teacher-forced"}
-
-
-def as_list(x) -> list:
-    return x if isinstance(x, list) else []
-
-
-def as_dict(x) -> dict:
-    return x if isinstance(x, dict) else {}
 
 
 def run_label(run: dict) -> str:
