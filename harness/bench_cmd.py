@@ -44,18 +44,18 @@ def run_bench(args, console: Console) -> int:
         raise ConfigError(f"harness bench nodes needs the engine backend: {no_gpu}")
     from .gguf_file import open_gguf
     from .machine import machine_info
-    from .main_job import _model_meta, _tokenize
+    from .main_job import model_meta, tokenize_prompt
     from .progress import bytes_progress
     from .prompt import STANDARD_PROMPT, STANDARD_PROMPT_TOKENS
     with bytes_progress(console, f"model {args.model}") as advance:
         model = models.resolve(args.model, progress=advance)
     info = open_gguf(model.path)
-    tok, ids = _tokenize(model, STANDARD_PROMPT, STANDARD_PROMPT_TOKENS)
+    tok, ids = tokenize_prompt(model, STANDARD_PROMPT, STANDARD_PROMPT_TOKENS)
     tok.close()
     res = run_nodes(model, args.ctx, list(ids), methods, steps=args.steps,
                     log=lambda m: console.print(m, markup=False))
     result = {"schema": res["schema"], "created": datetime.now(timezone.utc).isoformat(),
-              "machine": machine_info(), "model": _model_meta(info) | {"name": model.name,
+              "machine": machine_info(), "model": model_meta(info) | {"name": model.name,
                                                                          "sha256": model.sha256},
               "nodes": res}
     run_dir = results.new_run_dir(Path(args.out) / "runs", result["machine"].get("git", {}).get("sha"))

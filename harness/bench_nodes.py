@@ -82,7 +82,7 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
     """Load the engine on `model` (harness.config.ModelRef), feed the prompt, time the step
     graph over `steps` chained replays (median of 3) and every node with each method.
     Raises UnsupportedError without CuPy/GPU (from the engine), ConfigError on bad input."""
-    import cupy as cp
+    import statistics
 
     from backends.engine import EngineBackend
 
@@ -96,18 +96,9 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
     e = EngineBackend()
     e.load(model, RunConfig(n_ctx=n_ctx))
     try:
-        ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-        times = []
-        for _ in range(3):
-            e.reset()
-            e.prefill(prompt_ids)
-            ev0.record(e.stream)
-            for _ in range(steps):
-                e.step_exec.replay()  # position and token advance on the device
-            ev1.record(e.stream)
-            ev1.synchronize()
-            times.append(cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / steps)
-        step_us = sorted(times)[1]
+        # the engine's own throughput loop: prompt, then `steps` chained step-graph replays
+        decode_s = e.bench(prompt_ids, steps, 3)["decode_s"]
+        step_us = 1e6 * statistics.median(decode_s) / steps
         log(f"step graph: {step_us:.1f} us/token ({steps} chained replays, median of 3)")
         out = {"schema": SCHEMA, "n_ctx": n_ctx, "n_prompt": len(prompt_ids), "step_us": step_us,
                "engine": e.info(), "methods": {}}

@@ -17,7 +17,7 @@ from .prompt import STANDARD_PROMPT, STANDARD_PROMPT_TOKENS
 from .run import verify_model
 
 
-def _model_meta(info) -> dict:
+def model_meta(info) -> dict:
     """Architecture facts and the tensor-type histogram of the GGUF (for the report)."""
     types: dict[str, int] = {}
     for t in info.tensors.values():
@@ -95,7 +95,7 @@ def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
     return _contexts(args.contexts), prompt if prompt is not None else STANDARD_PROMPT, n_tok
 
 
-def _tokenize(model, text: str, n_tokens: int | None):
+def tokenize_prompt(model, text: str, n_tokens: int | None):
     """Prompt ids through llama.cpp (child process), and a detokeniser for the report."""
     from backends.registry import create
     tok = create("llamacpp", in_child=True)
@@ -122,7 +122,7 @@ def run_job(args, console: Console) -> int:
                      kv_type=args.kv_type)
     console.print(f"model [bold]{escape(model.name)}[/] ({escape(str(info.arch))}, {model.size:,} B) "
                   f"backends {names} reference {args.reference}")
-    tok, ids = _tokenize(model, text, n_tok)
+    tok, ids = tokenize_prompt(model, text, n_tok)
     try:
         proto = ProtocolConfig(prompt_ids=tuple(ids), n_predict=args.n_predict,
                                contexts=contexts,
@@ -130,7 +130,7 @@ def run_job(args, console: Console) -> int:
                                extra={"text": text})
         from backends.registry import create
         with Progress(console) as prog:
-            result = verify_model(model, _model_meta(info), proto, base, names,
+            result = verify_model(model, model_meta(info), proto, base, names,
                                   lambda n: create(n, in_child=(n != "oracle")),
                                   reference=args.reference, prog=prog)
         result["unavailable_backends"] = unavailable

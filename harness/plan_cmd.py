@@ -16,8 +16,7 @@ from rich.table import Table
 
 from . import models
 from .errors import ConfigError, ModelError
-
-MiB = 1 << 20
+from .plan import MiB
 
 
 def add_plan_parser(sub) -> None:
