@@ -27,7 +27,6 @@ ATTN_IMPL = os.environ.get("GGUF_HARNESS_ATTN", "gqa")
 GQA_DIMS = (64, 128, 256)
 GQA_MAXG = 8         # kernels/attention_gqa.cu MAXG
 GQA_WARPS = 4        # kernels/attention_gqa.cu NWARP
-SEG_FMT = "<QQQii"   # struct Seg: w, bias, out, type, rows (32 bytes)
 ATTN_FMT = "<8Q5i3f"  # struct AttnArgs (96 bytes)
 
 
@@ -92,14 +91,8 @@ def seg_table_value(segs: list[Seg]):
 
 
 def seg_table(segs: list[Seg]):
-    """Device copy of struct SegTable (152 bytes) for up to MAX_SEG segments."""
-    if not 1 <= len(segs) <= MAX_SEG:
-        raise ValueError(f"a GEMV node takes 1..{MAX_SEG} matrices, got {len(segs)}")
-    raw = b"".join(struct.pack(SEG_FMT, s.w.ptr, s.bias, int(s.out.data.ptr), s.w.type_id,
-                               s.w.rows) for s in segs)
-    raw += bytes(32 * (MAX_SEG - len(segs)))
-    raw += struct.pack("<i4i", len(segs), *([s.w.row_bytes for s in segs] + [0] * (MAX_SEG - len(segs))))
-    return _device_bytes(raw + bytes(152 - len(raw)))
+    """Device copy of struct SegTable (152 bytes): the pointer convention of v1-v3."""
+    return _device_bytes(np.array(seg_table_value(segs)).tobytes())
 
 
 def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | None = None,
