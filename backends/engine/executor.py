@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import launch as pdl
+
 
 @dataclass
 class Node:
@@ -23,9 +25,18 @@ class Node:
     out: Any = None
     fmt: str = ""
     keep: list = field(default_factory=list)  # device arrays the args point into (lifetime)
+    _pdl: Any = field(default=None, init=False, repr=False, compare=False)
 
-    def launch(self) -> None:
-        self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
+    def launch(self, pdl_ok: bool = True) -> None:
+        """Launch on the current cupy stream; with programmatic dependent launch (launch.py)
+        when pdl_ok and launch.pdl_available(), else through CuPy's plain launch."""
+        if pdl_ok and pdl.pdl_available():
+            import cupy as cp
+            if self._pdl is None:
+                self._pdl = pdl.PdlLaunch(self.kernel, self.grid, self.block, self.args, self.smem)
+            self._pdl(cp.cuda.get_current_stream().ptr)
+        else:
+            self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
 
 
 class Executor:
@@ -58,7 +69,7 @@ class Executor:
         import cupy as cp
         with self.stream:
             for n in self.nodes:
-                n.launch()
+                n.launch(pdl_ok=False)
                 if n.out is not None and not bool(cp.isfinite(n.out).all()):
                     return n
         return None
@@ -76,7 +87,7 @@ class Executor:
             kernel("hold_stream")((1,), (1,), (flag,))
             evs[0].record(self.stream)
             for n, e in zip(self.nodes, evs[1:]):
-                n.launch()
+                n.launch(pdl_ok=False)  # an event between nodes: plain stream order
                 e.record(self.stream)
         other = cp.cuda.Stream(non_blocking=True)
         flag.set(np.ones(1, np.int32), stream=other)

@@ -76,6 +76,7 @@ __device__ __forceinline__ float score(const float* qs, const u16* kr, int D) {
 // position, all k loads of the tile in flight together), one max/sum per tile updates the
 // online softmax, then the tile's v rows are accumulated with lanes over dims.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_decode(const AttnArgs* __restrict__ ap) {
+    pdl_wait();  // PDL contract (common.cuh): v3 keeps no overlap
     const AttnArgs a = *ap;
     extern __shared__ float sm[];
     const int D = a.D, h = blockIdx.x, g = h / (a.n_head / a.n_kv), pos = a.state[1];
@@ -144,6 +145,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_decode(const A
 
 // Merge n_split partials per head: out = sum_s o_s e^{m_s - M} / sum_s l_s e^{m_s - M}.
 extern "C" __global__ void attn_merge(const AttnArgs* __restrict__ ap, int n_split) {
+    pdl_wait();
     const AttnArgs a = *ap;
     const int h = blockIdx.x, D = a.D;
     const float* pp = a.part + (size_t)h * n_split * (D + 2);

@@ -11,6 +11,7 @@
 // softmax maths: Milakov & Gimelshein 2018.
 //
 // Per block, 4 warps, positions [t0, t1) of this split (chunk = ceil((pos + 1) / NS)):
+//   0. prefetch to L2 the K/V rows of earlier positions, then wait for the QKV node (PDL).
 //   A. q of the G heads: RoPE, scale -> shared; the block owning `pos` also ropes k and
 //      writes the new k, v rows to the cache (it is the only block that reads that row).
 //   B. scores: warp w takes positions t0 + w + 4i; lanes split the D dims (D/32 each);
@@ -77,6 +78,16 @@ __device__ void attn_gqa_body(const GqaArgs& a) {
     const int pos = a.state[1], n = pos + 1;
     const int chunk = (n + NS - 1) / NS, t0 = s * chunk, t1 = min(n, t0 + chunk), P = max(0, t1 - t0);
     const size_t row = (size_t)a.n_kv * D;
+    // Before the PDL wait: the cache rows of earlier positions were written by earlier steps
+    // (earlier graph launches), so their lines can be requested from L2 while the QKV node
+    // still runs; the position comes from the step state, written before this graph launch.
+    for (int idx = tid; idx < 2 * (min(t1, pos) - t0) * (D / 64); idx += blockDim.x) {
+        const int kv = idx & 1, r = idx >> 1, t = t0 + r / (D / 64), c = r % (D / 64);
+        const u16* base = (kv ? a.vc : a.kc) + (size_t)t * row + (size_t)g * D + 64 * c;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(base));
+    }
+    pdl_wait();     // q, k, v come from the QKV node
+    pdl_trigger();  // the o-proj node may launch and prefetch its weights now
     // A. q (and, in the block owning pos, the new k/v row)
     for (int idx = tid; idx < G * D; idx += blockDim.x) {
         const int h = idx / D, i = idx - h * D;

@@ -29,6 +29,22 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
+// Programmatic dependent launch (backends/engine/launch.py; PTX ISA `griddepcontrol`).
+// pdl_wait: block until the previous kernel of the stream has completed and its writes are
+// visible; every kernel calls it before reading another kernel's output and before any
+// global write (no-op when launched without the PDL attribute). pdl_trigger: let the next
+// kernel launch now (its blocks start on free SM slots and run up to their own pdl_wait).
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
 // Little-endian loads at 2-byte aligned addresses (Q8_0, Q5_0, Q6_K, Q3_K blocks are only

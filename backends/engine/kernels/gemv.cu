@@ -2,11 +2,12 @@
 //
 // One launch covers up to MAX_SEG matrices ("segments", e.g. Q, K and V, segs.cuh) sharing
 // the input vector. NW warps per block, WPR warps per row. Per block:
-//   1. prefetch (to L2) the rows this block computes first, so their HBM latency overlaps 2.
+//   1. prefetch (to L2) the rows of its first PF_AHEAD row iterations, then wait for the
+//      previous kernel (programmatic dependent launch, launch.py): the prefetch overlaps it.
 //   2. stage x in shared memory: optionally RMS-normalised (ggml_rms_norm then ggml_mul by
 //      the norm weight, llama.cpp src/models/qwen2.cpp), then quantised per 32-value block
 //      to int16 codes with a float scale, plus the sum of every 8 codes (qdot8's offsets).
-//   3. walk its rows (grid-stride, each iteration prefetching the next one's rows); every
+//   3. walk its rows (grid-stride, each iteration prefetching the rows PF_AHEAD ahead); every
 //      lane takes 8 weights per 256-value group and calls qdot8 (integer dp2a, qdot.cuh).
 // Epilogues: store (+bias), add into the output (residual stream), SwiGLU of a gate/up
 // pair (silu(gate) * up, llm_graph_context::build_ffn with LLM_FFN_SILU + LLM_FFN_PAR).
@@ -19,6 +20,9 @@
 #include "qdot.cuh"
 #include "segs.cuh"
 
+#ifndef PF_AHEAD
+#define PF_AHEAD 2  // grid-stride iterations whose rows are prefetched to L2 ahead of use
+#endif
 #define XQ_MAX 32767.f
 #define XQ_FLUSH 1e-30f  // blocks with max |x| below this become zeros (XQ_MAX / amax overflows ~1e-34)
 
@@ -195,11 +199,17 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % WPR;
     const int rows_per_block = NW / WPR, stride = gridDim.x * rows_per_block;
     const int first = blockIdx.x * rows_per_block + warp / WPR;
-    prefetch_row(t, first, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
+    // Before the PDL wait (the weights are constants): ask L2 for the rows of the first
+    // PF_AHEAD iterations, so their HBM latency overlaps the previous kernel's tail.
+#pragma unroll
+    for (int i = 0; i < PF_AHEAD; ++i)
+        prefetch_row(t, first + i * stride, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
+    pdl_wait();     // x (and the output, for "add") come from the previous kernels
+    pdl_trigger();  // the next node may launch and start its own prefetch now
     const float xscale = stage_xq(x, norm, eps, K, xq, xs, xd, scratch);
     for (int base = blockIdx.x * rows_per_block; base < total_rows; base += stride) {
         int row = base + warp / WPR;
-        prefetch_row(t, row + stride, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
+        prefetch_row(t, row + PF_AHEAD * stride, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
         float y = 0.f, up = 0.f;
         int si = 0;
         if (row < total_rows) {

@@ -52,6 +52,7 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
     extern __shared__ float xs[];
     __shared__ float scratch[32];
     __shared__ float part[2][WARPS];
+    pdl_wait();  // PDL contract (common.cuh): no overlap in this v3 kernel, only correctness
     stage_x(x, norm, eps, K, xs, scratch);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % WPR;
     const int rows_per_block = WARPS / WPR;

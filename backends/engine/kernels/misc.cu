@@ -12,6 +12,8 @@
 // Grid: ceil(K/256) blocks of 32 threads. Writes x [K] = dequantised row state[0] of table.
 extern "C" __global__ void embed_row(const u8* __restrict__ table, int type, long long row_bytes,
                                      int K, int n_vocab, const int* __restrict__ state, float* x) {
+    pdl_wait();  // PDL contract (common.cuh); then let the first layer's QKV node prefetch
+    pdl_trigger();
     const int tok = state[0];
     if (tok < 0 || tok >= n_vocab) {  // out-of-range id: poison so the finite check reports it
         for (int i = 256 * blockIdx.x + threadIdx.x; i < min(K, 256 * (blockIdx.x + 1)); i += 32)
@@ -28,6 +30,8 @@ __device__ __forceinline__ u32 order_bits(float f) {
 
 // Grid-stride argmax over n logits; key must be 0 before the first block runs.
 extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n, u64* key, int* state) {
+    pdl_wait();
+    pdl_trigger();
     u64 best = 0;
     int bad = 0;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -50,6 +54,7 @@ extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n
 
 // One thread: next token = argmax, position + 1, key cleared for the next step.
 extern "C" __global__ void finish_step(u64* key, int* state) {
+    pdl_wait();
     const u64 k = *key;
     state[0] = (int)(~(u32)(k & 0xffffffffu));
     state[1] += 1;
