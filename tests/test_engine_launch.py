@@ -32,6 +32,18 @@ class _FakeArray:
         ptr = 0x7F00_0000_1234
 
 
+def test_pdl_attribute_bytes():
+    # id 6 at offset 0, programmaticStreamSerializationAllowed = 1 at offset 8, rest zero;
+    # and building it must not write anywhere else (an earlier version wrote through a
+    # c_char field's bytes copy and corrupted Python's empty-bytes singleton)
+    a = launch.pdl_attribute()
+    raw = ctypes.string_at(ctypes.addressof(a), ctypes.sizeof(a))
+    assert raw[:4] == (6).to_bytes(4, "little")
+    assert raw[8:12] == (1).to_bytes(4, "little")
+    assert raw[12:] == bytes(60) and raw[4:8] == bytes(4)
+    assert b"" == bytes() and len(b"") == 0
+
+
 def test_pack_params_bytes():
     table = np.zeros((), eops.TABLE_DT)
     table["n"] = 3

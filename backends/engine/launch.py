@@ -33,9 +33,18 @@ ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute (cuda.h): id, 4 bytes of padding, a 64-byte value union."""
+    """CUlaunchAttribute (cuda.h): id, 4 bytes of padding, a 64-byte value union whose first
+    int is programmaticStreamSerializationAllowed. The union is spelled as int fields on
+    purpose: a c_char array field reads back as a *copy* (bytes), so writing through it
+    would scribble over an immutable Python bytes object instead of the struct."""
 
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_uint32), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_uint32 * 15)]
+
+
+def pdl_attribute() -> LaunchAttribute:
+    """The launch attribute that allows programmatic stream serialization."""
+    return LaunchAttribute(id=ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
 
 
 class LaunchConfig(ctypes.Structure):
@@ -109,8 +118,7 @@ class PdlLaunch:
         b = tuple(block) + (1,) * (3 - len(block))
         self.func = kernel.kernel.ptr  # CUfunction of the cupy RawKernel
         self._bufs, self._ptrs = pack_params(args)
-        self._attr = LaunchAttribute(id=ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
-        ctypes.memmove(self._attr.value, ctypes.byref(ctypes.c_int(1)), 4)
+        self._attr = pdl_attribute()
         self._cfg = LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], smem, None,
                                  ctypes.pointer(self._attr), 1)
 
