@@ -165,12 +165,15 @@ def test_argmax_ties_nonfinite_and_finish():
     assert s[0] == 777 and s[1] == 42 and s[2] == 2 and int(key.get()[0]) == 0
 
 
-@pytest.mark.parametrize("impl", ["v3", "gqa"])
+# gqa-s1 / gqa-s4: the v5 kernel with a new split every 1 / 4 positions, so the partials and
+# the merge (and, with 1, empty splits once the 16-split cap binds) run within 40 positions
+@pytest.mark.parametrize("impl", ["v3", "gqa", "gqa-s1", "gqa-s4"])
 @pytest.mark.parametrize("D,n_head,n_kv,chunk", [(16, 4, 2, 0), (48, 3, 1, 16), (64, 14, 2, 0), (128, 12, 2, 0), (64, 4, 4, 16),
                                                  (256, 6, 2, 0), (128, 8, 1, 16), (64, 16, 2, 0)])
 def test_attention_decode_against_oracle(D, n_head, n_kv, chunk, impl):
     cp = cupy_or_skip()
     from backends.engine import ops as eops
+    impl, _, smin = impl.partition("-s")
     if impl == "gqa" and (D not in eops.GQA_DIMS or n_head // n_kv > eops.GQA_MAXG):
         pytest.skip("shape outside the gqa kernel (falls back to v3)")
     if impl == "gqa" and chunk:
@@ -186,7 +189,7 @@ def test_attention_decode_against_oracle(D, n_head, n_kv, chunk, impl):
     part = cp.zeros(n_head * n_split * (D + 2), cp.float32) if chunk else None
     nodes = eops.attention("a", q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
                            n_rot=D, freq_base=base, freq_scale=1.0, n_ctx=n_ctx, chunk=chunk,
-                           part=part, impl=impl)
+                           part=part, impl=impl, split_min=int(smin or eops.GQA_SPLIT_MIN))
     assert ("attn_gqa" in nodes[0].kernel.name) == (impl == "gqa")
     ks, vs = np.zeros((n_ctx, n_kv, D)), np.zeros((n_ctx, n_kv, D))
     for pos in range(steps):

@@ -142,24 +142,31 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
 
 
 GQA_MAX_SPLITS = 128  # kernels/attention_gqa.cu MAX_NS
+# Positions per context split of the v5 attention before a second split is used: one block
+# of 4 warps scores 128 positions in one round (a lane per position), and below this a single
+# block per KV head writes the output with no merge (docs/perf-notes.md, engine v5).
+GQA_SPLIT_MIN = 128
 
 
 def gqa_splits(n_ctx: int) -> int:
-    """Context splits of the v4 attention: 16 up to 4096 positions, then ~256 positions per
-    split (<= 128). Measured (docs/perf-notes.md, v4): 64 splits cost 28 us at position 100
-    against 17 us for 16, because the last block of each group reads every split's partial."""
+    """Most context splits of the v4/v5 attention (the grid's second dimension): 16 up to
+    4096 positions, then ~256 positions per split (<= 128). The kernel uses
+    min(this, ceil((pos + 1) / GQA_SPLIT_MIN)) of them at a position. Measured
+    (docs/perf-notes.md, v4): 64 splits cost 28 us at position 100 against 17 us for 16,
+    because the last block of each group reads every split's partial."""
     return min(GQA_MAX_SPLITS, max(16, -(-n_ctx // 256)))
 
 
 def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int, D: int,
               n_rot: int, freq_base: float, freq_scale: float, n_ctx: int,
-              chunk: int = 0, part=None, impl: str | None = None, splits: int | None = None) -> list[Node]:
+              chunk: int = 0, part=None, impl: str | None = None, splits: int | None = None,
+              split_min: int = GQA_SPLIT_MIN) -> list[Node]:
     """Decode attention nodes for one new token (q [n_head*D], k, v [n_kv*D] float32; kc, vc
     fp16 caches [n_ctx, n_kv, D]; state[1] = position; out [n_head*D] float32).
 
     impl "gqa" (default where the shape allows, kernels/attention_gqa.cu): one node, blocks
-    over (KV head, context split), `splits` parts (default gqa_splits(n_ctx)) merged by the
-    last block. impl "v3" (kernels/attention.cu): one pass when chunk == 0, else split over
+    over (KV head, context split), up to `splits` parts (default gqa_splits(n_ctx)), one more
+    per `split_min` positions, merged by the last block. impl "v3" (kernels/attention.cu): one pass when chunk == 0, else split over
     the context in chunks of `chunk` positions plus a merge node (part: float32
     [n_head * n_split * (D + 2)] workspace). Raises ValueError on unsupported shapes."""
     if D > 256 or n_head % n_kv or n_rot > D or n_rot % 2:
@@ -168,7 +175,7 @@ def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int,
     if impl == "gqa" and D in GQA_DIMS and n_head // n_kv <= GQA_MAXG:
         return [_attention_gqa(name, q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
                                n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale, n_ctx=n_ctx,
-                               splits=splits or gqa_splits(n_ctx))]
+                               splits=splits or gqa_splits(n_ctx), split_min=split_min)]
     if impl not in ("gqa", "v3"):
         raise ValueError(f"attention impl {impl!r}: expected gqa or v3")
     n_split = 1 if chunk == 0 else math.ceil(n_ctx / chunk)
@@ -190,17 +197,20 @@ def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int,
 
 
 def _attention_gqa(name, q, k, v, kc, vc, state, out, *, n_head, n_kv, D, n_rot, freq_base,
-                   freq_scale, n_ctx, splits) -> Node:
+                   freq_scale, n_ctx, splits, split_min) -> Node:
     import cupy as cp
     G = n_head // n_kv
-    chunk_max = -(-n_ctx // splits)
+    if split_min < 1:
+        raise ValueError(f"attention split_min {split_min} < 1")
+    # longest split: ceil(n / ns) <= split_min while ns < splits, else <= ceil(n_ctx / splits)
+    chunk_max = max(min(split_min, n_ctx), -(-n_ctx // splits))
     part = cp.zeros(n_kv * splits * G * (D + 4), cp.float32)  # kernels/attention_gqa.cu PS
     counter = cp.zeros(n_kv, cp.int32)
     if not 1 <= splits <= GQA_MAX_SPLITS:
         raise ValueError(f"attention splits {splits} outside 1..{GQA_MAX_SPLITS}")
     args = tuple(a for a in (q, k, v, kc, vc, state, out, part, counter)) + (
         np.int32(n_head), np.int32(n_kv), np.int32(n_rot), np.int32(splits), np.int32(chunk_max),
-        np.float32(freq_base), np.float32(1.0 / math.sqrt(D)), np.float32(freq_scale))
+        np.int32(split_min), np.float32(freq_base), np.float32(1.0 / math.sqrt(D)), np.float32(freq_scale))
     k_fn = module.kernel(f"attn_gqa_d{D}")
     smem = 4 * (G * D + G * chunk_max + GQA_WARPS * G * D)  # qs, scores, warp sums
     module.allow_smem(k_fn, smem)

@@ -20,6 +20,14 @@
 #include "qdot.cuh"
 #include "segs.cuh"
 
+#ifndef ROW_UNROLL
+#define ROW_UNROLL 4   // groups of one row whose loads are in flight together (row_dot)
+#endif
+#ifndef ROW2_UNROLL
+#define ROW2_UNROLL 2  // the same for a gate/up pair (row_dot2: two rows' loads per group)
+#endif
+// (#pragma unroll takes a constant expression, not a macro)
+constexpr int kRowUnroll = ROW_UNROLL, kRow2Unroll = ROW2_UNROLL;
 #ifndef PF_AHEAD
 #define PF_AHEAD 2  // grid-stride iterations whose rows are prefetched to L2 ahead of use
 #endif
@@ -120,7 +128,7 @@ template <int T> __device__ __forceinline__ float row_dot(const u8* row, const i
                                                           const float* xd, int K, int lane, int g0, int gstep) {
     const int ng = (K + 255) / 256;
     float acc = 0.f;
-#pragma unroll 4
+#pragma unroll kRowUnroll
     for (int g = g0; g < ng; g += gstep) {
         if (lane_valid<T>(g, lane, K)) {
             const int c = 32 * g + lane;
@@ -139,7 +147,7 @@ template <int T> __device__ __forceinline__ float2 row_dot2(const u8* r0, const 
                                                             int g0, int gstep) {
     const int ng = (K + 255) / 256;
     float a0 = 0.f, a1 = 0.f;
-#pragma unroll 2
+#pragma unroll kRow2Unroll
     for (int g = g0; g < ng; g += gstep) {
         if (lane_valid<T>(g, lane, K)) {
             const int c = 32 * g + lane;
