@@ -144,8 +144,10 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
 GQA_MAX_SPLITS = 128  # kernels/attention_gqa.cu MAX_NS
 # Positions per context split of the v5 attention before a second split is used: one block
 # of 4 warps scores 128 positions in one round (a lane per position), and below this a single
-# block per KV head writes the output with no merge (docs/perf-notes.md, engine v5).
-GQA_SPLIT_MIN = 128
+# block per KV head writes the output with no merge. Measured (docs/perf-notes.md, v5c): from
+# 128 positions on, 2 splits lose to 16 (x0.93 per node at position 199); the sweep of this
+# value is pending, hence the switch GGUF_HARNESS_ATTN_SPLIT_MIN for same-run A/B.
+GQA_SPLIT_MIN = int(os.environ.get("GGUF_HARNESS_ATTN_SPLIT_MIN", "128"))
 
 
 def gqa_splits(n_ctx: int) -> int:
