@@ -162,13 +162,14 @@ def gqa_splits(n_ctx: int) -> int:
 def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int, D: int,
               n_rot: int, freq_base: float, freq_scale: float, n_ctx: int,
               chunk: int = 0, part=None, impl: str | None = None, splits: int | None = None,
-              split_min: int = GQA_SPLIT_MIN) -> list[Node]:
+              split_min: int | None = None) -> list[Node]:
     """Decode attention nodes for one new token (q [n_head*D], k, v [n_kv*D] float32; kc, vc
     fp16 caches [n_ctx, n_kv, D]; state[1] = position; out [n_head*D] float32).
 
     impl "gqa" (default where the shape allows, kernels/attention_gqa.cu): one node, blocks
     over (KV head, context split), up to `splits` parts (default gqa_splits(n_ctx)), one more
-    per `split_min` positions, merged by the last block. impl "v3" (kernels/attention.cu): one pass when chunk == 0, else split over
+    per `split_min` positions (default GQA_SPLIT_MIN, read at call time), merged by the last
+    block. impl "v3" (kernels/attention.cu): one pass when chunk == 0, else split over
     the context in chunks of `chunk` positions plus a merge node (part: float32
     [n_head * n_split * (D + 2)] workspace). Raises ValueError on unsupported shapes."""
     if D > 256 or n_head % n_kv or n_rot > D or n_rot % 2:
@@ -177,7 +178,8 @@ def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int,
     if impl == "gqa" and D in GQA_DIMS and n_head // n_kv <= GQA_MAXG:
         return [_attention_gqa(name, q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
                                n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale, n_ctx=n_ctx,
-                               splits=splits or gqa_splits(n_ctx), split_min=split_min)]
+                               splits=splits or gqa_splits(n_ctx),
+                               split_min=GQA_SPLIT_MIN if split_min is None else split_min)]
     if impl not in ("gqa", "v3"):
         raise ValueError(f"attention impl {impl!r}: expected gqa or v3")
     n_split = 1 if chunk == 0 else math.ceil(n_ctx / chunk)
