@@ -1,4 +1,5 @@
-"""`harness bench nodes`: per-node timing of one engine decode step (harness.bench_nodes).
+"""`harness bench nodes`: per-node timing of one engine decode step (harness.bench_nodes);
+`harness bench kernels`: per-kernel GEMV microbenchmark (harness.bench_kernels_cmd).
 
     harness bench nodes [--model NAME|PATH] [--ctx 512] [--method graph,eager] [--out out]
 
@@ -19,8 +20,11 @@ from .errors import ConfigError
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: `bench nodes` times one engine decode step node by node")
+    p = sub.add_parser("bench", help="benchmarks: `bench nodes` times one engine decode step node "
+                       "by node, `bench kernels` the engine's GEMV kernels shape by shape")
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    from .bench_kernels_cmd import add_kernels_parser
+    add_kernels_parser(bsub)
     n = bsub.add_parser("nodes", help="per-node timing of one engine decode step (GPU)")
     n.add_argument("--model", default=models.DEFAULT_MODEL, help="registry name or .gguf path")
     n.add_argument("--ctx", type=int, default=512, help="context size (KV cache length)")
@@ -30,6 +34,9 @@ def add_bench_parser(sub) -> None:
 
 
 def run_bench(args, console: Console) -> int:
+    if args.bench_cmd == "kernels":
+        from .bench_kernels_cmd import run_kernels_cmd
+        return run_kernels_cmd(args, console)
     if args.bench_cmd != "nodes":
         raise ConfigError(f"unknown bench command {args.bench_cmd!r}")
     from .bench_nodes import METHODS, run_nodes

@@ -8,7 +8,8 @@ import statistics
 from .errors import UnsupportedError
 
 
-def _cp():
+def require_cupy():
+    """The cupy module once a CUDA device answers; UnsupportedError (naming the cause) else."""
     try:
         import cupy as cp
         cp.cuda.runtime.getDeviceCount()
@@ -20,7 +21,7 @@ def _cp():
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> dict:
     """Device-to-device copy of nbytes, timed with CUDA events: GB/s counting read + write
     (docs/sources.md §4: 4.17 TB/s measured this way on the H200, 2 GiB buffers, median of 10)."""
-    cp = _cp()
+    cp = require_cupy()
     a = cp.empty(nbytes, dtype=cp.uint8)
     b = cp.empty_like(a)
     a.fill(1)
@@ -41,6 +42,6 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> dict:
 
 def memory_used() -> int:
     """Bytes in use on the device, all processes (total - free)."""
-    cp = _cp()
+    cp = require_cupy()
     free, total = cp.cuda.runtime.memGetInfo()
     return int(total - free)
