@@ -31,7 +31,9 @@ from gpu_util import cupy_or_skip, device_tensor, nan_poisoned
 pytestmark = pytest.mark.gpu
 
 TYPES = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
-         "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+         "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+         "IQ4_NL": 20, "IQ4_XS": 23, "IQ3_S": 21, "IQ3_XXS": 18, "IQ2_S": 22, "IQ2_XS": 17,
+         "IQ2_XXS": 16, "IQ1_S": 19, "IQ1_M": 29}
 GEMV_TOL = 1e-5
 
 
@@ -234,7 +236,8 @@ def test_gemv_nonfinite_input_is_not_laundered(bad):
 
 def test_gemv_every_block_shape():
     """Every (warps per block, warps per row) instantiation of the q16 GEMV, on formats with
-    32- and 256-value blocks, rows not a multiple of the rows per block, all three modes."""
+    32- and 256-value blocks, rows not a multiple of the rows per block, all three modes; two
+    I-quants for their non-inlined row loop (kernels/gemv.cu row_dot_iq), also as gate/up pair."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
@@ -242,7 +245,7 @@ def test_gemv_every_block_shape():
     K, keep = 2304, []
     rng = np.random.default_rng(3)
     x = rng.normal(size=K).astype(np.float32)
-    for t in (TYPES["Q5_0"], TYPES["Q6_K"]):
+    for t in (TYPES["Q5_0"], TYPES["Q6_K"], TYPES["IQ3_S"], TYPES["IQ1_M"]):
         raw, w = _matrix(t, 37, K, seed=t)
         (rg, wg), (ru, wu) = _matrix(t, 37, K, seed=t + 1), _matrix(t, 37, K, seed=t + 2)
         for nw, wpr in sorted(eops.GEMV_SHAPES):

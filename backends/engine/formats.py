@@ -6,9 +6,11 @@ from __future__ import annotations
 from harness.errors import UnsupportedError
 from oracles.dequant import FORMATS
 
-# The engine's GEMV/embedding kernels (kernels/dequant.cuh) implement exactly these ids.
+# The engine's GEMV/embedding kernels (kernels/dequant.cuh, iquants.cuh) implement exactly these ids.
 ENGINE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-                10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+                10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16",
+                16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
+                22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M"}
 
 
 def check_type(type_id: int, what: str) -> None:

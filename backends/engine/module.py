@@ -1,7 +1,12 @@
 """Compiles the engine's .cu files with cupy.RawModule (NVRTC, for the current device's
-architecture) once per process and hands out kernels by name."""
+architecture) once per process and hands out kernels by name. Sources that read GGUF blocks
+(they include dequant.cuh) are compiled behind the generated I-quant tables
+(iq_tables.header()); every source behind a digest of the kernel headers: CuPy keys its
+on-disk kernel cache by the code string and options, not by included files, so both must be
+in the code for an edit of a table or a .cuh file to recompile."""
 from __future__ import annotations
 
+import hashlib
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -14,8 +19,23 @@ SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory above this needs an opt-in
 @lru_cache(maxsize=None)
 def _module(source: str):
     import cupy as cp
-    code = (KERNEL_DIR / source).read_text()
-    return cp.RawModule(code=code, options=("--std=c++17", f"-I{KERNEL_DIR}"))
+    return cp.RawModule(code=source_code(source), options=("--std=c++17", f"-I{KERNEL_DIR}"))
+
+
+def source_code(source: str) -> str:
+    """The code string NVRTC compiles for kernels/<source> (see the module docstring)."""
+    from .iq_tables import header
+    text = (KERNEL_DIR / source).read_text()
+    tables = header() if re.search(r'#include "(dequant|qdot)\.cuh"', text) else ""
+    return tables + f"// kernel headers sha256 {_headers_digest()}\n" + f'#line 1 "{source}"\n' + text
+
+
+@lru_cache(maxsize=None)
+def _headers_digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted(KERNEL_DIR.glob("*.cuh")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
 
 
 @lru_cache(maxsize=None)

@@ -106,4 +106,13 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_IQ2_XXS 16
+#define T_IQ2_XS 17
+#define T_IQ3_XXS 18
+#define T_IQ1_S 19
+#define T_IQ4_NL 20
+#define T_IQ3_S 21
+#define T_IQ2_S 22
+#define T_IQ4_XS 23
+#define T_IQ1_M 29
 #define T_BF16 30

@@ -216,6 +216,9 @@ template <> __device__ __forceinline__ void deq8<T_Q6_K>(const u8* row, int g, i
     }
 }
 
+// I-quants: Fmt, deq8 (iquants.cuh)
+#include "iquants.cuh"
+
 // Lane's partial dot product of one row (K values) with x (float, shared memory), over the
 // 256-value groups g0, g0 + gstep, ... (gstep warps share a row). No early exit, so the
 // loop unrolls and several groups' loads are in flight at once (decode GEMVs are
@@ -247,6 +250,24 @@ template <int T> __device__ __forceinline__ float row_dot(const u8* row, const f
     return acc;
 }
 
+// I-quants behind a call, as in gemv.cu (row_dot_iq): inlined they raised the registers of
+// every gemvf kernel (62 -> 72).
+__device__ __noinline__ float row_dot_iq_f32(int type, const u8* row, const float* x, int K, int lane,
+                                             int g0, int gstep) {
+    switch (type) {
+        case T_IQ4_NL: return row_dot<T_IQ4_NL>(row, x, K, lane, g0, gstep);
+        case T_IQ4_XS: return row_dot<T_IQ4_XS>(row, x, K, lane, g0, gstep);
+        case T_IQ3_S: return row_dot<T_IQ3_S>(row, x, K, lane, g0, gstep);
+        case T_IQ3_XXS: return row_dot<T_IQ3_XXS>(row, x, K, lane, g0, gstep);
+        case T_IQ2_S: return row_dot<T_IQ2_S>(row, x, K, lane, g0, gstep);
+        case T_IQ2_XS: return row_dot<T_IQ2_XS>(row, x, K, lane, g0, gstep);
+        case T_IQ2_XXS: return row_dot<T_IQ2_XXS>(row, x, K, lane, g0, gstep);
+        case T_IQ1_S: return row_dot<T_IQ1_S>(row, x, K, lane, g0, gstep);
+        case T_IQ1_M: return row_dot<T_IQ1_M>(row, x, K, lane, g0, gstep);
+    }
+    return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
+}
+
 // Runtime dispatch on the GGML type id (uniform per warp, so no divergence).
 __device__ __forceinline__ float row_dot_any(int type, const u8* row, const float* x, int K, int lane,
                                              int g0, int gstep) {
@@ -265,7 +286,7 @@ __device__ __forceinline__ float row_dot_any(int type, const u8* row, const floa
         case T_Q5_K: return row_dot<T_Q5_K>(row, x, K, lane, g0, gstep);
         case T_Q6_K: return row_dot<T_Q6_K>(row, x, K, lane, g0, gstep);
     }
-    return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
+    return row_dot_iq_f32(type, row, x, K, lane, g0, gstep);
 }
 
 // Dequantise group g of a row into out[256g + 8L + k] (embedding lookup).
@@ -293,5 +314,14 @@ __device__ __forceinline__ void row_deq_any(int type, const u8* row, float* out,
         case T_Q4_K: row_deq<T_Q4_K>(row, out, K, g, lane); return;
         case T_Q5_K: row_deq<T_Q5_K>(row, out, K, g, lane); return;
         case T_Q6_K: row_deq<T_Q6_K>(row, out, K, g, lane); return;
+        case T_IQ4_NL: row_deq<T_IQ4_NL>(row, out, K, g, lane); return;
+        case T_IQ4_XS: row_deq<T_IQ4_XS>(row, out, K, g, lane); return;
+        case T_IQ3_S: row_deq<T_IQ3_S>(row, out, K, g, lane); return;
+        case T_IQ3_XXS: row_deq<T_IQ3_XXS>(row, out, K, g, lane); return;
+        case T_IQ2_S: row_deq<T_IQ2_S>(row, out, K, g, lane); return;
+        case T_IQ2_XS: row_deq<T_IQ2_XS>(row, out, K, g, lane); return;
+        case T_IQ2_XXS: row_deq<T_IQ2_XXS>(row, out, K, g, lane); return;
+        case T_IQ1_S: row_deq<T_IQ1_S>(row, out, K, g, lane); return;
+        case T_IQ1_M: row_deq<T_IQ1_M>(row, out, K, g, lane); return;
     }
 }

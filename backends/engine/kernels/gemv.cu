@@ -164,8 +164,26 @@ template <int T> __device__ __forceinline__ float2 row_dot2(const u8* r0, const 
     return make_float2(a0, a1);
 }
 
+// Formats whose row loops are inlined into every GEMV kernel.
 #define FOR_EACH_TYPE(X) X(T_F32) X(T_F16) X(T_BF16) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) \
     X(T_Q8_0) X(T_Q2_K) X(T_Q3_K) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K)
+// I-quants: row loops in one non-inlined function. Inlined as 9 more cases they changed the
+// register allocation of every kernel (nvcc 13, sm_90: swiglu w2_b8 79 -> 128 registers, 24 ->
+// 16 resident warps per SM; store w1_b4 52 -> 62) although each format alone fitted; behind a
+// call the kernels keep their registers and occupancy, and only I-quant rows pay the call and
+// generic (not shared-window) loads of x. Gate/up pairs of I-quants run as two calls (no row_dot2).
+#define FOR_EACH_IQ_TYPE(X) X(T_IQ4_NL) X(T_IQ4_XS) X(T_IQ3_S) X(T_IQ3_XXS) X(T_IQ2_S) X(T_IQ2_XS) \
+    X(T_IQ2_XXS) X(T_IQ1_S) X(T_IQ1_M)
+
+__device__ __noinline__ float row_dot_iq(int type, const u8* row, const int4* xq, const int* xs,
+                                         const float* xd, int K, int lane, int g0, int gstep) {
+    switch (type) {
+#define CASE(T) case T: return row_dot<T>(row, xq, xs, xd, K, lane, g0, gstep);
+        FOR_EACH_IQ_TYPE(CASE)
+#undef CASE
+    }
+    return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
+}
 
 // Runtime dispatch on the GGML type id (uniform per warp, so no divergence).
 __device__ __forceinline__ float row_dot_any(int type, const u8* row, const int4* xq, const int* xs,
@@ -175,7 +193,7 @@ __device__ __forceinline__ float row_dot_any(int type, const u8* row, const int4
         FOR_EACH_TYPE(CASE)
 #undef CASE
     }
-    return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
+    return row_dot_iq(type, row, xq, xs, xd, K, lane, g0, gstep);
 }
 
 __device__ __forceinline__ float2 row_dot2_any(int t0, int t1, const u8* r0, const u8* r1, const int4* xq,

@@ -149,6 +149,9 @@ template <> __device__ __forceinline__ float qdot8<T_Q6_K>(const u8* row, int g,
     return h2f(ld_u16(b + 208)) * (float)(sc * (dot8(x, lo, hi) - 32 * s8));
 }
 
+// I-quants (iqdot.cuh)
+#include "iqdot.cuh"
+
 // Float weight types: dequantise in fp32 and multiply by the int16 codes (exact in fp32).
 template <int T> __device__ __forceinline__ float fdot8(const u8* row, int g, int lane, int K, const int4& x) {
     float v[8];
