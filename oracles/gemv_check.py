@@ -18,7 +18,7 @@ import numpy as np
 
 from . import actquant, ops
 
-GEMV_TOL = 1e-5      # tests/test_engine_kernels.py GEMV_TOL
+GEMV_TOL = 1e-5      # derivation: tests/test_engine_kernels.py module docstring
 SILU_SLOPE = 1.1     # >= max |silu'(x)| = 1.0999
 EPILOGUE_REL = 1e-6  # float32 silu(g) * u in the kernel
 
