@@ -132,16 +132,20 @@ def _cases(text: str, func: str) -> set[str]:
 
 def test_every_engine_type_is_dispatched():
     names = set(ENGINE_TYPES.values())
-    gemv = (KERNELS / "gemv.cu").read_text()
-    listed = set()
-    for macro in ("FOR_EACH_TYPE", "FOR_EACH_IQ_TYPE"):
-        body = re.search(rf"#define {macro}\(X\)(.*?)\n(?!    )", gemv, re.S).group(1)
-        listed |= set(re.findall(r"X\(T_(\w+)\)", body))
-    assert listed == names
-    deq = (KERNELS / "dequant.cuh").read_text()
-    assert _cases(deq, "float row_dot_any") | _cases(deq, "float row_dot_iq_f32") == names
-    assert _cases(deq, "void row_deq_any") == names
     text = _kernel_text()
+
+    def macro_types(macro):
+        body = re.search(rf"#define {macro}\(X\)(.*?)\n(?!    )", text, re.S).group(1)
+        return set(re.findall(r"X\(T_(\w+)\)", body))
+
+    iq = macro_types("FOR_EACH_IQ_TYPE")
+    assert macro_types("FOR_EACH_TYPE") | iq == names
+    for src, func in (("gemv.cu", "row_dot_iq"), ("dequant.cuh", "row_dot_iq_f32")):
+        body = re.search(rf"float {func}\(.*?\n}}\n", (KERNELS / src).read_text(), re.S).group(0)
+        assert "FOR_EACH_IQ_TYPE(CASE)" in body, f"{src} {func} does not dispatch the I-quants"
+    deq = (KERNELS / "dequant.cuh").read_text()
+    assert _cases(deq, "float row_dot_any") | iq == names
+    assert _cases(deq, "void row_deq_any") == names
     for name in names:
         assert re.search(rf"void deq8<T_{name}>\(", text), f"no deq8<T_{name}>"
         if int(QT[name]) not in FLOAT_TYPES:

@@ -158,19 +158,42 @@ def test_argmax_ties_nonfinite_and_finish():
     assert s[0] == 777 and s[1] == 42 and s[2] == 2 and int(key.get()[0]) == 0
 
 
-# gqa-s1 / gqa-s4: the v5 kernel with a new split every 1 / 4 positions, so the partials and
-# the merge (and, with 1, empty splits once the 16-split cap binds) run within 40 positions
-@pytest.mark.parametrize("impl", ["v3", "gqa", "gqa-s1", "gqa-s4"])
-@pytest.mark.parametrize("D,n_head,n_kv,chunk", [(16, 4, 2, 0), (48, 3, 1, 16), (64, 14, 2, 0), (128, 12, 2, 0), (64, 4, 4, 16),
-                                                 (256, 6, 2, 0), (128, 8, 1, 16), (64, 16, 2, 0)])
+ATTN_SHAPES = [(16, 4, 2, 0), (48, 3, 1, 16), (64, 14, 2, 0), (128, 12, 2, 0), (64, 4, 4, 16),
+               (256, 6, 2, 0), (128, 8, 1, 16), (64, 16, 2, 0)]  # D, n_head, n_kv, v3 chunk
+
+
+def _attn_cases():
+    """v3 on every shape; the gqa kernel (ops.GQA_DIMS, <= ops.GQA_MAXG query heads per KV
+    head; it splits on its own, so no v3 chunk) on the shapes it takes, with the default
+    split_min and with a new split every 1 / 4 positions (gqa-s1 / gqa-s4), so the partials
+    and the merge (and, with 1, empty splits once the 16-split cap binds) run within 40
+    positions. Other shapes fall back to v3 (test_attention_falls_back_to_v3)."""
+    from backends.engine.ops import GQA_DIMS, GQA_MAXG
+    cases = [(*sh, "v3") for sh in ATTN_SHAPES]
+    for D, n_head, n_kv, chunk in ATTN_SHAPES:
+        if D in GQA_DIMS and n_head // n_kv <= GQA_MAXG and not chunk:
+            cases += [(D, n_head, n_kv, chunk, impl) for impl in ("gqa", "gqa-s1", "gqa-s4")]
+    return cases
+
+
+def test_attention_falls_back_to_v3():
+    """Shapes outside the gqa kernel (head dim 16; 16 query heads per KV head) get v3's node."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    for D, n_head, n_kv in ((16, 4, 2), (64, 16, 1)):
+        q, k, v = (cp.zeros(n * D, cp.float32) for n in (n_head, n_kv, n_kv))
+        kc, vc = (cp.zeros((8, n_kv, D), cp.uint16) for _ in range(2))
+        nodes = eops.attention("a", q, k, v, kc, vc, cp.zeros(4, cp.int32), cp.zeros(n_head * D, cp.float32),
+                               n_head=n_head, n_kv=n_kv, D=D, n_rot=D, freq_base=1e4, freq_scale=1.0,
+                               n_ctx=8, impl="gqa")
+        assert nodes[0].kernel.name == "attn_decode", (D, n_head, n_kv)
+
+
+@pytest.mark.parametrize("D,n_head,n_kv,chunk,impl", _attn_cases())
 def test_attention_decode_against_oracle(D, n_head, n_kv, chunk, impl):
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     impl, _, smin = impl.partition("-s")
-    if impl == "gqa" and (D not in eops.GQA_DIMS or n_head // n_kv > eops.GQA_MAXG):
-        pytest.skip("shape outside the gqa kernel (falls back to v3)")
-    if impl == "gqa" and chunk:
-        pytest.skip("the gqa kernel splits on its own")
     n_ctx, steps, base = 64, 40, 10000.0
     rng = np.random.default_rng(D + n_head)
     kc = cp.zeros((n_ctx, n_kv, D), cp.uint16)

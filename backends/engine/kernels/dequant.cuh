@@ -255,15 +255,9 @@ template <int T> __device__ __forceinline__ float row_dot(const u8* row, const f
 __device__ __noinline__ float row_dot_iq_f32(int type, const u8* row, const float* x, int K, int lane,
                                              int g0, int gstep) {
     switch (type) {
-        case T_IQ4_NL: return row_dot<T_IQ4_NL>(row, x, K, lane, g0, gstep);
-        case T_IQ4_XS: return row_dot<T_IQ4_XS>(row, x, K, lane, g0, gstep);
-        case T_IQ3_S: return row_dot<T_IQ3_S>(row, x, K, lane, g0, gstep);
-        case T_IQ3_XXS: return row_dot<T_IQ3_XXS>(row, x, K, lane, g0, gstep);
-        case T_IQ2_S: return row_dot<T_IQ2_S>(row, x, K, lane, g0, gstep);
-        case T_IQ2_XS: return row_dot<T_IQ2_XS>(row, x, K, lane, g0, gstep);
-        case T_IQ2_XXS: return row_dot<T_IQ2_XXS>(row, x, K, lane, g0, gstep);
-        case T_IQ1_S: return row_dot<T_IQ1_S>(row, x, K, lane, g0, gstep);
-        case T_IQ1_M: return row_dot<T_IQ1_M>(row, x, K, lane, g0, gstep);
+#define CASE(T) case T: return row_dot<T>(row, x, K, lane, g0, gstep);
+        FOR_EACH_IQ_TYPE(CASE)
+#undef CASE
     }
     return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
 }

@@ -172,8 +172,7 @@ template <int T> __device__ __forceinline__ float2 row_dot2(const u8* r0, const 
 // 16 resident warps per SM; store w1_b4 52 -> 62) although each format alone fitted; behind a
 // call the kernels keep their registers and occupancy, and only I-quant rows pay the call and
 // generic (not shared-window) loads of x. Gate/up pairs of I-quants run as two calls (no row_dot2).
-#define FOR_EACH_IQ_TYPE(X) X(T_IQ4_NL) X(T_IQ4_XS) X(T_IQ3_S) X(T_IQ3_XXS) X(T_IQ2_S) X(T_IQ2_XS) \
-    X(T_IQ2_XXS) X(T_IQ1_S) X(T_IQ1_M)
+// (FOR_EACH_IQ_TYPE: iquants.cuh)
 
 __device__ __noinline__ float row_dot_iq(int type, const u8* row, const int4* xq, const int* xs,
                                          const float* xd, int K, int lane, int g0, int gstep) {
@@ -254,23 +253,9 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
         }
         y = warp_sum(y) * xscale;
         if (MODE == 2) up = warp_sum(up) * xscale;
-        if (WPR > 1) {
-            if (lane == 0) { part[0][warp] = y; part[1][warp] = up; }
-            __syncthreads();
-            if (sub == 0) {
-                for (int w = 1; w < WPR; ++w) { y += part[0][warp + w]; up += part[1][warp + w]; }
-            }
-            __syncthreads();
-        }
+        combine_warps<WPR>(y, up, part[0], part[1], warp, sub, lane);
         if (row >= total_rows || sub != 0 || lane != 0) continue;
-        const Seg& s = t.s[si];
-        if (MODE == 2) {
-            ((float*)s.out)[row] = silu(y) * up;
-        } else {
-            if (s.bias) y += ((const float*)s.bias)[row];
-            float* o = (float*)s.out + row;
-            *o = MODE == 1 ? *o + y : y;
-        }
+        store_row<MODE>(t.s[si], row, y, up);
     }
 }
 

@@ -71,23 +71,9 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
         }
         y = warp_sum(y);
         if (MODE == 2) up = warp_sum(up);
-        if (WPR > 1) {
-            if (lane == 0) { part[0][warp] = y; part[1][warp] = up; }
-            __syncthreads();
-            if (sub == 0) {
-                for (int w = 1; w < WPR; ++w) { y += part[0][warp + w]; up += part[1][warp + w]; }
-            }
-            __syncthreads();
-        }
+        combine_warps<WPR>(y, up, part[0], part[1], warp, sub, lane);
         if (row >= total_rows || sub != 0 || lane != 0) continue;
-        const Seg& s = t.s[si];
-        if (MODE == 2) {
-            ((float*)s.out)[row] = silu(y) * up;
-        } else {
-            if (s.bias) y += ((const float*)s.bias)[row];
-            float* o = (float*)s.out + row;
-            *o = MODE == 1 ? *o + y : y;
-        }
+        store_row<MODE>(t.s[si], row, y, up);
     }
 }
 

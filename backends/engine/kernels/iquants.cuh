@@ -24,6 +24,10 @@
 #error "I-quant tables missing: module.py prefixes backends/engine/iq_tables.py's header (nvcc: -include iq_tables.cuh)"
 #endif
 
+// The I-quant type ids, for the dispatch switches (gemv.cu row_dot_iq, dequant.cuh row_dot_iq_f32)
+#define FOR_EACH_IQ_TYPE(X) X(T_IQ4_NL) X(T_IQ4_XS) X(T_IQ3_S) X(T_IQ3_XXS) X(T_IQ2_S) X(T_IQ2_XS) \
+    X(T_IQ2_XXS) X(T_IQ1_S) X(T_IQ1_M)
+
 template <> struct Fmt<T_IQ2_XXS> { static const int QK = 256, TS = 66; };
 template <> struct Fmt<T_IQ2_XS>  { static const int QK = 256, TS = 74; };
 template <> struct Fmt<T_IQ2_S>   { static const int QK = 256, TS = 82; };

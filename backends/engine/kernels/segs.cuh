@@ -18,6 +18,33 @@ struct Seg {              // 32 bytes, mirrored by backends/engine/ops.py SEG_DT
 // pointer convention of v1-v3, in device memory (one per node, written once at build time).
 struct SegTable { Seg s[MAX_SEG]; int n; int row_bytes[MAX_SEG]; };
 
+// GEMV epilogue shared by gemv.cu and gemv_f32.cu. The WPR warps of a row meet in shared
+// memory (p0, p1: one float per warp of the block, for the row sum and the up sum); the
+// first warp of the row then has the totals in y, up.
+template <int WPR> __device__ __forceinline__ void combine_warps(float& y, float& up, float* p0, float* p1,
+                                                                  int warp, int sub, int lane) {
+    if (WPR > 1) {
+        if (lane == 0) { p0[warp] = y; p1[warp] = up; }
+        __syncthreads();
+        if (sub == 0) {
+            for (int w = 1; w < WPR; ++w) { y += p0[warp + w]; up += p1[warp + w]; }
+        }
+        __syncthreads();
+    }
+}
+
+// MODE 0: out = y (+ bias); MODE 1: out += y (+ bias); MODE 2: out = silu(y) * up (SwiGLU,
+// y from the gate row, up from the up row; llm_graph_context::build_ffn, LLM_FFN_SILU).
+template <int MODE> __device__ __forceinline__ void store_row(const Seg& s, int row, float y, float up) {
+    if (MODE == 2) {
+        ((float*)s.out)[row] = silu(y) * up;
+    } else {
+        if (s.bias) y += ((const float*)s.bias)[row];
+        float* o = (float*)s.out + row;
+        *o = MODE == 1 ? *o + y : y;
+    }
+}
+
 __device__ __forceinline__ int find_seg(const SegTable& t, int& row) {
     int i = 0;
     while (i < t.n - 1 && row >= t.s[i].rows) { row -= t.s[i].rows; ++i; }
