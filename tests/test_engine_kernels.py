@@ -163,21 +163,25 @@ ATTN_SHAPES = [(16, 4, 2, 0), (48, 3, 1, 16), (64, 14, 2, 0), (128, 12, 2, 0), (
 
 
 def _attn_cases():
-    """v3 on every shape; the gqa kernel (ops.GQA_DIMS, <= ops.GQA_MAXG query heads per KV
-    head; it splits on its own, so no v3 chunk) on the shapes it takes, with the default
+    """v3 on every shape; the head kernel (v6, ops.GQA_DIMS, any group size) and the gqa kernel
+    (v5, ops.GQA_DIMS, <= ops.GQA_MAXG query heads per KV head) on the shapes they take (they
+    split on their own, so no v3 chunk), with the default
     split_min and with a new split every 1 / 4 positions (gqa-s1 / gqa-s4), so the partials
     and the merge (and, with 1, empty splits once the 16-split cap binds) run within 40
     positions. Other shapes fall back to v3 (test_attention_falls_back_to_v3)."""
     from backends.engine.ops import GQA_DIMS, GQA_MAXG
     cases = [(*sh, "v3") for sh in ATTN_SHAPES]
     for D, n_head, n_kv, chunk in ATTN_SHAPES:
+        if D in GQA_DIMS and not chunk:  # v6 "head": any group size
+            cases += [(D, n_head, n_kv, chunk, impl) for impl in ("head", "head-s1", "head-s4")]
         if D in GQA_DIMS and n_head // n_kv <= GQA_MAXG and not chunk:
             cases += [(D, n_head, n_kv, chunk, impl) for impl in ("gqa", "gqa-s1", "gqa-s4")]
     return cases
 
 
 def test_attention_falls_back_to_v3():
-    """Shapes outside the gqa kernel (head dim 16; 16 query heads per KV head) get v3's node."""
+    """Shapes outside the gqa kernel (head dim 16; 16 query heads per KV head) and the head
+    kernel (head dim 16) get v3's node."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     for D, n_head, n_kv in ((16, 4, 2), (64, 16, 1)):
@@ -187,6 +191,10 @@ def test_attention_falls_back_to_v3():
                                n_head=n_head, n_kv=n_kv, D=D, n_rot=D, freq_base=1e4, freq_scale=1.0,
                                n_ctx=8, impl="gqa")
         assert nodes[0].kernel.name == "attn_decode", (D, n_head, n_kv)
+    nodes = eops.attention("a", q, k, v, kc, vc, cp.zeros(4, cp.int32), cp.zeros(n_head * D, cp.float32),
+                           n_head=4, n_kv=2, D=16, n_rot=16, freq_base=1e4, freq_scale=1.0, n_ctx=8,
+                           impl="head")
+    assert nodes[0].kernel.name == "attn_decode"
 
 
 @pytest.mark.parametrize("D,n_head,n_kv,chunk,impl", _attn_cases())
@@ -205,8 +213,9 @@ def test_attention_decode_against_oracle(D, n_head, n_kv, chunk, impl):
     part = cp.zeros(n_head * n_split * (D + 2), cp.float32) if chunk else None
     nodes = eops.attention("a", q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
                            n_rot=D, freq_base=base, freq_scale=1.0, n_ctx=n_ctx, chunk=chunk,
-                           part=part, impl=impl, split_min=int(smin or eops.GQA_SPLIT_MIN))
-    assert ("attn_gqa" in nodes[0].kernel.name) == (impl == "gqa")
+                           part=part, impl=impl, split_min=int(smin) if smin else None,
+                           single=0 if smin and impl == "head" else None)
+    assert nodes[0].kernel.name.startswith({"gqa": "attn_gqa", "head": "attn_head", "v3": "attn_decode"}[impl])
     ks, vs = np.zeros((n_ctx, n_kv, D)), np.zeros((n_ctx, n_kv, D))
     for pos in range(steps):
         qh, kh, vh = (rng.normal(size=(1, n, D)) for n in (n_head, n_kv, n_kv))

@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
-SOURCES = ("gemv.cu", "gemv_f32.cu", "attention.cu", "attention_gqa.cu", "misc.cu")
+SOURCES = ("gemv.cu", "gemv_f32.cu", "attention.cu", "attention_gqa.cu", "attention_head.cu", "misc.cu")
 SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory above this needs an opt-in attribute
 
 
@@ -48,6 +48,8 @@ def kernel(name: str):
         return _module("gemv_f32.cu").get_function(name)
     if name.startswith("attn_gqa_d"):  # GQA_KERNEL macro, one per head dim
         return _module("attention_gqa.cu").get_function(name)
+    if name.startswith("attn_head_d"):  # HEAD_KERNEL macro, one per head dim
+        return _module("attention_head.cu").get_function(name)
     for src in SOURCES:
         if re.search(rf"\b{re.escape(name)}\(", (KERNEL_DIR / src).read_text()):
             return _module(src).get_function(name)

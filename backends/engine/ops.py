@@ -21,12 +21,15 @@ ARGMAX_BLOCKS = 264  # 2 per SM on a 132-SM H200; grid-stride loop covers any vo
 # GEMV implementation: "q16" (v4, int16 activations + dp2a, kernels/gemv.cu) or "f32" (v1-v3,
 # fp32 activations, kernels/gemv_f32.cu), kept selectable for same-run A/B measurements.
 GEMV_IMPL = os.environ.get("GGUF_HARNESS_GEMV", "q16")
-# Attention: "gqa" (v4, kernels/attention_gqa.cu, head dims 64/128/256, <= 8 query heads per
-# KV head; other shapes fall back) or "v3" (kernels/attention.cu, one block per query head).
-ATTN_IMPL = os.environ.get("GGUF_HARNESS_ATTN", "gqa")
+# Attention: "head" (v6, kernels/attention_head.cu, one 8-warp block per query head and
+# context split, head dims 64/128/256), "gqa" (v4/v5, kernels/attention_gqa.cu, one block per
+# KV head, <= 8 query heads per KV head) or "v3" (kernels/attention.cu); shapes a kernel does
+# not take fall back to v3. Kept selectable for same-run A/B (docs/perf-notes.md, v6).
+ATTN_IMPL = os.environ.get("GGUF_HARNESS_ATTN", "head")
 GQA_DIMS = (64, 128, 256)
 GQA_MAXG = 8         # kernels/attention_gqa.cu MAXG
 GQA_WARPS = 4        # kernels/attention_gqa.cu NWARP
+HEAD_THREADS = 256   # kernels/attention_head.cu A6_THREADS
 ATTN_FMT = "<8Q5i3f"  # struct AttnArgs (96 bytes)
 
 
@@ -142,12 +145,10 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
 
 
 GQA_MAX_SPLITS = 128  # kernels/attention_gqa.cu MAX_NS
-# Positions per context split of the v5 attention before a second split is used: one block
-# of 4 warps scores 128 positions in one round (a lane per position), and below this a single
-# block per KV head writes the output with no merge. Measured (docs/perf-notes.md, v5c): from
-# 128 positions on, 2 splits lose to 16 (x0.93 per node at position 199); the sweep of this
-# value is pending, hence the switch GGUF_HARNESS_ATTN_SPLIT_MIN for same-run A/B.
-GQA_SPLIT_MIN = int(os.environ.get("GGUF_HARNESS_ATTN_SPLIT_MIN", "128"))
+# Positions per context split of the v5 attention (impl "gqa", kept for A/B) before a second
+# split is used. Measured (docs/perf-notes.md, v6 sweep on the 1.5B shapes): 128 was v5's best
+# at 70 positions, and no value made v5 competitive with v6 (1 / 16 / 32 / 128 all 13-18 us).
+GQA_SPLIT_MIN = 128
 
 
 def gqa_splits(n_ctx: int) -> int:
@@ -162,26 +163,32 @@ def gqa_splits(n_ctx: int) -> int:
 def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int, D: int,
               n_rot: int, freq_base: float, freq_scale: float, n_ctx: int,
               chunk: int = 0, part=None, impl: str | None = None, splits: int | None = None,
-              split_min: int | None = None) -> list[Node]:
+              split_min: int | None = None, single: int | None = None) -> list[Node]:
     """Decode attention nodes for one new token (q [n_head*D], k, v [n_kv*D] float32; kc, vc
     fp16 caches [n_ctx, n_kv, D]; state[1] = position; out [n_head*D] float32).
 
-    impl "gqa" (default where the shape allows, kernels/attention_gqa.cu): one node, blocks
-    over (KV head, context split), up to `splits` parts (default gqa_splits(n_ctx)), one more
-    per `split_min` positions (default GQA_SPLIT_MIN, read at call time), merged by the last
-    block. impl "v3" (kernels/attention.cu): one pass when chunk == 0, else split over
+    impl "head" (default, kernels/attention_head.cu, head dims 64/128/256): one node, blocks
+    over (query head, context split): one split up to `single` positions, else one per
+    `split_min` positions, at most `splits` (defaults: head_splitting(), gqa_splits(n_ctx)),
+    merged by the last block. impl "gqa" (kernels/attention_gqa.cu, <= 8 query heads per KV
+    head): blocks over (KV head, context split), one split per `split_min` positions (default
+    GQA_SPLIT_MIN). Other shapes fall back to impl "v3" (kernels/attention.cu): one pass when chunk == 0, else split over
     the context in chunks of `chunk` positions plus a merge node (part: float32
     [n_head * n_split * (D + 2)] workspace). Raises ValueError on unsupported shapes."""
     if D > 256 or n_head % n_kv or n_rot > D or n_rot % 2:
         raise ValueError(f"attention shape not supported: D={D} n_head={n_head} n_kv={n_kv} n_rot={n_rot}")
     impl = impl or ATTN_IMPL
+    if impl == "head" and D in GQA_DIMS:
+        return [_attention_head(name, q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
+                                n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale, n_ctx=n_ctx,
+                                splits=splits or gqa_splits(n_ctx), split_min=split_min, single=single)]
     if impl == "gqa" and D in GQA_DIMS and n_head // n_kv <= GQA_MAXG:
         return [_attention_gqa(name, q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
                                n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale, n_ctx=n_ctx,
                                splits=splits or gqa_splits(n_ctx),
                                split_min=GQA_SPLIT_MIN if split_min is None else split_min)]
-    if impl not in ("gqa", "v3"):
-        raise ValueError(f"attention impl {impl!r}: expected gqa or v3")
+    if impl not in ("head", "gqa", "v3"):
+        raise ValueError(f"attention impl {impl!r}: expected head, gqa or v3")
     n_split = 1 if chunk == 0 else math.ceil(n_ctx / chunk)
     if n_split > 1 and (part is None or part.size < n_head * n_split * (D + 2)):
         raise ValueError("split attention needs a partials workspace")
@@ -220,6 +227,47 @@ def _attention_gqa(name, q, k, v, kc, vc, state, out, *, n_head, n_kv, D, n_rot,
     module.allow_smem(k_fn, smem)
     kv_bytes = 2 * 2 * n_ctx * n_kv * D  # upper bound: the whole cache of this layer, fp16
     return Node(name, "attention", k_fn, (n_kv, splits), (GQA_WARPS * 32,), args, smem=smem,
+                bytes=kv_bytes, flops=4 * n_ctx * n_head * D, out=out, keep=[part, counter])
+
+
+# v6 attention splits (docs/perf-notes.md, v6: per-node sweep at the 0.5B and 1.5B shapes):
+# one block per query head up to HEAD_SINGLE positions (no merge; best up to ~256), then one
+# split per HEAD_SPLIT_MIN positions (64 was the fastest from 300 to 2047 positions).
+HEAD_SINGLE = 256
+HEAD_SPLIT_MIN = 64
+
+
+def head_splitting() -> tuple[int, int]:
+    """(single, split_min) of the v6 attention, read at call time for same-run A/B: env
+    GGUF_HARNESS_ATTN_SINGLE and GGUF_HARNESS_ATTN_SPLIT_MIN override the defaults."""
+    return (int(os.environ.get("GGUF_HARNESS_ATTN_SINGLE", HEAD_SINGLE)),
+            int(os.environ.get("GGUF_HARNESS_ATTN_SPLIT_MIN", HEAD_SPLIT_MIN)))
+
+
+def _attention_head(name, q, k, v, kc, vc, state, out, *, n_head, n_kv, D, n_rot, freq_base,
+                    freq_scale, n_ctx, splits, split_min, single) -> Node:
+    import cupy as cp
+    d_single, d_split = head_splitting()
+    single = d_single if single is None else single
+    split_min = d_split if split_min is None else split_min
+    if split_min < 1:
+        raise ValueError(f"attention split_min {split_min} < 1")
+    if not 1 <= splits <= GQA_MAX_SPLITS:
+        raise ValueError(f"attention splits {splits} outside 1..{GQA_MAX_SPLITS}")
+    # longest split: all positions up to `single`, else ceil(n / ns) <= split_min while
+    # ns < splits, else <= ceil(n_ctx / splits)
+    chunk_max = min(n_ctx, max(single, split_min, -(-n_ctx // splits)))
+    part = cp.zeros(n_head * splits * (D + 4), cp.float32)  # kernels/attention_head.cu PS
+    counter = cp.zeros(n_head, cp.int32)
+    args = (q, k, v, kc, vc, state, out, part, counter, np.int32(n_head), np.int32(n_kv),
+            np.int32(n_rot), np.int32(splits), np.int32(chunk_max), np.int32(split_min),
+            np.int32(single), np.float32(freq_base), np.float32(1.0 / math.sqrt(D)),
+            np.float32(freq_scale))
+    k_fn = module.kernel(f"attn_head_d{D}")
+    smem = 4 * (-(-chunk_max // 4) * 4 + 2048)  # scores (16-byte padded) + row-group sums
+    module.allow_smem(k_fn, smem)
+    kv_bytes = 2 * 2 * n_ctx * n_kv * D  # upper bound: the whole cache of this layer, fp16
+    return Node(name, "attention", k_fn, (n_head, splits), (HEAD_THREADS,), args, smem=smem,
                 bytes=kv_bytes, flops=4 * n_ctx * n_head * D, out=out, keep=[part, counter])
 
 

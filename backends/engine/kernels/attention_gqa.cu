@@ -27,7 +27,7 @@
 //      (o, m, l) in global memory.
 //   E. ns > 1: the last block of group g to finish (atomic counter, reset for the next
 //      launch) merges the ns partials: out = sum_s o_s e^{m_s - M} / sum_s l_s e^{m_s - M}.
-#include "common.cuh"
+#include "rope.cuh"
 
 #define NWARP 4
 #define MAXG 8     // query heads per KV head
@@ -45,37 +45,6 @@ struct GqaArgs {
     int n_head, n_kv, n_rot, ns, chunk_max, split_min;  // ns: splits in the grid (max)
     float freq_base, scale, freq_scale;
 };
-
-// sin and cos of the RoPE angle theta = freq_scale * pos * freq_base^(-2p/n_rot) (fp32, as
-// ggml's rope computes it). The angle is reduced to [-pi, pi] by a two-constant Cody-Waite
-// step (exact enough for |theta| < 1e5) and evaluated with the fast __sincosf (abs error
-// < 4e-7 on [-pi, pi]): sincosf would add its Payne-Hanek slow path, whose local-memory
-// array made every launch of a kernel that contains it slow (docs/perf-notes.md, v4).
-__device__ __forceinline__ void rope_sincos(const GqaArgs& a, int pos, int p, float& sn, float& cs) {
-    const float theta = a.freq_scale * (float)pos * powf(a.freq_base, -2.f * (float)p / (float)a.n_rot);
-    const float k = rintf(theta * 0.159154943f);             // 1 / (2 pi)
-    float r = fmaf(-k, 6.28318548f, theta);                  // 2 pi, high part (fp32)
-    r = fmaf(-k, -1.74845553e-7f, r);                        // 2 pi - 6.28318548f
-    __sincosf(r, &sn, &cs);
-}
-
-// Element i of a rotated head vector x (NEOX pairs (p, p + n_rot/2)); sn/cs hold the
-// angles' sine and cosine per pair p < n_rot/2.
-__device__ __forceinline__ float rope_elem(const float* x, int i, int n_rot, const float* sn, const float* cs) {
-    const int half = n_rot / 2;
-    if (i >= n_rot) return x[i];
-    const int p = i < half ? i : i - half;
-    const float x0 = x[p], x1 = x[p + half];
-    return i < half ? x0 * cs[p] - x1 * sn[p] : x0 * sn[p] + x1 * cs[p];
-}
-
-// 8 fp16 values of a 16-byte load -> fp32
-__device__ __forceinline__ void h8(const uint4 w, float* f) {
-    f[0] = h2f((u16)(w.x & 0xffff)); f[1] = h2f((u16)(w.x >> 16));
-    f[2] = h2f((u16)(w.y & 0xffff)); f[3] = h2f((u16)(w.y >> 16));
-    f[4] = h2f((u16)(w.z & 0xffff)); f[5] = h2f((u16)(w.z >> 16));
-    f[6] = h2f((u16)(w.w & 0xffff)); f[7] = h2f((u16)(w.w >> 16));
-}
 
 template <int D>
 __device__ void attn_gqa_body(const GqaArgs& a) {
@@ -106,7 +75,7 @@ __device__ void attn_gqa_body(const GqaArgs& a) {
     // A. RoPE angles per pair, then q (and, in the block owning pos, the new k/v row)
     for (int p = tid; p < a.n_rot / 2; p += blockDim.x) {
         float sn, cs;
-        rope_sincos(a, pos, p, sn, cs);
+        rope_sincos(pos, p, a.n_rot, a.freq_base, a.freq_scale, sn, cs);
         rsn[p] = sn;
         rcs[p] = cs;
     }
