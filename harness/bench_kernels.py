@@ -189,5 +189,5 @@ def run_kernels(shapes: list[Shape], cfg: KernelsConfig, log=print, advance=lamb
             log(f"  {rows[-1]['status']}: {rows[-1]['reason']}")
         advance()
     settings = dict(cfg.to_json(), shapes=[s.spec for s in shapes], gemv_impl=ops.GEMV_IMPL,
-                    gemv_args=ops.GEMV_ARGS, pdl=launch.pdl_available())
+                    gemv_args=ops.GEMV_ARGS, gemv_kq=ops.GEMV_KQ, pdl=launch.pdl_available())
     return {"schema": SCHEMA, "settings": settings, "device": device, "rows": rows}

@@ -19,3 +19,14 @@ def test_table_matches_the_c_struct_layout():
                                                             s.w.type_id, s.w.rows)
     assert raw[96:128] == bytes(32)  # unused 4th segment
     assert struct.unpack_from("<i4i", raw, 128) == (3, 5, 27, 49, 0)
+
+
+def test_narrow_bit_marks_only_the_wide_kquants():
+    """GGUF_HARNESS_GEMV_KQ=narrow: Q4_K/Q5_K/Q6_K segments carry NARROW_BIT (kernels/gemv.cu
+    takes the per-8 loop for them), every other type keeps its plain GGML id."""
+    segs = [ops.Seg(NS(ptr=256 * i, type_id=t, rows=3, row_bytes=144), NS(data=NS(ptr=0)))
+            for i, t in enumerate((12, 13, 14, 8))]
+    for narrow, want in ((False, [12, 13, 14, 8]), (True, [12 | 0x100, 13 | 0x100, 14 | 0x100, 8])):
+        raw = bytes(memoryview(ops.seg_table_value(segs, narrow)))
+        assert [struct.unpack_from("<i", raw, 32 * i + 24)[0] for i in range(4)] == want
+    assert ops.NARROW_BIT == 0x100

@@ -138,8 +138,19 @@ def test_every_engine_type_is_dispatched():
         body = re.search(rf"#define {macro}\(X\)(.*?)\n(?!    )", text, re.S).group(1)
         return set(re.findall(r"X\(T_(\w+)\)", body))
 
-    iq = macro_types("FOR_EACH_IQ_TYPE")
-    assert macro_types("FOR_EACH_TYPE") | iq == names
+    iq, wide = macro_types("FOR_EACH_IQ_TYPE"), macro_types("FOR_EACH_WIDE_TYPE")
+    assert macro_types("FOR_EACH_TYPE") | wide | iq == names
+    assert not macro_types("FOR_EACH_TYPE") & wide
+    # the wide loop (kwide.cuh) and, under NARROW_BIT, the per-8 loop for each wide format
+    gemv = (KERNELS / "gemv.cu").read_text()
+    for func in ("row_dot_kq", "row_dot2_kq"):
+        body = re.search(rf" {func}\(.*?\n}}\n", gemv, re.S).group(0)
+        assert "FOR_EACH_WIDE_TYPE(CASE)" in body, f"gemv.cu {func} does not dispatch the wide types"
+    for func in ("row_dot_any", "row_dot2_any"):
+        body = re.search(rf" {func}\(.*?\n}}\n", gemv, re.S).group(0)
+        assert "case T | NARROW_BIT:" in body and "FOR_EACH_WIDE_TYPE(CASE)" in body, func
+    for name in wide:
+        assert re.search(rf"float wide_dot<T_{name}>\(", text), f"no wide_dot<T_{name}>"
     for src, func in (("gemv.cu", "row_dot_iq"), ("dequant.cuh", "row_dot_iq_f32")):
         body = re.search(rf"float {func}\(.*?\n}}\n", (KERNELS / src).read_text(), re.S).group(0)
         assert "FOR_EACH_IQ_TYPE(CASE)" in body, f"{src} {func} does not dispatch the I-quants"

@@ -257,6 +257,52 @@ def test_gemv_nonfinite_input_is_not_laundered(bad):
         assert not np.isfinite(out.get()).any(), f"type {t}: non-finite x[300] gave finite rows"
 
 
+# K/256 super-blocks: 1, 3 (fewer than the 4 a warp takes per round), 5 and 7 (not a multiple
+# of 4; odd, so Q6_K rows start at every even offset mod 16), 35 (ffn_down of the 1.5B).
+WIDE_K = (256, 768, 1280, 1792, 8960)
+
+
+@pytest.mark.parametrize("kq", ["wide", "narrow"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
+    """Q4_K/Q5_K/Q6_K rows on both q16 row loops (ops.GEMV_KQ, kernels/kwide.cuh and the per-8
+    qdot8 loop): super-block counts that leave lanes of a round idle, every block shape
+    (WPR = 8 with fewer super-blocks than the 32 a row's warps cover per round), store, add
+    and gate/up pairs of the same format and mixed with another wide format."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("the wide loop is a q16 option")
+    monkeypatch.setattr(eops, "GEMV_KQ", kq)
+    t, keep = TYPES[name], []
+    other = TYPES["Q6_K"] if name != "Q6_K" else TYPES["Q4_K"]
+    for K in WIDE_K:
+        rng = np.random.default_rng(K + t)
+        x = rng.normal(size=K).astype(np.float32)
+        raw, w = _matrix(t, 13, K, seed=K + t)
+        (rg, wg), (ru, wu) = _matrix(t, 13, K, seed=K + t + 1), _matrix(other, 13, K, seed=K + t + 2)
+        shapes = sorted(eops.GEMV_SHAPES) if K in (768, 1792) else [(None, None)]
+        for nw, wpr in shapes:
+            what = f"{name} {kq} K={K} b{nw} w{wpr}"
+            out = nan_poisoned(cp, 13)
+            eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, 13), keep), out)],
+                      cp.asarray(x), K, wpr=wpr, nw=nw).launch()
+            _check_rows(out.get().astype(np.float64), w, x, what)
+            base = rng.normal(size=13).astype(np.float32)
+            acc = cp.asarray(base)
+            eops.gemv("t", "add", [eops.Seg(device_tensor(cp, "w", raw, t, (K, 13), keep), acc)],
+                      cp.asarray(x), K, wpr=wpr, nw=nw).launch()
+            _check_rows(acc.get().astype(np.float64) - base, w, x, what + " add")
+            for (ru2, wu2, tu) in ((rg, wg, t), (ru, wu, other)):  # same-format pair, mixed pair
+                h = nan_poisoned(cp, 13)
+                eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", raw, t, (K, 13), keep), h),
+                                          eops.Seg(device_tensor(cp, "u", ru2, tu, (K, 13), keep), h)],
+                          cp.asarray(x), K, wpr=wpr, nw=nw).launch()
+                ref = ops.swiglu(w @ _x_seen(x), wu2 @ _x_seen(x))
+                np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
+                                           err_msg=f"{what} swiglu with type {tu}")
+
+
 def test_gemv_every_block_shape():
     """Every (warps per block, warps per row) instantiation of the q16 GEMV, on formats with
     32- and 256-value blocks, rows not a multiple of the rows per block, all three modes; two

@@ -58,6 +58,14 @@ def warps_per_row(K: int) -> int:
 GEMV_SHAPES = {(4, 1), (8, 1), (8, 2), (8, 4), (8, 8)}
 # q16 GEMV segment table: "value" (kernel parameter, v4) or "pointer" (device memory, v1-v3)
 GEMV_ARGS = os.environ.get("GGUF_HARNESS_GEMV_ARGS", "value")
+# q16 GEMV row loop of Q4_K, Q5_K, Q6_K: "wide" (8 lanes per super-block, 32 weights per lane,
+# kernels/kwide.cuh) or "narrow" (8 weights per lane and group, qdot.cuh qdot8), kept for
+# same-run A/B; read by gemv() at call time (set this attribute or the env before building).
+GEMV_KQ = os.environ.get("GGUF_HARNESS_GEMV_KQ", "wide")
+KQ_WIDE_TYPES = (12, 13, 14)  # Q4_K, Q5_K, Q6_K
+NARROW_BIT = 0x100            # kernels/gemv.cu NARROW_BIT: per-8 loop for a KQ_WIDE_TYPES segment
+# struct Seg: "type" is the GGML type id, | NARROW_BIT for a Q4_K/Q5_K/Q6_K segment on the
+# narrow loop (q16 only: the f32 kernels read the plain id)
 SEG_DT = np.dtype([("w", "<u8"), ("bias", "<u8"), ("out", "<u8"), ("type", "<i4"), ("rows", "<i4")],
                   align=True)
 TABLE_DT = np.dtype([("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4", (MAX_SEG,))],
@@ -81,21 +89,27 @@ def gemv_smem(K: int) -> int:
     return 2 * kp + 4 * (kp // 8) + 4 * (kp // 32)
 
 
-def seg_table_value(segs: list[Seg]):
-    """struct SegTable as a numpy structured scalar, passed by value as a kernel parameter."""
+def seg_type(type_id: int, narrow: bool = False) -> int:
+    """The segment table's type field: the GGML id, with NARROW_BIT for the q16 per-8 loop."""
+    return type_id | NARROW_BIT if narrow and type_id in KQ_WIDE_TYPES else type_id
+
+
+def seg_table_value(segs: list[Seg], narrow: bool = False):
+    """struct SegTable as a numpy structured scalar, passed by value as a kernel parameter.
+    narrow: mark Q4_K/Q5_K/Q6_K segments for the per-8 loop (seg_type)."""
     if not 1 <= len(segs) <= MAX_SEG:
         raise ValueError(f"a GEMV node takes 1..{MAX_SEG} matrices, got {len(segs)}")
     t = np.zeros((), TABLE_DT)
     for i, s in enumerate(segs):
-        t["s"][i] = (s.w.ptr, s.bias, int(s.out.data.ptr), s.w.type_id, s.w.rows)
+        t["s"][i] = (s.w.ptr, s.bias, int(s.out.data.ptr), seg_type(s.w.type_id, narrow), s.w.rows)
         t["row_bytes"][i] = s.w.row_bytes
     t["n"] = len(segs)
     return t[()]
 
 
-def seg_table(segs: list[Seg]):
+def seg_table(segs: list[Seg], narrow: bool = False):
     """Device copy of struct SegTable (152 bytes): the pointer convention of v1-v3."""
-    return _device_bytes(np.array(seg_table_value(segs)).tobytes())
+    return _device_bytes(np.array(seg_table_value(segs, narrow)).tobytes())
 
 
 def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | None = None,
@@ -104,7 +118,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
 
     x: cupy float32 [K]; every segment's weights must have ne[0] == K. norm: F32 [K] weight
     of an RMSNorm applied to x first. wpr / nw: warps per row / per block (q16 only; default
-    gemv_shape). Raises UnsupportedError / ValueError on bad input.
+    gemv_shape). Q4_K/Q5_K/Q6_K rows take the GEMV_KQ loop (q16). Raises UnsupportedError /
+    ValueError on bad input.
     """
     for s in segs:
         check_type(s.w.type_id, s.w.name)
@@ -125,13 +140,19 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         prefix = {"value": "gemv", "pointer": "gemvp"}.get(GEMV_ARGS)
         if prefix is None:
             raise ValueError(f"GGUF_HARNESS_GEMV_ARGS={GEMV_ARGS!r}: expected value or pointer")
+        if GEMV_KQ not in ("wide", "narrow"):
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ={GEMV_KQ!r}: expected wide or narrow")
+        for s in segs:  # wide Q4_K/Q5_K loads 16 bytes at block starts (arena.py ALIGN = 256)
+            if GEMV_KQ == "wide" and s.w.type_id in (12, 13) and s.w.ptr % 16:
+                raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be 16-byte aligned")
         k = module.kernel(f"{prefix}_{mode}_w{wpr}_b{nw}")
         smem = gemv_smem(K)
     else:
         raise ValueError(f"GGUF_HARNESS_GEMV={GEMV_IMPL!r}: expected q16 or f32")
     module.allow_smem(k, smem)
     by_value = GEMV_IMPL == "q16" and GEMV_ARGS == "value"
-    table = seg_table_value(segs) if by_value else seg_table(segs)
+    narrow = GEMV_IMPL == "q16" and GEMV_KQ == "narrow"
+    table = seg_table_value(segs, narrow) if by_value else seg_table(segs, narrow)
     wbytes = sum(s.w.nbytes for s in segs)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
     # one wave: at most as many blocks as can be resident; a block then walks its rows with

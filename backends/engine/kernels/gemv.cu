@@ -7,8 +7,12 @@
 //   2. stage x in shared memory: optionally RMS-normalised (ggml_rms_norm then ggml_mul by
 //      the norm weight, llama.cpp src/models/qwen2.cpp), then quantised per 32-value block
 //      to int16 codes with a float scale, plus the sum of every 8 codes (qdot8's offsets).
-//   3. walk its rows (grid-stride, each iteration prefetching the rows PF_AHEAD ahead); every
-//      lane takes 8 weights per 256-value group and calls qdot8 (integer dp2a, qdot.cuh).
+//   3. walk its rows (grid-stride, each iteration prefetching the rows PF_AHEAD ahead): for
+//      Q4_K, Q5_K and Q6_K 8 lanes share a 256-value super-block and each lane takes 32
+//      weights (row_dot_wide, kwide.cuh: 2-9 global loads per 32 weights); for the other
+//      formats, or with the segment type's NARROW_BIT set (backends/engine/ops.py,
+//      GGUF_HARNESS_GEMV_KQ=narrow, kept for same-run A/B), every lane takes 8 weights per
+//      256-value group and calls qdot8 (integer dp2a, qdot.cuh).
 // Epilogues: store (+bias), add into the output (residual stream), SwiGLU of a gate/up
 // pair (silu(gate) * up, llm_graph_context::build_ffn with LLM_FFN_SILU + LLM_FFN_PAR).
 //
@@ -18,6 +22,7 @@
 // relative rounding error at <= 2^-16 of its block maximum instead of 2^-8, so the engine
 // stays far more accurate than llama.cpp (tests/test_engine_kernels.py derives the bound).
 #include "qdot.cuh"
+#include "kwide.cuh"
 #include "segs.cuh"
 
 #ifndef ROW_UNROLL
@@ -35,7 +40,9 @@ constexpr int kRowUnroll = ROW_UNROLL, kRow2Unroll = ROW2_UNROLL;
 #define XQ_FLUSH 1e-30f  // blocks with max |x| below this become zeros (XQ_MAX / amax overflows ~1e-34)
 
 // Shared-memory layout for K values, Kp = K rounded up to 256 (zero codes beyond K):
-//   int4  xq[Kp / 8]   8 int16 codes per entry (lane L of group g reads entry 32g + L)
+//   int4  xq[Kp / 8]   8 int16 codes per entry; entry c (values 8c..8c+7) is stored at slot
+//                      xq_slot(c) (kwide.cuh: a bit swizzle inside each group of 8 entries
+//                      that keeps the wide path's 16-byte loads free of bank conflicts)
 //   int   xs[Kp / 8]   sum of the 8 codes of that entry
 //   float xd[Kp / 32]  scale of each 32-value block (NaN if the block held NaN/Inf)
 // Bytes: 2.625 Kp (mirrored by backends/engine/ops.py gemv_smem).
@@ -92,7 +99,7 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
                 q[k] = __float2int_rn(v[k] * id);
                 s += q[k];
             }
-            xq[c] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
+            xq[xq_slot(c)] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
                               (q[4] & 0xffff) | (q[5] << 16), (q[6] & 0xffff) | (q[7] << 16));
             xs[c] = s;
             // NaN/Inf must survive quantisation so the finite checks can name this node
@@ -126,15 +133,15 @@ __device__ __forceinline__ void prefetch_row(const SegTable& t, int row, int tot
 // (no early exit, so the loop unrolls and several groups' loads are in flight together).
 template <int T> __device__ __forceinline__ float row_dot(const u8* row, const int4* xq, const int* xs,
                                                           const float* xd, int K, int lane, int g0, int gstep) {
-    const int ng = (K + 255) / 256;
+    const int ng = (K + 255) / 256, xl = xq_slot(lane);
     float acc = 0.f;
 #pragma unroll kRowUnroll
     for (int g = g0; g < ng; g += gstep) {
         if (lane_valid<T>(g, lane, K)) {
-            const int c = 32 * g + lane;
+            const int c = 32 * g + lane, p = 32 * g + xl;  // p: slot of entry c
             float r;
-            if constexpr (Fmt<T>::QK == 1) r = fdot8<T>(row, g, lane, K, xq[c]);
-            else r = qdot8<T>(row, g, lane, xq[c], xs[c]);
+            if constexpr (Fmt<T>::QK == 1) r = fdot8<T>(row, g, lane, K, xq[p]);
+            else r = qdot8<T>(row, g, lane, xq[p], xs[c]);
             acc = fmaf(r, xd[c >> 2], acc);
         }
     }
@@ -145,28 +152,31 @@ template <int T> __device__ __forceinline__ float row_dot(const u8* row, const i
 template <int T> __device__ __forceinline__ float2 row_dot2(const u8* r0, const u8* r1, const int4* xq,
                                                             const int* xs, const float* xd, int K, int lane,
                                                             int g0, int gstep) {
-    const int ng = (K + 255) / 256;
+    const int ng = (K + 255) / 256, xl = xq_slot(lane);
     float a0 = 0.f, a1 = 0.f;
 #pragma unroll kRow2Unroll
     for (int g = g0; g < ng; g += gstep) {
         if (lane_valid<T>(g, lane, K)) {
-            const int c = 32 * g + lane;
+            const int c = 32 * g + lane, p = 32 * g + xl;
             const float d = xd[c >> 2];
             if constexpr (Fmt<T>::QK == 1) {
-                a0 = fmaf(fdot8<T>(r0, g, lane, K, xq[c]), d, a0);
-                a1 = fmaf(fdot8<T>(r1, g, lane, K, xq[c]), d, a1);
+                a0 = fmaf(fdot8<T>(r0, g, lane, K, xq[p]), d, a0);
+                a1 = fmaf(fdot8<T>(r1, g, lane, K, xq[p]), d, a1);
             } else {
-                a0 = fmaf(qdot8<T>(r0, g, lane, xq[c], xs[c]), d, a0);
-                a1 = fmaf(qdot8<T>(r1, g, lane, xq[c], xs[c]), d, a1);
+                a0 = fmaf(qdot8<T>(r0, g, lane, xq[p], xs[c]), d, a0);
+                a1 = fmaf(qdot8<T>(r1, g, lane, xq[p], xs[c]), d, a1);
             }
         }
     }
     return make_float2(a0, a1);
 }
 
-// Formats whose row loops are inlined into every GEMV kernel.
+// Formats whose row loops are inlined into every GEMV kernel: per-8 loops (row_dot) only ...
 #define FOR_EACH_TYPE(X) X(T_F32) X(T_F16) X(T_BF16) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) \
-    X(T_Q8_0) X(T_Q2_K) X(T_Q3_K) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K)
+    X(T_Q8_0) X(T_Q2_K) X(T_Q3_K)
+// ... and wide loops (row_dot_wide, kwide.cuh) with the per-8 loop as type | NARROW_BIT.
+#define FOR_EACH_WIDE_TYPE(X) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K)
+#define NARROW_BIT 0x100  // set in a segment's type by ops.py for GGUF_HARNESS_GEMV_KQ=narrow
 // I-quants: row loops in one non-inlined function. Inlined as 9 more cases they changed the
 // register allocation of every kernel (nvcc 13, sm_90: swiglu w2_b8 79 -> 128 registers, 24 ->
 // 16 resident warps per SM; store w1_b4 52 -> 62) although each format alone fitted; behind a
@@ -184,6 +194,31 @@ __device__ __noinline__ float row_dot_iq(int type, const u8* row, const int4* xq
     return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
 }
 
+// Q4_K, Q5_K, Q6_K wide loops (kwide.cuh), reached after the switch of the other formats.
+// Inlined: behind a __noinline__ call as for the I-quants every store/add kernel rose to 64
+// registers (nvcc 13, sm_90; a kernel needs its callee's register count). Register counts
+// react to the shape of this dispatch (a single switch with the wide cases gave 12-16 byte
+// spills in the w1_b8 and w8_b8 kernels): compare ptxas -v before changing it.
+__device__ __forceinline__ bool is_wide(int type) { return type >= T_Q4_K && type <= T_Q6_K; }
+__device__ __forceinline__ float row_dot_kq(int type, const u8* row, XS xa, int K, int lane, int g0,
+                                            int gstep) {
+    switch (type) {
+#define CASE(T) case T: return row_dot_wide<T>(row, xa, K, lane, g0, gstep);
+        FOR_EACH_WIDE_TYPE(CASE)
+#undef CASE
+    }
+    return __int_as_float(0x7fc00000);
+}
+__device__ __forceinline__ float2 row_dot2_kq(int type, const u8* r0, const u8* r1, XS xa, int K, int lane,
+                                              int g0, int gstep) {
+    switch (type) {
+#define CASE(T) case T: return row_dot2_wide<T>(r0, r1, xa, K, lane, g0, gstep);
+        FOR_EACH_WIDE_TYPE(CASE)
+#undef CASE
+    }
+    return make_float2(__int_as_float(0x7fc00000), __int_as_float(0x7fc00000));
+}
+
 // Runtime dispatch on the GGML type id (uniform per warp, so no divergence).
 __device__ __forceinline__ float row_dot_any(int type, const u8* row, const int4* xq, const int* xs,
                                              const float* xd, int K, int lane, int g0, int gstep) {
@@ -191,7 +226,11 @@ __device__ __forceinline__ float row_dot_any(int type, const u8* row, const int4
 #define CASE(T) case T: return row_dot<T>(row, xq, xs, xd, K, lane, g0, gstep);
         FOR_EACH_TYPE(CASE)
 #undef CASE
+#define CASE(T) case T | NARROW_BIT: return row_dot<T>(row, xq, xs, xd, K, lane, g0, gstep);
+        FOR_EACH_WIDE_TYPE(CASE)
+#undef CASE
     }
+    if (is_wide(type)) return row_dot_kq(type, row, xs_addr(xq, xs, xd), K, lane, g0, gstep);
     return row_dot_iq(type, row, xq, xs, xd, K, lane, g0, gstep);
 }
 
@@ -203,7 +242,11 @@ __device__ __forceinline__ float2 row_dot2_any(int t0, int t1, const u8* r0, con
 #define CASE(T) case T: return row_dot2<T>(r0, r1, xq, xs, xd, K, lane, g0, gstep);
             FOR_EACH_TYPE(CASE)
 #undef CASE
+#define CASE(T) case T | NARROW_BIT: return row_dot2<T>(r0, r1, xq, xs, xd, K, lane, g0, gstep);
+            FOR_EACH_WIDE_TYPE(CASE)
+#undef CASE
         }
+        if (is_wide(t0)) return row_dot2_kq(t0, r0, r1, xs_addr(xq, xs, xd), K, lane, g0, gstep);
     }
     return make_float2(row_dot_any(t0, r0, xq, xs, xd, K, lane, g0, gstep),
                        row_dot_any(t1, r1, xq, xs, xd, K, lane, g0, gstep));
