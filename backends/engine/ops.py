@@ -73,13 +73,18 @@ TABLE_DT = np.dtype([("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4
 
 
 def gemv_shape(K: int, rows: int, mode: str = "store") -> tuple[int, int]:
-    """(warps per row, warps per block) of a q16 GEMV node, from the cold back-to-back
-    sweep of every shape on the real models (docs/perf-notes.md, engine v4): 2 warps per
-    row in 8-warp blocks for the projections; gate/up pairs with short rows and the output
-    head (many rows, short K) keep 1 warp per row in 4-warp blocks."""
-    if rows >= 32768 or (mode == "swiglu" and K <= 1024):
-        return 1, 4
-    return (2, 8) if K <= 6144 else (4, 8)  # > 6144: a guess (not yet swept), 9 groups per warp
+    """(warps per row, warps per block) of a q16 GEMV node, from cold back-to-back sweeps of
+    every block shape (docs/perf-notes.md: engine v4 on the 0.5B, v6 on the 1.5B and the
+    source shapes): the output head (many rows) and rows of <= 8 super-blocks (1.5B, K = 1536:
+    qkv 3.30 vs 3.58 us, gate/up 9.33 vs 15.68 us with 2 warps per row) take 1 warp per row in
+    8-warp blocks; K <= 1024 (0.5B, K = 896) keeps v4's shapes; longer rows 2 or 4 warps."""
+    if rows >= 32768:
+        return 1, 8
+    if K <= 1024:
+        return (1, 4) if mode == "swiglu" else (2, 8)
+    if K <= 2048:
+        return 1, 8
+    return (2, 8) if K <= 6144 else (4, 8)
 
 
 def gemv_smem(K: int) -> int:

@@ -64,7 +64,7 @@ struct WLane { int ea, eb, pa0, pa1, pb0, pb1; };
 
 template <int T> __device__ __forceinline__ WLane wide_lane(int i) {
     WLane w;
-    if (T == T_Q6_K) { w.ea = 2 * i; w.eb = 2 * i + 8; }  // 16n + 2k (+8): values 128n+16k, +64
+    if (T == T_Q6_K) { w.ea = 2 * (i + (i & 4)); w.eb = w.ea + 8; }  // values 128n+16k, +64
     else { w.ea = 8 * (i >> 1) + 2 * (i & 1); w.eb = w.ea + 4; }  // values 64j+16h, +32
     w.pa0 = xq_slot(w.ea); w.pa1 = xq_slot(w.ea + 1);
     w.pb0 = xq_slot(w.eb); w.pb1 = xq_slot(w.eb + 1);
