@@ -259,6 +259,23 @@ def test_gemv_nonfinite_input_is_not_laundered(bad):
 
 # K/256 super-blocks: 1, 3 (fewer than the 4 a warp takes per round), 5 and 7 (not a multiple
 # of 4; odd, so Q6_K rows start at every even offset mod 16), 35 (ffn_down of the 1.5B).
+def _check_store_and_add(cp, raw, w, t, x, wpr, nw, what, keep, rng):
+    """One matrix (raw blocks [rows, row_bytes] of type t, dequantised w [rows, K]) through
+    the "store" epilogue into a NaN-poisoned output and the "add" epilogue onto random
+    values, both judged by _check_rows."""
+    from backends.engine import ops as eops
+    rows, K = w.shape
+    out = nan_poisoned(cp, rows)
+    eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep), out)],
+              cp.asarray(x), K, wpr=wpr, nw=nw).launch()
+    _check_rows(out.get().astype(np.float64), w, x, what)
+    base = rng.normal(size=rows).astype(np.float32)
+    acc = cp.asarray(base)
+    eops.gemv("t", "add", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep), acc)],
+              cp.asarray(x), K, wpr=wpr, nw=nw).launch()
+    _check_rows(acc.get().astype(np.float64) - base, w, x, what + " add")
+
+
 WIDE_K = (256, 768, 1280, 1792, 8960)
 
 
@@ -284,15 +301,7 @@ def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
         shapes = sorted(eops.GEMV_SHAPES) if K in (768, 1792) else [(None, None)]
         for nw, wpr in shapes:
             what = f"{name} {kq} K={K} b{nw} w{wpr}"
-            out = nan_poisoned(cp, 13)
-            eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, 13), keep), out)],
-                      cp.asarray(x), K, wpr=wpr, nw=nw).launch()
-            _check_rows(out.get().astype(np.float64), w, x, what)
-            base = rng.normal(size=13).astype(np.float32)
-            acc = cp.asarray(base)
-            eops.gemv("t", "add", [eops.Seg(device_tensor(cp, "w", raw, t, (K, 13), keep), acc)],
-                      cp.asarray(x), K, wpr=wpr, nw=nw).launch()
-            _check_rows(acc.get().astype(np.float64) - base, w, x, what + " add")
+            _check_store_and_add(cp, raw, w, t, x, wpr, nw, what, keep, rng)
             for (ru2, wu2, tu) in ((rg, wg, t), (ru, wu, other)):  # same-format pair, mixed pair
                 h = nan_poisoned(cp, 13)
                 eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", raw, t, (K, 13), keep), h),
@@ -319,15 +328,7 @@ def test_gemv_every_block_shape():
         (rg, wg), (ru, wu) = _matrix(t, 37, K, seed=t + 1), _matrix(t, 37, K, seed=t + 2)
         for nw, wpr in sorted(eops.GEMV_SHAPES):
             what = f"type {t} b{nw} w{wpr}"
-            out = nan_poisoned(cp, 37)
-            eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, 37), keep), out)],
-                      cp.asarray(x), K, wpr=wpr, nw=nw).launch()
-            _check_rows(out.get().astype(np.float64), w, x, what)
-            base = rng.normal(size=37).astype(np.float32)
-            acc = cp.asarray(base)
-            eops.gemv("t", "add", [eops.Seg(device_tensor(cp, "w", raw, t, (K, 37), keep), acc)],
-                      cp.asarray(x), K, wpr=wpr, nw=nw).launch()
-            _check_rows(acc.get().astype(np.float64) - base, w, x, what + " add")
+            _check_store_and_add(cp, raw, w, t, x, wpr, nw, what, keep, rng)
             h = nan_poisoned(cp, 37)
             eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K, 37), keep), h),
                                       eops.Seg(device_tensor(cp, "u", ru, t, (K, 37), keep), h)],
