@@ -1,0 +1,187 @@
+"""Node builders for the Gated DeltaNet decode step of a qwen35 recurrent layer
+(kernels/deltanet.cu; design and cost model: backends/engine/DELTANET.md).
+
+Two nodes per recurrent layer and token, after the projections (attn_qkv -> x, attn_gate -> z,
+ssm_alpha -> alpha, ssm_beta -> beta, all float32 GEMV outputs) and before the ssm_out GEMV:
+
+    conv_step(x, conv_state, w) -> y = silu(causal conv), conv_state shifted in place
+    gdn_step(y, z, alpha, beta, ...) -> out = gated_rms_norm(delta_rule(...)), state in place
+
+Formulas: oracles/deltanet.py (float64 reference) wired as oracles/qwen35.py
+Qwen35Oracle._deltanet; sources: llama.cpp src/models/qwen35.cpp build_layer_attn_linear,
+src/models/delta-net-base.cpp, ggml/src/ggml-cpu/ops.cpp ssm_conv_f32 and
+gated_delta_net_one_chunk.
+
+The kernels live in their own NVRTC module (not listed in module.SOURCES); it is compiled
+from module.source_code("deltanet.cu") (headers digest in the code string, so an edit of
+common.cuh recompiles) once per process. Arguments are cupy arrays (activations, states) or,
+for weights, DeviceTensor (F32 in the arena) or cupy float32 arrays. The validation below
+reads only .size / .dtype / .shape / pointers, so it runs without CuPy (tests call it on
+numpy arrays).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from . import module
+from .arena import DeviceTensor
+from .executor import Node
+
+CONV_THREADS = 256            # kernels/deltanet.cu GDN_CONV_THREADS
+CONV_WIDTHS = (4,)            # GDN_CONV_KERNEL instantiations (qwen35: ssm.conv_kernel = 4)
+STEP_ROWS = {64: (2, 4), 128: (2, 8)}  # GDN_STEP_KERNEL(S, R) instantiations
+# Rows in flight per lane group in gdn_step: 2 is the source engine's scheme (../shared/SEEDS.md
+# §2), S/16 puts a warp's whole share of the state in flight. Not measured yet (DELTANET.md).
+DEFAULT_ROWS = 2
+F32 = 0                       # GGML type id
+
+
+@lru_cache(maxsize=None)
+def _module():
+    import cupy as cp
+    return cp.RawModule(code=module.source_code("deltanet.cu"),
+                        options=("--std=c++17", f"-I{module.KERNEL_DIR}"))
+
+
+@lru_cache(maxsize=None)
+def kernel(name: str):
+    """RawKernel `name` of kernels/deltanet.cu (gdn_conv_step_k4, gdn_step_s{64,128}_r{R})."""
+    return _module().get_function(name)
+
+
+def step_threads(S: int) -> int:
+    """Threads of a gdn_step block: S/8 warps (kernels/deltanet.cu gdn_step_body NT)."""
+    return 4 * S
+
+
+# ---------------------------------------------------------------------------- validation
+
+def _ptr(a) -> int | None:
+    if isinstance(a, DeviceTensor):
+        return a.ptr
+    p = getattr(getattr(a, "data", None), "ptr", None)  # cupy
+    return int(p) if p is not None else None
+
+
+def _check_array(a, n: int, what: str, align: int = 4) -> None:
+    """a: float32 array (cupy, or numpy in CPU tests) with n elements, C-contiguous, aligned."""
+    dt = getattr(a, "dtype", None)
+    if dt is None or np.dtype(dt) != np.float32:
+        raise ValueError(f"{what}: expected a float32 array, got {type(a).__name__} dtype {dt}")
+    if int(a.size) != n:
+        raise ValueError(f"{what}: {int(a.size)} elements (shape {tuple(a.shape)}), expected {n}")
+    flags = getattr(a, "flags", None)
+    if flags is not None and not flags["C_CONTIGUOUS"]:
+        raise ValueError(f"{what}: must be C-contiguous")
+    p = _ptr(a)
+    if p is not None and p % align:
+        raise ValueError(f"{what}: device pointer {p:#x} not {align}-byte aligned")
+
+
+def _check_weight(t, ne: tuple[int, ...], what: str, align: int = 4) -> None:
+    """A weight: DeviceTensor of type F32 with GGUF ne exactly `ne`, or a float32 array with
+    prod(ne) elements."""
+    if isinstance(t, DeviceTensor):
+        if t.type_id != F32 or tuple(t.ne) != tuple(ne):
+            raise ValueError(f"{what} ({t.name}): type {t.type_id} ne {tuple(t.ne)}, expected "
+                             f"F32 (0) ne {tuple(ne)}")
+        if t.ptr % align:
+            raise ValueError(f"{what} ({t.name}): pointer {t.ptr:#x} not {align}-byte aligned")
+        return
+    _check_array(t, int(np.prod(ne)), what, align)
+
+
+def _arg(t):
+    """Kernel argument: a DeviceTensor as its pointer, an array as itself."""
+    return np.uint64(t.ptr) if isinstance(t, DeviceTensor) else t
+
+
+def check_conv_step(x, conv_state, w, y, *, C: int, K: int) -> None:
+    """Validate conv_step's arguments (see conv_step). Raises ValueError."""
+    if K not in CONV_WIDTHS:
+        raise ValueError(f"conv kernel width K={K}: instantiated for {CONV_WIDTHS}")
+    if C < 1:
+        raise ValueError(f"conv channels C={C} < 1")
+    _check_array(x, C, "conv x")
+    _check_array(conv_state, (K - 1) * C, "conv state [K-1, C]")
+    _check_weight(w, (K, C), "ssm_conv1d.weight [C, K]", align=16)  # float4 taps when K == 4
+    _check_array(y, C, "conv y")
+    if _ptr(y) is not None and _ptr(y) in (_ptr(x), _ptr(conv_state)):
+        raise ValueError("conv y must not alias x or the conv state")
+
+
+def check_gdn_step(y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *, Hk: int, Hv: int,
+                   S: int, rows: int = DEFAULT_ROWS) -> None:
+    """Validate gdn_step's arguments (see gdn_step). Raises ValueError."""
+    if S not in STEP_ROWS:
+        raise ValueError(f"DeltaNet head size S={S}: instantiated for {tuple(STEP_ROWS)}")
+    if rows not in STEP_ROWS[S]:
+        raise ValueError(f"rows in flight {rows}: S={S} instantiates {STEP_ROWS[S]}")
+    if Hk < 1 or Hv < 1 or Hv % Hk:
+        raise ValueError(f"head counts Hk={Hk}, Hv={Hv}: need Hv % Hk == 0 (llama.cpp "
+                         "delta-net-base.cpp: H_v % H_k == 0)")
+    C = 2 * Hk * S + Hv * S
+    _check_array(y, C, f"conv output y [C = 2*{Hk}*{S} + {Hv}*{S}]")
+    _check_array(z, Hv * S, "z [Hv*S]")
+    _check_array(alpha, Hv, "alpha [Hv]")
+    _check_array(beta, Hv, "beta [Hv]")
+    _check_weight(dt_bias, (Hv,), "ssm_dt.bias [Hv]")
+    _check_weight(ssm_a, (Hv,), "ssm_a [Hv]")
+    _check_weight(norm_w, (S,), "ssm_norm.weight [S]")
+    _check_array(state, Hv * S * S, "delta-rule state [Hv, S, S]", align=16)  # float4 rows
+    _check_array(out, Hv * S, "out [Hv*S]")
+    po = _ptr(out)
+    if po is not None and po in (_ptr(y), _ptr(z), _ptr(state)):
+        raise ValueError("out must not alias y, z or the state")
+
+
+# ---------------------------------------------------------------------------- nodes
+
+def conv_step(name: str, x, conv_state, w, y, *, C: int, K: int = 4) -> Node:
+    """Causal depthwise conv of one token + silu, conv state shifted in place.
+
+    x: float32 [C] (attn_qkv output, C = 2*Hk*S + Hv*S); conv_state: float32 [K-1, C] (zeros
+    after a reset), updated in place; w: ssm_conv1d.weight, F32 DeviceTensor ne [K, C] or a
+    float32 array [C, K], 16-byte aligned; y: float32 [C] output, = silu(sum_i xp[i] w[c, i])
+    with xp = [conv_state; x] (oracles.deltanet.causal_conv1d then ops.silu; ggml ops.cpp
+    ssm_conv_f32, llama.cpp delta-net-base.cpp build_conv_state). Grid ceil(C/256) x 256.
+    Raises ValueError on inconsistent shapes, dtypes, alignment, K not in CONV_WIDTHS.
+    """
+    check_conv_step(x, conv_state, w, y, C=C, K=K)
+    k = kernel(f"gdn_conv_step_k{K}")
+    nbytes = 4 * C * (1 + 2 * (K - 1) + K + 1)  # x, state read+write, taps, y
+    return Node(name, "deltanet", k, (-(-C // CONV_THREADS),), (CONV_THREADS,),
+                (x, conv_state, _arg(w), y, np.int32(C)), bytes=nbytes, flops=2 * K * C,
+                out=y, fmt="F32")
+
+
+def gdn_step(name: str, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *, Hk: int,
+             Hv: int, S: int, eps: float, rows: int = DEFAULT_ROWS) -> Node:
+    """Gates, q/k L2 norms, gated delta rule and gated RMS norm of one token, all Hv heads.
+
+    y: float32 [C] conv output (q [Hk, S] | k [Hk, S] | v [Hv, S]); z: float32 [Hv*S]
+    (attn_gate output); alpha, beta: float32 [Hv] raw ssm_alpha / ssm_beta projections;
+    dt_bias, ssm_a: [Hv] and norm_w: [S] weights (F32 DeviceTensor or float32 array);
+    state: float32 [Hv, S, S] transposed delta-rule state (oracles.deltanet module doc),
+    16-byte aligned, updated in place; out: float32 [Hv*S]. eps: the model's RMS epsilon (L2
+    norms and output norm). rows: state rows in flight per lane group (STEP_ROWS[S]).
+    Per head h (key head h % Hk): beta = sigmoid(beta[h]), g = softplus(alpha[h] +
+    dt_bias[h]) * ssm_a[h]; q, k = l2_norm; M = e^g M; delta = beta (v - M k); M += delta k^T;
+    o = M q / sqrt(S); out = o / rms(o) * norm_w * silu(z) (oracles.qwen35 _deltanet,
+    llama.cpp qwen35.cpp build_layer_attn_linear, ggml ops.cpp gated_delta_net_one_chunk).
+    Grid Hv blocks of 4*S threads. Raises ValueError on inconsistent shapes, dtypes,
+    alignment, S or rows not instantiated, Hv % Hk != 0.
+    """
+    check_gdn_step(y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, Hk=Hk, Hv=Hv, S=S,
+                   rows=rows)
+    k = kernel(f"gdn_step_s{S}_r{rows}")
+    state_bytes = 4 * Hv * S * S
+    # state read + written; q, k (per value head, L2 hits after the first), v, z, out, gates
+    nbytes = 2 * state_bytes + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S)
+    # per state element: two dot-product multiply-adds (M.k, M.q) and the update (mul + fma)
+    flops = 2 * 4 * Hv * S * S
+    return Node(name, "deltanet", k, (Hv,), (step_threads(S),),
+                (y, z, alpha, beta, _arg(dt_bias), _arg(ssm_a), _arg(norm_w), state, out,
+                 np.int32(Hk), np.float32(eps)), bytes=nbytes, flops=flops, out=out, fmt="F32")

@@ -1,0 +1,251 @@
+// Gated DeltaNet decode step (one token) of one qwen35 recurrent layer, fp32. Two nodes:
+//
+//   gdn_conv_step_k<K>       y = silu(causal_conv1d(x, conv state, w)), conv state shifted
+//   gdn_step_s<S>_r<R>       gates, L2 norms, gated delta rule on the [S_v, S_k] state of one
+//                            value head per block, gated RMS norm with z
+//
+// Semantics: oracles/deltanet.py (float64 reference) as oracles/qwen35.py Qwen35Oracle._deltanet
+// wires it, which follows llama.cpp src/models/qwen35.cpp build_layer_attn_linear (gates,
+// conv, split, l2 norms, build_norm_gated), src/models/delta-net-base.cpp (build_conv_state,
+// build_delta_net_*), ggml/src/ggml-cpu/ops.cpp (ssm_conv_f32; gated_delta_net_one_chunk, the
+// recurrence with the transposed state layout) and ggml/src/ggml-impl.h
+// (ggml_compute_softplus_f32). Design notes, memory traffic and what is verified:
+// backends/engine/DELTANET.md. Python side: backends/engine/deltanet_ops.py.
+//
+// Buffers (float32, device memory, same pointers at every step so a CUDA graph replays
+// unchanged; both recurrent states are updated IN PLACE, see the two kernels):
+//   x          [C]            C = 2*Hk*S + Hv*S: the attn_qkv projection of the token
+//   conv_state [K-1, C]       the previous K-1 inputs x (zeros after a reset)
+//   w          [C, K]         ssm_conv1d.weight (GGUF F32, ne [K, C]: row c holds K taps)
+//   y          [C]            silu(conv): q = y[0, Hk*S), k = y[Hk*S, 2*Hk*S), v = the rest
+//   z          [Hv*S]         attn_gate projection (the output gate)
+//   alpha      [Hv]           ssm_alpha projection (raw, before dt bias and softplus)
+//   beta       [Hv]           ssm_beta projection (raw, before the sigmoid)
+//   dt_bias    [Hv]           ssm_dt.bias;  ssm_a [Hv]: ssm_a (= -exp(A_log), stored as is)
+//   norm_w     [S]            ssm_norm.weight (multiplied as is, not as 1 + w)
+//   state      [Hv, S, S]     M, "transposed" as ggml keeps it: M[h][j][i] = S_h[i][j]
+//                             (row j of M pairs value index j with every key index i)
+//   out        [Hv*S]         gated RMS norm of the delta-rule output (input of ssm_out)
+#include "common.cuh"
+
+// ----------------------------------------------------------------------------------------
+// 1. Causal depthwise conv, one thread per channel c (ggml ops.cpp ssm_conv_f32; llama.cpp
+//    delta-net-base.cpp build_conv_state concatenates the state and the new column and keeps
+//    the last K-1 columns):
+//        xp = [conv_state[0..K-2][c], x[c]];  y[c] = silu(sum_{i<K} xp[i] * w[c][i])
+//        conv_state[i][c] = xp[i + 1]   (i < K-1)
+//    State update in place: channel c's column is read whole into registers, then written
+//    back shifted by one row by the same thread; no other thread touches column c, so there
+//    is no race, no second buffer and no host-side pointer swap: a captured graph replays the
+//    same launch every step and the state advances by one token per replay.
+//    Reads are coalesced (consecutive threads, consecutive channels of a state row; the K
+//    taps of channel c are one 16-byte load when K == 4, w 16-byte aligned: deltanet_ops.py
+//    checks it).
+// ----------------------------------------------------------------------------------------
+#define GDN_CONV_THREADS 256
+
+template <int KC>
+__device__ void gdn_conv_body(const float* x, float* conv_state, const float* __restrict__ w,
+                              float* y, int C) {
+    const int c = blockIdx.x * GDN_CONV_THREADS + threadIdx.x;
+    float wr[KC];
+    // the weights are uploaded, never written by a kernel: readable before the PDL wait
+    if (c < C) {
+        if constexpr (KC == 4) {
+            const float4 t = *((const float4*)w + c);
+            wr[0] = t.x; wr[1] = t.y; wr[2] = t.z; wr[3] = t.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < KC; ++i) wr[i] = w[(size_t)c * KC + i];
+        }
+    }
+    pdl_wait();     // x comes from the QKV GEMV; the conv state from this node's last step
+    pdl_trigger();  // the gdn_step node may launch (it waits for this node's y itself)
+    if (c >= C) return;
+    float xp[KC];
+#pragma unroll
+    for (int i = 0; i < KC - 1; ++i) xp[i] = conv_state[(size_t)i * C + c];
+    xp[KC - 1] = x[c];
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < KC; ++i) acc = fmaf(xp[i], wr[i], acc);  // oracle's order: tap 0 first
+    y[c] = silu(acc);
+#pragma unroll
+    for (int i = 0; i < KC - 1; ++i) conv_state[(size_t)i * C + c] = xp[i + 1];
+}
+
+#define GDN_CONV_KERNEL(KC)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GDN_CONV_THREADS) gdn_conv_step_k##KC(       \
+        const float* x, float* conv_state, const float* w, float* y, int C) {                 \
+        gdn_conv_body<KC>(x, conv_state, w, y, C);                                            \
+    }
+GDN_CONV_KERNEL(4)
+
+// ----------------------------------------------------------------------------------------
+// 2. One block per value head h (grid Hv), NW = S/8 warps (S = 128: 512 threads; S = 64:
+//    256). Value head h reads key/query head h % Hk (ggml's tiled broadcast: ops.cpp
+//    gated_delta_net iq1 = iv1 % neq1; oracles/deltanet.py gated_delta_rule).
+//
+//    A. Gates, every thread in registers (qwen35.cpp build_layer_attn_linear):
+//         beta = sigmoid(beta_in[h]);  g = softplus(alpha[h] + dt_bias[h]) * ssm_a[h]
+//       softplus as ggml_compute_softplus_f32 (x itself above 20; log1pf below, the same
+//       function with less cancellation than logf(1 + expf(x))).
+//    B. L2 norms of q and k in parallel halves of the block (docs: ../shared/SEEDS.md §2):
+//       threads [0, S) hold q, [S, 2S) hold k, [2S, 3S) stage v; x / sqrt(sum x^2 + eps)
+//       (llama.cpp models.h build_gdn_l2_norm == ggml_rms_norm(x, eps/n) / sqrt(n)).
+//    C. The gated delta rule on M = state[h] (ggml ops.cpp gated_delta_net_one_chunk,
+//       fla naive_recurrent_gated_delta_rule), per row j of M, exactly the oracle's order:
+//         M_j <- exp(g) M_j;  delta_j = beta (v_j - M_j . k);  M_j <- M_j + delta_j k;
+//         o_j = (M_j . q) / sqrt(S)
+//       Every quantity of row j depends on row j, the shared k, q and v_j only, so rows are
+//       independent. With rk = M_j(old) . k and rq = M_j(old) . q, both reduced in ONE pass
+//       over the old row: M_j . k (decayed) = e rk, and o_j = (e rq + delta_j (k . q)) / sqrt(S)
+//       (the updated row dotted with q, expanded); e = exp(g).
+//       Thread mapping: LPR = S/4 lanes per row, lane holds columns [4c, 4c + 4) as one
+//       float4 (16-byte loads and stores of the state); a warp covers 32/LPR rows per load
+//       (S = 128: 1, S = 64: 2). Each iteration a warp loads R rows per lane group into
+//       registers before any use (R rows in flight per lane group; R = 2 is the source
+//       engine's "two state rows per iteration", larger R puts the warp's whole share in
+//       flight), reduces 2R partial sums with log2(LPR) xor shuffles, then stores the R new
+//       rows. The block's rows per iteration are contiguous (NW*R*32/LPR rows).
+//       In place: row j is read and written by the same lane group in the same iteration,
+//       no other thread reads it, and nothing else in the step reads state[h], so no second
+//       buffer is needed for decode; the graph replays the same launch and the state
+//       advances one token per replay (what double buffering would buy: keeping the old
+//       state for a rollback, e.g. speculative/MTP verification or a retried step; see
+//       DELTANET.md).
+//    D. Gated RMS norm (qwen35.cpp build_norm_gated): out = o / sqrt(mean(o^2) + eps) *
+//       norm_w * silu(z_h).
+//    Before the PDL wait: L2 prefetch of state[h] (written only by this node at the previous
+//    step; a prefetch cannot return stale data, the loads after the wait go to L2 and find
+//    the lines there) and the per-head weights (never written by a kernel).
+// ----------------------------------------------------------------------------------------
+template <int LPR>
+__device__ __forceinline__ float group_sum(float v) {  // sum over aligned groups of LPR lanes
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b) {
+    return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
+}
+
+template <int S, int R>
+__device__ void gdn_step_body(const float* y, const float* z, const float* alpha,
+                              const float* beta_in, const float* __restrict__ dt_bias,
+                              const float* __restrict__ ssm_a, const float* __restrict__ norm_w,
+                              float* state, float* out, int n_k_heads, float eps) {
+    constexpr int NW = S / 8, NT = NW * 32;  // warps, threads
+    constexpr int LPR = S / 4;               // lanes per state row (one float4 each)
+    constexpr int RPW = 32 / LPR;            // rows per warp-wide load
+    constexpr int RPI = NW * R * RPW;        // rows per block iteration
+    constexpr int ITERS = S / RPI;
+    static_assert(S == 64 || S == 128, "head size 64 or 128");
+    static_assert(S % RPI == 0 && ITERS >= 1, "R must divide the rows of a warp");
+    static_assert(3 * S <= NT, "q, k, v staging takes 3S threads");
+    __shared__ __align__(16) float qs[S];
+    __shared__ __align__(16) float ks[S];
+    __shared__ float vs[S], os[S], red[NW], scratch[32];
+
+    const int h = blockIdx.x, hk = h % n_k_heads, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    float* M = state + (size_t)h * S * S;
+
+    // 0. before the wait: state lines into L2, per-head weights into registers
+    for (int l = tid; l < S * S / 32; l += NT) asm volatile("prefetch.global.L2 [%0];" ::"l"(M + 32 * l));
+    const float a = ssm_a[h], dtb = dt_bias[h];
+    const float wn = tid < S ? norm_w[tid] : 0.f;
+    pdl_wait();     // y (conv node), z, alpha, beta (GEMV nodes) come from earlier kernels
+    pdl_trigger();  // the ssm_out GEMV may launch and prefetch its weights
+
+    // A. gates
+    const float xa = alpha[h] + dtb;
+    const float g = (xa > 20.f ? xa : log1pf(expf(xa))) * a;
+    const float e = expf(g);
+    const float b = 1.f / (1.f + expf(-beta_in[h]));
+
+    // B. q, k of key head hk normalised in parallel halves; v of value head h staged
+    const int ck = n_k_heads * S;
+    float val = 0.f;
+    if (tid < S) val = y[hk * S + tid];
+    else if (tid < 2 * S) val = y[ck + hk * S + (tid - S)];
+    else if (tid < 3 * S) vs[tid - 2 * S] = y[2 * ck + h * S + (tid - 2 * S)];
+    const float ss = warp_sum(val * val);  // warps never straddle the halves (S % 32 == 0)
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (tid < 2 * S) {
+        const int w0 = tid < S ? 0 : S / 32;
+        float tot = 0.f;
+#pragma unroll
+        for (int i = 0; i < S / 32; ++i) tot += red[w0 + i];
+        const float r = 1.f / sqrtf(tot + eps);
+        if (tid < S) qs[tid] = val * r;
+        else ks[tid - S] = val * r;
+    }
+    __syncthreads();
+
+    // C. delta rule, R rows in flight per lane group
+    const int c4 = lane % LPR, sub = lane / LPR;
+    const float4 k4 = ((const float4*)ks)[c4], q4 = ((const float4*)qs)[c4];
+    const float kq = group_sum<LPR>(dot4(k4, q4));
+    const float scale = 1.f / sqrtf((float)S);
+#pragma unroll 1
+    for (int it = 0; it < ITERS; ++it) {
+        float4 m[R];
+        int row[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            row[r] = ((it * NW + warp) * R + r) * RPW + sub;
+            m[r] = __ldcg((const float4*)(M + (size_t)row[r] * S) + c4);
+        }
+        float pk[R], pq[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            pk[r] = dot4(m[r], k4);
+            pq[r] = dot4(m[r], q4);
+        }
+#pragma unroll
+        for (int o = LPR / 2; o > 0; o >>= 1) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                pk[r] += __shfl_xor_sync(0xffffffffu, pk[r], o);
+                pq[r] += __shfl_xor_sync(0xffffffffu, pq[r], o);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float delta = b * (vs[row[r]] - e * pk[r]);
+            float4 n;
+            n.x = fmaf(delta, k4.x, e * m[r].x);
+            n.y = fmaf(delta, k4.y, e * m[r].y);
+            n.z = fmaf(delta, k4.z, e * m[r].z);
+            n.w = fmaf(delta, k4.w, e * m[r].w);
+            __stcg((float4*)(M + (size_t)row[r] * S) + c4, n);
+            if (c4 == 0) os[row[r]] = fmaf(delta, kq, e * pq[r]) * scale;
+        }
+    }
+
+    // D. gated RMS norm of o with z (block_sum's first barrier publishes os)
+    const float o = tid < S ? os[tid] : 0.f;
+    const float ms = block_sum(o * o, scratch) * (1.f / S);
+    if (tid < S) {
+        const float zz = z[h * S + tid];
+        out[h * S + tid] = o / sqrtf(ms + eps) * wn * silu(zz);
+    }
+}
+
+#define GDN_STEP_KERNEL(S, R)                                                                    \
+    extern "C" __global__ void __launch_bounds__(S * 4) gdn_step_s##S##_r##R(                   \
+        const float* y, const float* z, const float* alpha, const float* beta_in,               \
+        const float* dt_bias, const float* ssm_a, const float* norm_w, float* state, float* out, \
+        int n_k_heads, float eps) {                                                              \
+        gdn_step_body<S, R>(y, z, alpha, beta_in, dt_bias, ssm_a, norm_w, state, out, n_k_heads, \
+                            eps);                                                                \
+    }
+// R = 2: the source engine's two rows per iteration; R = S/16: the warp's whole share of the
+// state (S/NW = 8 rows per warp; S = 64 loads 2 rows per warp-wide load) in flight at once
+GDN_STEP_KERNEL(64, 2)
+GDN_STEP_KERNEL(64, 4)
+GDN_STEP_KERNEL(128, 2)
+GDN_STEP_KERNEL(128, 8)
