@@ -88,7 +88,9 @@ class Qwen35Oracle(TokenSequence):
     intermediates (module doc); inject: {(name, layer): fn} replaces the value of a named
     node before the forward continues (fault injection for layer-diff tests); kv_round "f16":
     K/V rounded to fp16 when cached (as an f16 KV cache); act_round "llamacpp": activations of
-    quantised matrix products rounded as llama.cpp's CPU backend does (oracles.actquant).
+    quantised matrix products rounded as llama.cpp's CPU backend does (oracles.actquant);
+    "engine": every matrix product's input rounded as the engine's q16 GEMV does
+    (actquant.round_q16), for engine tests.
     Raises UnsupportedError, ModelError (missing key/tensor, wrong shape) or ConfigError.
     Attributes: params, n_vocab, n_ctx, n_past, load_seconds, weights.
     """
@@ -99,8 +101,9 @@ class Qwen35Oracle(TokenSequence):
                  inject: dict[tuple[str, int], Inject] | None = None,
                  kv_round: str | None = None, act_round: str | None = None) -> None:
         t0 = time.perf_counter()
-        if kv_round not in (None, "f16") or act_round not in (None, "llamacpp"):
-            raise ConfigError(f"kv_round must be None or 'f16' and act_round None or 'llamacpp', "
+        if kv_round not in (None, "f16") or act_round not in (None, "llamacpp", "engine"):
+            raise ConfigError(f"kv_round must be None or 'f16' and act_round None, 'llamacpp' or "
+                              f"'engine', "
                               f"got {kv_round!r}, {act_round!r}")
         self.kv_round, self.act_round = kv_round, act_round
         info = open_gguf(model_path)
@@ -203,7 +206,9 @@ class Qwen35Oracle(TokenSequence):
 
     def _lin(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
         """x @ W^T (+ b) in float64; with act_round, x first rounded like llama.cpp's CPU."""
-        if self.act_round:
+        if self.act_round == "engine":  # the engine's q16 GEMV input rounding (qwen2 oracle)
+            x = actquant.round_q16(x)
+        elif self.act_round:
             x = actquant.round_for(self.weights.info.tensor(name).type_id, x)
         return self.weights.linear(name, x, bias)
 

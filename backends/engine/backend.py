@@ -34,22 +34,28 @@ class EngineBackend:
             import cupy as cp
         except ImportError as e:
             raise UnsupportedError("the engine needs CuPy and an NVIDIA GPU (pip install .[gpu])") from e
-        from . import qwen2
+        from . import qwen2, qwen35
         from .arena import Arena
         info = open_gguf(model.path)
-        if info.arch != "qwen2":
+        arch = {"qwen2": qwen2, "qwen35": qwen35}.get(info.arch)
+        if arch is None:
             raise UnsupportedError(f"{model.name}: architecture {info.arch!r} has no engine "
-                                   f"implementation yet (supported: qwen2)")
-        p = qwen2.read_params(info)
+                                   f"implementation yet (supported: qwen2, qwen35)")
+        p = arch.read_params(info)
         tied = "output.weight" not in info.tensors
-        names = qwen2.tensor_names(p, tied)
+        if arch is qwen35:  # kernel shapes and the tensors read as plain F32 (qwen35.py)
+            qwen35.check_shapes(p)
+            names = qwen35.tensor_names(p, tied, info.tensors)
+            qwen35.check_types(info, names)
+        else:
+            names = qwen2.tensor_names(p, tied)
         for n in names:
             check_type(info.tensor(n).type_id, n)
         n_vocab = info.tensor("token_embd.weight").ne[1]
         self._plan(info, model.name, cfg.n_ctx)
         self.arena = Arena(info, names)
-        self.bufs = qwen2.Buffers.allocate(p, n_vocab, cfg.n_ctx)
-        body, head = qwen2.build(self.arena, self.bufs, p, cfg.n_ctx)
+        self.bufs = arch.Buffers.allocate(p, n_vocab, cfg.n_ctx)
+        body, head = arch.build(self.arena, self.bufs, p, cfg.n_ctx)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.prompt_exec = Executor(body, self.stream)
         self.step_exec = Executor(body + head, self.stream)
@@ -71,6 +77,9 @@ class EngineBackend:
     # -- Backend protocol ------------------------------------------------------------------
     def reset(self) -> None:
         self.pos = 0
+        clear = getattr(self.bufs, "clear_recurrent", None) if self._loaded else None
+        if clear is not None:  # qwen35: zero the conv and delta-rule states
+            clear(self.stream)
 
     def _feed(self, token: int, with_head: bool) -> None:
         if not self._loaded:
