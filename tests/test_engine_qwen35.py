@@ -155,7 +155,9 @@ def test_instantiations_match_source():
     from backends.engine.module import KERNEL_DIR
     src = (KERNEL_DIR / "attention_gated.cu").read_text()
     assert tuple(int(d) for d in re.findall(r"^GATED_KERNEL\((\d+)\)", src, re.M)) == g.DIMS
-    assert f"#define AG_MAX_NS {g.MAX_SPLITS}" in src and "#define AG_WARPS 8" in src
+    split = (KERNEL_DIR / "attn_split.cuh").read_text()  # block shape and split cap it uses
+    assert f"#define SPLIT_MAX_NS {g.MAX_SPLITS}" in split and "#define SPLIT_WARPS 8" in split
+    assert g.THREADS == 8 * 32 and '#include "attn_split.cuh"' in src
 
 
 def test_argument_validation():

@@ -21,12 +21,12 @@ numpy arrays).
 """
 from __future__ import annotations
 
-from functools import lru_cache
 
 import numpy as np
 
 from . import module
 from .arena import DeviceTensor
+from .argcheck import check_array, device_ptr
 from .executor import Node
 
 CONV_THREADS = 256            # kernels/deltanet.cu GDN_CONV_THREADS
@@ -38,17 +38,9 @@ DEFAULT_ROWS = 2
 F32 = 0                       # GGML type id
 
 
-@lru_cache(maxsize=None)
-def _module():
-    import cupy as cp
-    return cp.RawModule(code=module.source_code("deltanet.cu"),
-                        options=("--std=c++17", f"-I{module.KERNEL_DIR}"))
-
-
-@lru_cache(maxsize=None)
 def kernel(name: str):
     """RawKernel `name` of kernels/deltanet.cu (gdn_conv_step_k4, gdn_step_s{64,128}_r{R})."""
-    return _module().get_function(name)
+    return module.kernel_in("deltanet.cu", name)
 
 
 def step_threads(S: int) -> int:
@@ -57,28 +49,6 @@ def step_threads(S: int) -> int:
 
 
 # ---------------------------------------------------------------------------- validation
-
-def _ptr(a) -> int | None:
-    if isinstance(a, DeviceTensor):
-        return a.ptr
-    p = getattr(getattr(a, "data", None), "ptr", None)  # cupy
-    return int(p) if p is not None else None
-
-
-def _check_array(a, n: int, what: str, align: int = 4) -> None:
-    """a: float32 array (cupy, or numpy in CPU tests) with n elements, C-contiguous, aligned."""
-    dt = getattr(a, "dtype", None)
-    if dt is None or np.dtype(dt) != np.float32:
-        raise ValueError(f"{what}: expected a float32 array, got {type(a).__name__} dtype {dt}")
-    if int(a.size) != n:
-        raise ValueError(f"{what}: {int(a.size)} elements (shape {tuple(a.shape)}), expected {n}")
-    flags = getattr(a, "flags", None)
-    if flags is not None and not flags["C_CONTIGUOUS"]:
-        raise ValueError(f"{what}: must be C-contiguous")
-    p = _ptr(a)
-    if p is not None and p % align:
-        raise ValueError(f"{what}: device pointer {p:#x} not {align}-byte aligned")
-
 
 def _check_weight(t, ne: tuple[int, ...], what: str, align: int = 4) -> None:
     """A weight: DeviceTensor of type F32 with GGUF ne exactly `ne`, or a float32 array with
@@ -90,7 +60,7 @@ def _check_weight(t, ne: tuple[int, ...], what: str, align: int = 4) -> None:
         if t.ptr % align:
             raise ValueError(f"{what} ({t.name}): pointer {t.ptr:#x} not {align}-byte aligned")
         return
-    _check_array(t, int(np.prod(ne)), what, align)
+    check_array(t, int(np.prod(ne)), what, align=align)
 
 
 def _arg(t):
@@ -104,11 +74,11 @@ def check_conv_step(x, conv_state, w, y, *, C: int, K: int) -> None:
         raise ValueError(f"conv kernel width K={K}: instantiated for {CONV_WIDTHS}")
     if C < 1:
         raise ValueError(f"conv channels C={C} < 1")
-    _check_array(x, C, "conv x")
-    _check_array(conv_state, (K - 1) * C, "conv state [K-1, C]")
+    check_array(x, C, "conv x")
+    check_array(conv_state, (K - 1) * C, "conv state [K-1, C]")
     _check_weight(w, (K, C), "ssm_conv1d.weight [C, K]", align=16)  # float4 taps when K == 4
-    _check_array(y, C, "conv y")
-    if _ptr(y) is not None and _ptr(y) in (_ptr(x), _ptr(conv_state)):
+    check_array(y, C, "conv y")
+    if device_ptr(y) is not None and device_ptr(y) in (device_ptr(x), device_ptr(conv_state)):
         raise ValueError("conv y must not alias x or the conv state")
 
 
@@ -123,17 +93,17 @@ def check_gdn_step(y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *, Hk:
         raise ValueError(f"head counts Hk={Hk}, Hv={Hv}: need Hv % Hk == 0 (llama.cpp "
                          "delta-net-base.cpp: H_v % H_k == 0)")
     C = 2 * Hk * S + Hv * S
-    _check_array(y, C, f"conv output y [C = 2*{Hk}*{S} + {Hv}*{S}]")
-    _check_array(z, Hv * S, "z [Hv*S]")
-    _check_array(alpha, Hv, "alpha [Hv]")
-    _check_array(beta, Hv, "beta [Hv]")
+    check_array(y, C, f"conv output y [C = 2*{Hk}*{S} + {Hv}*{S}]")
+    check_array(z, Hv * S, "z [Hv*S]")
+    check_array(alpha, Hv, "alpha [Hv]")
+    check_array(beta, Hv, "beta [Hv]")
     _check_weight(dt_bias, (Hv,), "ssm_dt.bias [Hv]")
     _check_weight(ssm_a, (Hv,), "ssm_a [Hv]")
     _check_weight(norm_w, (S,), "ssm_norm.weight [S]")
-    _check_array(state, Hv * S * S, "delta-rule state [Hv, S, S]", align=16)  # float4 rows
-    _check_array(out, Hv * S, "out [Hv*S]")
-    po = _ptr(out)
-    if po is not None and po in (_ptr(y), _ptr(z), _ptr(state)):
+    check_array(state, Hv * S * S, "delta-rule state [Hv, S, S]", align=16)  # float4 rows
+    check_array(out, Hv * S, "out [Hv*S]")
+    po = device_ptr(out)
+    if po is not None and po in (device_ptr(y), device_ptr(z), device_ptr(state)):
         raise ValueError("out must not alias y, z or the state")
 
 

@@ -17,53 +17,24 @@ reads only sizes, dtypes and pointers, so it runs without CuPy.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import numpy as np
 
 from . import module
 from .arena import DeviceTensor
+from .argcheck import check_array, device_ptr
 from .executor import Node
 
 DIMS = (64, 128, 256)  # GATED_KERNEL instantiations
-THREADS = 256          # kernels/attention_gated.cu AG_THREADS
-MAX_SPLITS = 128       # kernels/attention_gated.cu AG_MAX_NS
+THREADS = 256          # kernels/attn_split.cuh SPLIT_THREADS
+MAX_SPLITS = 128       # kernels/attn_split.cuh SPLIT_MAX_NS
 MAX_HALF_ROT = 128     # rsn / rcs shared arrays: n_rot / 2 <= 128
 F32 = 0
 
 
-@lru_cache(maxsize=None)
-def _module():
-    import cupy as cp
-    return cp.RawModule(code=module.source_code("attention_gated.cu"),
-                        options=("--std=c++17", f"-I{module.KERNEL_DIR}"))
-
-
-@lru_cache(maxsize=None)
 def kernel(name: str):
     """RawKernel `name` of kernels/attention_gated.cu (attn_gated_d{64,128,256})."""
-    return _module().get_function(name)
-
-
-def _ptr(a) -> int | None:
-    if isinstance(a, DeviceTensor):
-        return a.ptr
-    p = getattr(getattr(a, "data", None), "ptr", None)
-    return int(p) if p is not None else None
-
-
-def _check(a, n: int, dtype, what: str, align: int = 4) -> None:
-    dt = getattr(a, "dtype", None)
-    if dt is None or np.dtype(dt) != np.dtype(dtype):
-        raise ValueError(f"{what}: expected {np.dtype(dtype)}, got {type(a).__name__} dtype {dt}")
-    if int(a.size) != n:
-        raise ValueError(f"{what}: {int(a.size)} elements (shape {tuple(a.shape)}), expected {n}")
-    flags = getattr(a, "flags", None)
-    if flags is not None and not flags["C_CONTIGUOUS"]:
-        raise ValueError(f"{what}: must be C-contiguous")
-    p = _ptr(a)
-    if p is not None and p % align:
-        raise ValueError(f"{what}: device pointer {p:#x} not {align}-byte aligned")
+    return module.kernel_in("attention_gated.cu", name)
 
 
 def _check_weight(t, D: int, what: str) -> None:
@@ -72,7 +43,7 @@ def _check_weight(t, D: int, what: str) -> None:
             raise ValueError(f"{what} ({t.name}): type {t.type_id} ne {tuple(t.ne)}, expected "
                              f"F32 (0) ne ({D},)")
         return
-    _check(t, D, np.float32, what)
+    check_array(t, D, dtype=np.float32, what=what)
 
 
 def _arg(t):
@@ -105,17 +76,17 @@ def check_args(qg, k, v, q_norm, k_norm, kc, vc, state, out, *, n_head: int, n_k
     if not 1 <= splits <= MAX_SPLITS or split_min < 1 or n_ctx < 1:
         raise ValueError(f"splits {splits} outside 1..{MAX_SPLITS}, split_min {split_min} or "
                          f"n_ctx {n_ctx} < 1")
-    _check(qg, n_head * 2 * D, np.float32, "qg [n_head * 2D] (query | gate per head)")
-    _check(k, n_kv * D, np.float32, "k [n_kv * D]")
-    _check(v, n_kv * D, np.float32, "v [n_kv * D]")
+    check_array(qg, n_head * 2 * D, dtype=np.float32, what="qg [n_head * 2D] (query | gate per head)")
+    check_array(k, n_kv * D, dtype=np.float32, what="k [n_kv * D]")
+    check_array(v, n_kv * D, dtype=np.float32, what="v [n_kv * D]")
     _check_weight(q_norm, D, "attn_q_norm.weight [D]")
     _check_weight(k_norm, D, "attn_k_norm.weight [D]")
-    _check(kc, n_ctx * n_kv * D, np.uint16, "K cache fp16 [n_ctx, n_kv, D]", align=16)
-    _check(vc, n_ctx * n_kv * D, np.uint16, "V cache fp16 [n_ctx, n_kv, D]", align=16)
-    _check(state, 4, np.int32, "state int32 [4]")
-    _check(out, n_head * D, np.float32, "out [n_head * D]")
-    po = _ptr(out)
-    if po is not None and po in (_ptr(qg), _ptr(k), _ptr(v)):
+    check_array(kc, n_ctx * n_kv * D, dtype=np.uint16, what="K cache fp16 [n_ctx, n_kv, D]", align=16)
+    check_array(vc, n_ctx * n_kv * D, dtype=np.uint16, what="V cache fp16 [n_ctx, n_kv, D]", align=16)
+    check_array(state, 4, dtype=np.int32, what="state int32 [4]")
+    check_array(out, n_head * D, dtype=np.float32, what="out [n_head * D]")
+    po = device_ptr(out)
+    if po is not None and po in (device_ptr(qg), device_ptr(k), device_ptr(v)):
         raise ValueError("out must not alias qg, k or v")
 
 
@@ -141,7 +112,7 @@ def gated_attention(name: str, qg, k, v, q_norm, k_norm, kc, vc, state, out, *, 
     check_args(qg, k, v, q_norm, k_norm, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
                n_rot=n_rot, sections=sections, n_ctx=n_ctx, splits=splits, split_min=split_min)
     cmax = chunk_max(n_ctx, splits, split_min, single)
-    part = cp.zeros(n_head * splits * (D + 4), cp.float32)  # kernels/attention_gated.cu PS
+    part = cp.zeros(n_head * splits * (D + 4), cp.float32)  # kernels/attn_split.cuh split_finish PS
     counter = cp.zeros(n_head, cp.int32)
     s0, s1, s2, s3 = (int(s) for s in sections)
     args = (qg, k, v, _arg(q_norm), _arg(k_norm), kc, vc, state, out, part, counter,

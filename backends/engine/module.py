@@ -56,6 +56,13 @@ def kernel(name: str):
     raise KeyError(f"no engine kernel named {name!r}")
 
 
+def kernel_in(source: str, name: str):
+    """The RawKernel `name` of kernels/<source>, compiled once per process (sources outside
+    SOURCES, e.g. the qwen35 kernels, name their file; AttributeError-free: CuPy raises
+    its own error if the source has no such kernel)."""
+    return _module(source).get_function(name)
+
+
 def allow_smem(k, nbytes: int) -> None:
     """Opt a kernel in to `nbytes` of dynamic shared memory when above the 48 KiB default."""
     if nbytes > SMEM_DEFAULT_MAX and k.max_dynamic_shared_size_bytes < nbytes:

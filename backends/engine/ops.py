@@ -29,7 +29,7 @@ ATTN_IMPL = os.environ.get("GGUF_HARNESS_ATTN", "head")
 GQA_DIMS = (64, 128, 256)
 GQA_MAXG = 8         # kernels/attention_gqa.cu MAXG
 GQA_WARPS = 4        # kernels/attention_gqa.cu NWARP
-HEAD_THREADS = 256   # kernels/attention_head.cu A6_THREADS
+HEAD_THREADS = 256   # kernels/attn_split.cuh SPLIT_THREADS
 ATTN_FMT = "<8Q5i3f"  # struct AttnArgs (96 bytes)
 
 
@@ -283,7 +283,7 @@ def _attention_head(name, q, k, v, kc, vc, state, out, *, n_head, n_kv, D, n_rot
     # longest split: all positions up to `single`, else ceil(n / ns) <= split_min while
     # ns < splits, else <= ceil(n_ctx / splits)
     chunk_max = min(n_ctx, max(single, split_min, -(-n_ctx // splits)))
-    part = cp.zeros(n_head * splits * (D + 4), cp.float32)  # kernels/attention_head.cu PS
+    part = cp.zeros(n_head * splits * (D + 4), cp.float32)  # kernels/attn_split.cuh split_finish PS
     counter = cp.zeros(n_head, cp.int32)
     args = (q, k, v, kc, vc, state, out, part, counter, np.int32(n_head), np.int32(n_kv),
             np.int32(n_rot), np.int32(splits), np.int32(chunk_max), np.int32(split_min),

@@ -88,12 +88,18 @@ def build(a: Arena, b: Buffers, p: Qwen2Params, n_ctx: int) -> tuple[list[Node],
     body = [ops.embed("token_embd", a["token_embd.weight"], b.state, b.x)]
     for i in range(p.n_layer):
         body += _layer(i, p, a, b, n_ctx)
+    return body, head_nodes(a, b, p.n_embd, p.eps)
+
+
+def head_nodes(a: Arena, b, n_embd: int, eps: float) -> list[Node]:
+    """Output RMSNorm + head GEMV (output.weight, or the tied token_embd) into b.logits,
+    device argmax into b.key, finish_step (next token, position + 1). b: any Buffers with
+    x, logits, key, state (qwen2 and qwen35)."""
     out_w = a.get("output.weight") or a["token_embd.weight"]
-    head = [ops.gemv("output", "store", [ops.Seg(out_w, b.logits)], b.x, p.n_embd,
-                     a["output_norm.weight"], p.eps),
+    return [ops.gemv("output", "store", [ops.Seg(out_w, b.logits)], b.x, n_embd,
+                     a["output_norm.weight"], eps),
             ops.argmax("argmax", b.logits, b.key, b.state),
             ops.finish("finish", b.key, b.state)]
-    return body, head
 
 
-__all__ = ["Buffers", "build", "read_params", "tensor_names"]
+__all__ = ["Buffers", "build", "head_nodes", "read_params", "tensor_names"]

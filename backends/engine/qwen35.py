@@ -32,6 +32,7 @@ from oracles.qwen35_params import Qwen35Params, read_params
 from . import deltanet_ops, gated_attn_ops, ops
 from .arena import Arena
 from .executor import Node
+from .qwen2 import head_nodes
 
 F32 = 0
 # tensors read by the DeltaNet / gated-attention kernels or as fused RMSNorm weights: the
@@ -223,12 +224,7 @@ def build(a: Arena, b: Buffers, p: Qwen35Params, n_ctx: int) -> tuple[list[Node]
             body += _attention(il, j, p, a, b, n_ctx)
             j += 1
         body += _ffn(il, p, a, b)
-    out_w = a.get("output.weight") or a["token_embd.weight"]
-    head = [ops.gemv("output", "store", [ops.Seg(out_w, b.logits)], b.x, p.n_embd,
-                     a["output_norm.weight"], p.eps),
-            ops.argmax("argmax", b.logits, b.key, b.state),
-            ops.finish("finish", b.key, b.state)]
-    return body, head
+    return body, head_nodes(a, b, p.n_embd, p.eps)
 
 
 __all__ = ["Buffers", "build", "check_shapes", "check_types", "layout", "node_plan",
