@@ -226,7 +226,10 @@ __device__ void gdn_step_body(const float* y, const float* z, const float* alpha
         }
     }
 
-    // D. gated RMS norm of o with z (block_sum's first barrier publishes os)
+    // D. gated RMS norm of o with z. The barrier is needed: os[j] was written by lane c4 == 0
+    //    of whichever warp owned row j, and is read here by thread j before block_sum's own
+    //    barriers (without it a thread could read its row's o before the other warp stored it).
+    __syncthreads();
     const float o = tid < S ? os[tid] : 0.f;
     const float ms = block_sum(o * o, scratch) * (1.f / S);
     if (tid < S) {
