@@ -76,7 +76,10 @@ def check_args(qg, k, v, q_norm, k_norm, kc, vc, state, out, *, n_head: int, n_k
     if not 1 <= splits <= MAX_SPLITS or split_min < 1 or n_ctx < 1:
         raise ValueError(f"splits {splits} outside 1..{MAX_SPLITS}, split_min {split_min} or "
                          f"n_ctx {n_ctx} < 1")
-    check_array(qg, n_head * 2 * D, dtype=np.float32, what="qg [n_head * 2D] (query | gate per head)")
+    # qg and out 16-byte aligned: the merge path of split_finish (attn_split.cuh) reads the
+    # gate (qg + 2Dh + D) and writes out as float4
+    check_array(qg, n_head * 2 * D, dtype=np.float32, what="qg [n_head * 2D] (query | gate per head)",
+                align=16)
     check_array(k, n_kv * D, dtype=np.float32, what="k [n_kv * D]")
     check_array(v, n_kv * D, dtype=np.float32, what="v [n_kv * D]")
     _check_weight(q_norm, D, "attn_q_norm.weight [D]")
@@ -84,7 +87,7 @@ def check_args(qg, k, v, q_norm, k_norm, kc, vc, state, out, *, n_head: int, n_k
     check_array(kc, n_ctx * n_kv * D, dtype=np.uint16, what="K cache fp16 [n_ctx, n_kv, D]", align=16)
     check_array(vc, n_ctx * n_kv * D, dtype=np.uint16, what="V cache fp16 [n_ctx, n_kv, D]", align=16)
     check_array(state, 4, dtype=np.int32, what="state int32 [4]")
-    check_array(out, n_head * D, dtype=np.float32, what="out [n_head * D]")
+    check_array(out, n_head * D, dtype=np.float32, what="out [n_head * D]", align=16)
     po = device_ptr(out)
     if po is not None and po in (device_ptr(qg), device_ptr(k), device_ptr(v)):
         raise ValueError("out must not alias qg, k or v")
