@@ -29,6 +29,17 @@ def _up(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
 
+def case_data(shape: Shape, seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+    """(host, x) of a case, CPU only: host = one uint8 [rows, row_bytes] block array per
+    matrix (gate, then up), x = float32 [K]; the same seed gives the same data (GemvCase and
+    harness.ggml_gemv.GgmlGemv both draw theirs here)."""
+    rng = np.random.default_rng(seed)
+    n_blocks = shape.rows * shape.K // get_format(shape.type_id).block_size
+    host = [random_blocks(shape.type_id, n_blocks, rng).reshape(shape.rows, -1)
+            for _ in range(shape.n_mats)]
+    return host, rng.normal(size=shape.K).astype(np.float32)
+
+
 class GemvCase:
     """shape: kernel_shapes.Shape; copies: R >= 1. Raises UnsupportedError (no GPU, or a
     type the engine has no kernel for) or ValueError (ops.gemv on a shape it refuses)."""
@@ -38,11 +49,7 @@ class GemvCase:
         from backends.engine import ops
         self.cp, self.ops, self.shape, self.copies = cp, ops, shape, copies
         self.stream = stream or cp.cuda.Stream(non_blocking=True)
-        rng = np.random.default_rng(seed)
-        n_blocks = shape.rows * shape.K // get_format(shape.type_id).block_size
-        self.host = [random_blocks(shape.type_id, n_blocks, rng).reshape(shape.rows, -1)
-                     for _ in range(shape.n_mats)]  # [rows, row_bytes] uint8 each
-        self.x = rng.normal(size=shape.K).astype(np.float32)
+        self.host, self.x = case_data(shape, seed)
         self.mat_stride = _up(shape.matrix_bytes)
         self.stride = shape.n_mats * self.mat_stride
         self.roof_bytes = pad16(shape.bytes()["total"])
