@@ -167,10 +167,12 @@ def run_shape(shape: Shape, cfg: KernelsConfig, timer, flush, copy_gbs, log=prin
             case.close()
 
 
-def run_kernels(shapes: list[Shape], cfg: KernelsConfig, log=print, advance=lambda: None) -> dict:
+def run_kernels(shapes: list[Shape], cfg: KernelsConfig, log=print, advance=lambda: None,
+                ggml: bool = False) -> dict:
     """Measure the device copy bandwidth, then every shape (run_shape). Returns the "kernels"
     part of the result: {schema, settings, device, rows}. Raises UnsupportedError without
-    CuPy or a GPU."""
+    CuPy or a GPU. ggml: add llama.cpp's kernel per row (row["ggml"], settings["ggml"]:
+    harness.bench_kernels_ggml)."""
     from backends.engine import launch, ops
 
     from . import gpu, gpu_timing
@@ -187,7 +189,13 @@ def run_kernels(shapes: list[Shape], cfg: KernelsConfig, log=print, advance=lamb
         rows.append(run_shape(shape, cfg, timer, flush, copy["gb_s"], log))
         if rows[-1]["status"] != "ok":
             log(f"  {rows[-1]['status']}: {rows[-1]['reason']}")
+        if ggml:
+            from .bench_kernels_ggml import add_ggml
+            add_ggml(rows[-1], shape, cfg, copy["gb_s"], log)
         advance()
     settings = dict(cfg.to_json(), shapes=[s.spec for s in shapes], gemv_impl=ops.GEMV_IMPL,
                     gemv_args=ops.GEMV_ARGS, gemv_kq=ops.GEMV_KQ, pdl=launch.pdl_available())
+    if ggml:
+        from .bench_kernels_ggml import settings as ggml_settings
+        settings["ggml"] = ggml_settings()
     return {"schema": SCHEMA, "settings": settings, "device": device, "rows": rows}

@@ -3,6 +3,7 @@
     harness bench kernels [--shapes NAME|PATTERN|[2x]ROWSxK:FMT,...] [--formats Q6_K,...]
                           [--modes cold_b2b,cold_single,hot] [--min-samples 10]
                           [--min-time 0.05] [--max-noise 0.03] [--max-time 3] [--out out]
+                          [--ggml]
 
 Writes out/runs/<time>-<sha>/kernels.json and kernels.html (a new folder), prints a table.
 Exit status: 0 when every row is "ok" or "unsupported" (a type the engine has no kernel
@@ -43,6 +44,9 @@ def add_kernels_parser(bsub) -> None:
     k.add_argument("--max-copies", type=int, default=MAX_COPIES, help="cap on R")
     k.add_argument("--seed", type=int, default=0, help="seed of the random blocks and x")
     k.add_argument("--out", default="out", help="output root (runs go to OUT/runs/...)")
+    k.add_argument("--ggml", action="store_true", help="also time llama.cpp's own CUDA kernel "
+                   "per shape through libggml (harness.ggml_gemv; needs llama-cpp-python "
+                   "built with CUDA, else recorded as unavailable)")
 
 
 def config_from_args(args):
@@ -71,7 +75,8 @@ def run_kernels_cmd(args, console: Console) -> int:
         raise ConfigError(f"harness bench kernels needs a GPU: {e}") from None
     with Progress(console) as prog:
         advance = prog.task("kernels", len(shapes))
-        res = run_kernels(shapes, cfg, log=lambda m: console.print(m, markup=False), advance=advance)
+        res = run_kernels(shapes, cfg, log=lambda m: console.print(m, markup=False), advance=advance,
+                          **({"ggml": True} if getattr(args, "ggml", False) else {}))
     result = dict(res, created=datetime.now(timezone.utc).isoformat(), machine=machine_info())
     run_dir = results.new_run_dir(Path(args.out) / "runs", result["machine"].get("git", {}).get("sha"))
     results.write_json(run_dir / "kernels.json", result)
@@ -98,11 +103,18 @@ def table(result: dict) -> Table:
     for m in modes:
         for col in ("us", "GB/s", "% copy", "% roof"):
             t.add_column(f"{m} {col}", justify="right")
+    ggml = any("ggml" in r for r in result["rows"])
+    if ggml:
+        from .bench_kernels_ggml import TABLE_COLUMNS, table_cells
+        for col in TABLE_COLUMNS:
+            t.add_column(col, justify="right")
     for r in result["rows"]:
         cells = [escape(r["name"]), escape(r["label"]), escape(r["status"])]
         for m in modes:
             f = r.get("modes", {}).get(m)
             cells += ([_f(f["kernel"]["us"], 2), _f(f["gb_s"], 0), _f(f["pct_copy"]),
                        _f(f["pct_roofline"])] if f else ["-"] * 4)
+        if ggml:
+            cells += [escape(c) for c in table_cells(r.get("ggml"))]
         t.add_row(*cells)
     return t

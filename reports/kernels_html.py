@@ -23,6 +23,7 @@ MODE_TITLES = {"cold_b2b": "cold, back to back (headline): R copies in one CUDA 
 _ROW_KEYS = ("name", "source", "label", "status", "reason", "copies")
 _FIG_KEYS = ("gb_s", "pct_copy", "pct_roofline")
 _SUM_KEYS = ("us", "us_p20", "us_p80", "noise", "n", "stop")
+_GGML_KEYS = ("status", "reason", "backend", "gb_s", "pct_copy", "engine_us", "engine_speedup")
 
 
 def _d(v) -> dict:
@@ -43,6 +44,11 @@ def view_row(r: dict, modes: list[str]) -> dict:
             out["modes"][m] = dict({k: f.get(k) for k in _FIG_KEYS},
                                    kernel={k: _d(f.get("kernel")).get(k) for k in _SUM_KEYS},
                                    roofline={k: _d(f.get("roofline")).get(k) for k in _SUM_KEYS})
+    g = _d(r.get("ggml"))
+    out["ggml"] = dict({k: g.get(k) for k in _GGML_KEYS},
+                       kernel={k: _d(g.get("kernel")).get(k) for k in _SUM_KEYS},
+                       check={k: _d(g.get("check")).get(k) for k in ("ok", "max_err_over_bound",
+                                                                    "ratio_vs_rounded_x")}) if g else None
     return out
 
 
