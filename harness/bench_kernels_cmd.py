@@ -8,7 +8,7 @@
 Writes out/runs/<time>-<sha>/kernels.json and kernels.html (a new folder), prints a table.
 Exit status: 0 when every row is "ok" or "unsupported" (a type the engine has no kernel
 for), 1 when a kernel failed its oracle check or a shape raised an error, 2 for bad
-arguments or no GPU.
+arguments or no GPU. The --ggml column (harness.bench_kernels_ggml) never changes it.
 """
 from __future__ import annotations
 
