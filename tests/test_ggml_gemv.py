@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import typing
 
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ def test_prototype_argument_counts_match_the_vendored_header():
     import re
     from pathlib import Path
     spec = importlib.util.find_spec("llama_cpp")
-    inc = Path(list(spec.submodule_search_locations)[0]).parent / "include" if spec else None
+    inc = Path(next(iter(spec.submodule_search_locations))).parent / "include" if spec else None
     if inc is None or not (inc / "ggml.h").is_file():
         pytest.skip("llama-cpp-python's include/ not installed")
     text = " ".join((inc / h).read_text() for h in ("ggml.h", "ggml-backend.h", "ggml-alloc.h",
@@ -201,7 +202,7 @@ def test_cpu_backend_graph_past_ggml_new_graph_cap():
 # -- the bench column --------------------------------------------------------------------------
 class _FakeGemv:
     US = 4.0
-    made: list = []
+    made: typing.ClassVar[list] = []
 
     def __init__(self, shape, copies, seed=0, backend="cuda", path=None):
         self.shape, self.copies, self.backend_name, self.n_nodes = shape, copies, "CUDA0", copies
