@@ -1,0 +1,72 @@
+"""Every engine kernel source compiles with NVRTC, on the CPU machine.
+
+On the GPU machine CuPy compiles kernels/*.cu with NVRTC at first use; a syntax error or an
+NVRTC-only incompatibility there costs a device round trip to find. Here the same code strings
+(backends.engine.module.source_code: the I-quant tables and the headers digest in front) are
+compiled with the same options (--std=c++17, -I<kernels>) for the H200's architecture (sm_90)
+through NVRTC's C API with ctypes, from the nvidia-cuda-nvrtc wheel (a dependency; the version
+matches the GPU machine's CUDA 13.0). Skipped with the reason when NVRTC cannot be loaded.
+A compile takes 1-60 s per source (gemv.cu is the long one: every format's row loops).
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from backends.engine import module
+
+ARCH = "sm_90"  # the H200 (ops.py and the kernels assume Hopper: griddepcontrol, 16-byte loads)
+SOURCES = [pytest.param(n, marks=pytest.mark.slow) if n == "gemv.cu" else n  # ~60 s
+           for n in sorted(p.name for p in module.KERNEL_DIR.glob("*.cu"))]
+
+
+def _nvrtc():
+    """The NVRTC library of the nvidia-cuda-nvrtc wheel, with its builtins library loaded
+    first (libnvrtc opens it by name at compile time). pytest.skip when absent."""
+    spec = importlib.util.find_spec("nvidia")
+    dirs = [Path(p) / "cu13" / "lib" for p in (spec.submodule_search_locations or [])] if spec else []
+    for d in dirs:
+        main, builtins = d / "libnvrtc.so.13", sorted(d.glob("libnvrtc-builtins.so.13*"))
+        if main.exists() and builtins:
+            try:
+                ctypes.CDLL(str(builtins[0]), mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(str(main))
+            except OSError as e:
+                pytest.skip(f"NVRTC in {d} does not load: {e}")
+    pytest.skip("NVRTC not installed (pip install nvidia-cuda-nvrtc==13.0.88)")
+
+
+def compile_source(lib, name: str) -> tuple[int, str]:
+    """(NVRTC result code, compile log) of kernels/<name> as the engine builds it."""
+    code = module.source_code(name).encode()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), code, name.encode(), 0, None, None) == 0
+    try:
+        opts = [b"--std=c++17", f"-I{module.KERNEL_DIR}".encode(), f"--gpu-architecture={ARCH}".encode()]
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        return rc, log.value.decode(errors="replace")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_kernel_source_compiles_with_nvrtc(name):
+    rc, log = compile_source(_nvrtc(), name)
+    assert rc == 0, f"{name}: NVRTC error {rc}\n{log}"
+
+
+def test_a_broken_source_fails_to_compile(monkeypatch):
+    """The check can fail: a kernel with a syntax error does not compile."""
+    lib = _nvrtc()
+    real = module.source_code
+    monkeypatch.setattr(module, "source_code",
+                        lambda n: real(n).replace("pdl_wait();", "pdl_wait()", 1))
+    rc, log = compile_source(lib, "misc.cu")
+    assert rc != 0 and "error" in log
