@@ -32,7 +32,7 @@ from .executor import Node
 CONV_THREADS = 256            # kernels/deltanet.cu GDN_CONV_THREADS
 CONV_WIDTHS = (4,)            # GDN_CONV_KERNEL instantiations (qwen35: ssm.conv_kernel = 4)
 STEP_ROWS = {64: (2, 4), 128: (2, 8)}  # GDN_STEP_KERNEL(S, R) instantiations
-# Rows in flight per lane group in gdn_step: 2 is the source engine's scheme (../shared/SEEDS.md
+# Rows in flight per lane group in gdn_step: 2 is the source engine's scheme (docs/sources.md
 # §2), S/16 puts a warp's whole share of the state in flight. Not measured yet (DELTANET.md).
 DEFAULT_ROWS = 2
 F32 = 0                       # GGML type id

@@ -90,7 +90,7 @@ GDN_CONV_KERNEL(4)
 //         beta = sigmoid(beta_in[h]);  g = softplus(alpha[h] + dt_bias[h]) * ssm_a[h]
 //       softplus as ggml_compute_softplus_f32 (x itself above 20; log1pf below, the same
 //       function with less cancellation than logf(1 + expf(x))).
-//    B. L2 norms of q and k in parallel halves of the block (docs: ../shared/SEEDS.md §2):
+//    B. L2 norms of q and k in parallel halves of the block (docs/sources.md §2):
 //       threads [0, S) hold q, [S, 2S) hold k, [2S, 3S) stage v; x / sqrt(sum x^2 + eps)
 //       (llama.cpp models.h build_gdn_l2_norm == ggml_rms_norm(x, eps/n) / sqrt(n)).
 //    C. The gated delta rule on M = state[h] (ggml ops.cpp gated_delta_net_one_chunk,
