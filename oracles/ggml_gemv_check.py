@@ -48,7 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import actquant, ops
-from .gemv_check import EPILOGUE_REL, SILU_SLOPE, _verdict, row_bounds
+from .gemv_check import _verdict, row_bounds, swiglu_bound
 
 Q8_1_BLOCK = 32                      # QK8_1 (ggml-common.h)
 X_ROUND_SLACK = 2.0                  # see the module docstring
@@ -133,13 +133,9 @@ def check_swiglu(y, wg: np.ndarray, wu: np.ndarray, x, row_ids=None, type_id: in
     block = act_block_for(type_id, backend)
     g, u = wg @ x64, wu @ x64
     eg, eu = exact_bounds(wg, x64, block), exact_bounds(wu, x64, block)
-    ref = ops.swiglu(g, u)
-    bound = (SILU_SLOPE * np.abs(u) * eg + np.abs(ops.silu(g)) * eu + eg * eu
-             + EPILOGUE_REL * np.abs(ref))
-    v = _verdict(y, ref, bound, ids, "swiglu vs exact oracle (x rounded to 8 bits by ggml)")
+    v = _verdict(y, ops.swiglu(g, u), swiglu_bound(g, u, eg, eu), ids,
+                 "swiglu vs exact oracle (x rounded to 8 bits by ggml)")
     xr = rounded_x(x64, type_id, backend)
     gr, ur = wg @ xr, wu @ xr
-    tg, tu = row_bounds(wg, x64), row_bounds(wu, x64)
-    tol = (SILU_SLOPE * np.abs(ur) * tg + np.abs(ops.silu(gr)) * tu + tg * tu
-           + EPILOGUE_REL * np.abs(ops.swiglu(gr, ur)))
+    tol = swiglu_bound(gr, ur, row_bounds(wg, x64), row_bounds(wu, x64))
     return _info(v, y, ops.swiglu(gr, ur), tol)
