@@ -179,8 +179,10 @@ def test_argument_validation():
                        (dict(splits=129), "splits")]:
         with pytest.raises(ValueError, match=match):
             g.check_args(**good, **(kw | bad))
-    assert g.chunk_max(4096, 16, 64, 256) == 256 and g.chunk_max(100, 16, 64, 256) == 100
-    assert g.smem_bytes(64, 257) == 4 * (260 + 2048)
+    from backends.engine import ops
+    assert ops.head_splits(4096, 16, 64, 256).chunk_max == 256
+    assert ops.head_splits(100, 16, 64, 256).chunk_max == 100
+    assert ops.HeadSplits(16, 64, 256, 257).smem == 4 * (260 + 2048)
 
 
 def test_oracle_engine_rounding_runs(tiny_qwen35_f32):

@@ -50,17 +50,6 @@ def _arg(t):
     return np.uint64(t.ptr) if isinstance(t, DeviceTensor) else t
 
 
-def chunk_max(n_ctx: int, splits: int, split_min: int, single: int) -> int:
-    """Longest split in positions (the scores' shared memory): all positions up to `single`,
-    else ceil(n / ns) <= split_min while ns < splits, else <= ceil(n_ctx / splits)."""
-    return min(n_ctx, max(single, split_min, -(-n_ctx // splits)))
-
-
-def smem_bytes(D: int, cmax: int) -> int:
-    """Dynamic shared memory: scores (16-byte padded) + RG x D = 2048 row-group sums."""
-    return 4 * (-(-cmax // 4) * 4 + 2048)
-
-
 def check_args(qg, k, v, q_norm, k_norm, kc, vc, state, out, *, n_head: int, n_kv: int,
                D: int, n_rot: int, sections, n_ctx: int, splits: int, split_min: int) -> None:
     """Validate gated_attention's arguments. Raises ValueError."""
@@ -104,29 +93,22 @@ def gated_attention(name: str, qg, k, v, q_norm, k_norm, kc, vc, state, out, *, 
     (F32 DeviceTensor or float32 array); kc, vc: uint16 (fp16) [n_ctx, n_kv, D]; state: int32
     [4], state[1] = position; out: float32 [n_head*D]. sections: the 4 IMROPE section counts;
     scale: 0 = 1/sqrt(D) (Qwen35Params.attn_scale convention). splits / split_min / single:
-    defaults ops.gqa_splits(n_ctx) and ops.head_splitting(). Raises ValueError.
+    defaults as ops.head_splits. Raises ValueError.
     """
-    import cupy as cp
     from . import ops
-    d_single, d_split = ops.head_splitting()
-    single = d_single if single is None else single
-    split_min = d_split if split_min is None else split_min
-    splits = splits or ops.gqa_splits(n_ctx)
+    hs = ops.head_splits(n_ctx, splits, split_min, single)
     check_args(qg, k, v, q_norm, k_norm, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
-               n_rot=n_rot, sections=sections, n_ctx=n_ctx, splits=splits, split_min=split_min)
-    cmax = chunk_max(n_ctx, splits, split_min, single)
-    part = cp.zeros(n_head * splits * (D + 4), cp.float32)  # kernels/attn_split.cuh split_finish PS
-    counter = cp.zeros(n_head, cp.int32)
+               n_rot=n_rot, sections=sections, n_ctx=n_ctx, splits=hs.splits, split_min=hs.split_min)
+    part, counter = hs.workspace(n_head, D)
     s0, s1, s2, s3 = (int(s) for s in sections)
     args = (qg, k, v, _arg(q_norm), _arg(k_norm), kc, vc, state, out, part, counter,
             np.int32(n_head), np.int32(n_kv), np.int32(n_rot), np.int32(s0), np.int32(s1),
-            np.int32(s2), np.int32(s3), np.int32(splits), np.int32(cmax), np.int32(split_min),
-            np.int32(single), np.float32(freq_base),
+            np.int32(s2), np.int32(s3), np.int32(hs.splits), np.int32(hs.chunk_max),
+            np.int32(hs.split_min), np.int32(hs.single), np.float32(freq_base),
             np.float32(scale or 1.0 / math.sqrt(D)), np.float32(freq_scale), np.float32(eps))
     k_fn = kernel(f"attn_gated_d{D}")
-    smem = smem_bytes(D, cmax)
-    module.allow_smem(k_fn, smem)
+    module.allow_smem(k_fn, hs.smem)
     kv_bytes = 2 * 2 * n_ctx * n_kv * D  # upper bound: the whole cache of this layer, fp16
-    return Node(name, "attention", k_fn, (n_head, splits), (THREADS,), args, smem=smem,
+    return Node(name, "attention", k_fn, (n_head, hs.splits), (THREADS,), args, smem=hs.smem,
                 bytes=kv_bytes + 4 * (2 * n_head * D + 2 * n_kv * D + n_head * D),
                 flops=4 * n_ctx * n_head * D, out=out, keep=[part, counter])

@@ -207,7 +207,7 @@ def attention(name: str, q, k, v, kc, vc, state, out, *, n_head: int, n_kv: int,
     if impl == "head" and D in GQA_DIMS:
         return [_attention_head(name, q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
                                 n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale, n_ctx=n_ctx,
-                                splits=splits or gqa_splits(n_ctx), split_min=split_min, single=single)]
+                                splits=splits, split_min=split_min, single=single)]
     if impl == "gqa" and D in GQA_DIMS and n_head // n_kv <= GQA_MAXG:
         return [_attention_gqa(name, q, k, v, kc, vc, state, out, n_head=n_head, n_kv=n_kv, D=D,
                                n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale, n_ctx=n_ctx,
@@ -270,12 +270,36 @@ def head_splitting() -> tuple[int, int]:
             int(os.environ.get("GGUF_HARNESS_ATTN_SPLIT_MIN", HEAD_SPLIT_MIN)))
 
 
-def _attention_head(name, q, k, v, kc, vc, state, out, *, n_head, n_kv, D, n_rot, freq_base,
-                    freq_scale, n_ctx, splits, split_min, single) -> Node:
-    import cupy as cp
+@dataclass(frozen=True)
+class HeadSplits:
+    """Context splitting of the per-query-head attention kernels (kernels/attn_split.cuh:
+    attention_head.cu, attention_gated.cu): one split up to `single` positions, else one per
+    `split_min` positions, at most `splits` (the grid's second dimension)."""
+
+    splits: int
+    split_min: int
+    single: int
+    chunk_max: int  # longest split in positions (the scores' shared memory)
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory bytes: scores (16-byte padded) + RG x D = 2048 row-group sums."""
+        return 4 * (-(-self.chunk_max // 4) * 4 + 2048)
+
+    def workspace(self, n_head: int, D: int):
+        """(partials float32 [n_head, splits, D + 4] (split_finish's PS rows), counters int32
+        [n_head], zero: the last block of a head resets its counter for the next replay)."""
+        import cupy as cp
+        return cp.zeros(n_head * self.splits * (D + 4), cp.float32), cp.zeros(n_head, cp.int32)
+
+
+def head_splits(n_ctx: int, splits: int | None = None, split_min: int | None = None,
+                single: int | None = None) -> HeadSplits:
+    """HeadSplits with defaults gqa_splits(n_ctx) and head_splitting(). Raises ValueError."""
     d_single, d_split = head_splitting()
     single = d_single if single is None else single
     split_min = d_split if split_min is None else split_min
+    splits = splits or gqa_splits(n_ctx)
     if split_min < 1:
         raise ValueError(f"attention split_min {split_min} < 1")
     if not 1 <= splits <= GQA_MAX_SPLITS:
@@ -283,17 +307,21 @@ def _attention_head(name, q, k, v, kc, vc, state, out, *, n_head, n_kv, D, n_rot
     # longest split: all positions up to `single`, else ceil(n / ns) <= split_min while
     # ns < splits, else <= ceil(n_ctx / splits)
     chunk_max = min(n_ctx, max(single, split_min, -(-n_ctx // splits)))
-    part = cp.zeros(n_head * splits * (D + 4), cp.float32)  # kernels/attn_split.cuh split_finish PS
-    counter = cp.zeros(n_head, cp.int32)
+    return HeadSplits(splits, split_min, single, chunk_max)
+
+
+def _attention_head(name, q, k, v, kc, vc, state, out, *, n_head, n_kv, D, n_rot, freq_base,
+                    freq_scale, n_ctx, splits, split_min, single) -> Node:
+    hs = head_splits(n_ctx, splits, split_min, single)
+    part, counter = hs.workspace(n_head, D)
     args = (q, k, v, kc, vc, state, out, part, counter, np.int32(n_head), np.int32(n_kv),
-            np.int32(n_rot), np.int32(splits), np.int32(chunk_max), np.int32(split_min),
-            np.int32(single), np.float32(freq_base), np.float32(1.0 / math.sqrt(D)),
+            np.int32(n_rot), np.int32(hs.splits), np.int32(hs.chunk_max), np.int32(hs.split_min),
+            np.int32(hs.single), np.float32(freq_base), np.float32(1.0 / math.sqrt(D)),
             np.float32(freq_scale))
     k_fn = module.kernel(f"attn_head_d{D}")
-    smem = 4 * (-(-chunk_max // 4) * 4 + 2048)  # scores (16-byte padded) + row-group sums
-    module.allow_smem(k_fn, smem)
+    module.allow_smem(k_fn, hs.smem)
     kv_bytes = 2 * 2 * n_ctx * n_kv * D  # upper bound: the whole cache of this layer, fp16
-    return Node(name, "attention", k_fn, (n_head, splits), (HEAD_THREADS,), args, smem=smem,
+    return Node(name, "attention", k_fn, (n_head, hs.splits), (HEAD_THREADS,), args, smem=hs.smem,
                 bytes=kv_bytes, flops=4 * n_ctx * n_head * D, out=out, keep=[part, counter])
 
 
