@@ -74,12 +74,18 @@ def _layer(i: int, p: Qwen2Params, a: Arena, b: Buffers, n_ctx: int) -> list[Nod
                            chunk=SPLIT_CHUNK if b.part is not None else 0, part=b.part)
     nodes.append(ops.gemv(f"blk.{i}.attn_output", "add", [ops.Seg(t("attn_output.weight"), b.x)],
                           b.attn, p.n_embd_q))
-    nodes.append(ops.gemv(f"blk.{i}.ffn_gate_up", "swiglu",
-                          [ops.Seg(t("ffn_gate.weight"), b.h), ops.Seg(t("ffn_up.weight"), b.h)],
-                          b.x, p.n_embd, t("ffn_norm.weight"), p.eps))
-    nodes.append(ops.gemv(f"blk.{i}.ffn_down", "add", [ops.Seg(t("ffn_down.weight"), b.x)],
-                          b.h, p.n_ff))
-    return nodes
+    return nodes + ffn_nodes(i, a, b, p.n_embd, p.n_ff, "ffn_norm.weight", p.eps)
+
+
+def ffn_nodes(i: int, a: Arena, b, n_embd: int, n_ff: int, norm: str, eps: float) -> list[Node]:
+    """SwiGLU FFN of layer i (llm_graph_context::build_ffn, LLM_FFN_SILU + LLM_FFN_PAR): the
+    gate/up pair on the RMS-normed residual (norm: the layer's norm tensor name, ffn_norm
+    for qwen2, post_attention_norm for qwen35) into b.h, then ffn_down added into b.x."""
+    t = lambda n: a[f"blk.{i}.{n}"]  # noqa: E731
+    return [ops.gemv(f"blk.{i}.ffn_gate_up", "swiglu",
+                     [ops.Seg(t("ffn_gate.weight"), b.h), ops.Seg(t("ffn_up.weight"), b.h)],
+                     b.x, n_embd, t(norm), eps),
+            ops.gemv(f"blk.{i}.ffn_down", "add", [ops.Seg(t("ffn_down.weight"), b.x)], b.h, n_ff)]
 
 
 def build(a: Arena, b: Buffers, p: Qwen2Params, n_ctx: int) -> tuple[list[Node], list[Node]]:
@@ -102,4 +108,4 @@ def head_nodes(a: Arena, b, n_embd: int, eps: float) -> list[Node]:
             ops.finish("finish", b.key, b.state)]
 
 
-__all__ = ["Buffers", "build", "head_nodes", "read_params", "tensor_names"]
+__all__ = ["Buffers", "build", "ffn_nodes", "head_nodes", "read_params", "tensor_names"]

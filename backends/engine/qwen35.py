@@ -32,7 +32,7 @@ from oracles.qwen35_params import Qwen35Params, read_params
 from . import deltanet_ops, gated_attn_ops, ops
 from .arena import Arena
 from .executor import Node
-from .qwen2 import head_nodes
+from .qwen2 import ffn_nodes, head_nodes
 
 F32 = 0
 # tensors read by the DeltaNet / gated-attention kernels or as fused RMSNorm weights: the
@@ -202,15 +202,6 @@ def _attention(il: int, j: int, p: Qwen35Params, a: Arena, b: Buffers, n_ctx: in
     ]
 
 
-def _ffn(il: int, p: Qwen35Params, a: Arena, b: Buffers) -> list[Node]:
-    t = lambda n: a[f"blk.{il}.{n}"]  # noqa: E731
-    return [ops.gemv(f"blk.{il}.ffn_gate_up", "swiglu",
-                     [ops.Seg(t("ffn_gate.weight"), b.h), ops.Seg(t("ffn_up.weight"), b.h)],
-                     b.x, p.n_embd, t("post_attention_norm.weight"), p.eps),
-            ops.gemv(f"blk.{il}.ffn_down", "add", [ops.Seg(t("ffn_down.weight"), b.x)], b.h,
-                     p.n_ff)]
-
-
 def build(a: Arena, b: Buffers, p: Qwen35Params, n_ctx: int) -> tuple[list[Node], list[Node]]:
     """(body, head) as qwen2.build: body = embedding + layers; head = output norm + head GEMV
     + argmax + finish."""
@@ -223,7 +214,7 @@ def build(a: Arena, b: Buffers, p: Qwen35Params, n_ctx: int) -> tuple[list[Node]
         else:
             body += _attention(il, j, p, a, b, n_ctx)
             j += 1
-        body += _ffn(il, p, a, b)
+        body += ffn_nodes(il, a, b, p.n_embd, p.n_ff, "post_attention_norm.weight", p.eps)
     return body, head_nodes(a, b, p.n_embd, p.eps)
 
 
