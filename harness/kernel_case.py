@@ -107,8 +107,10 @@ class GemvCase:
         w = [dequantize(h[self._rows].reshape(-1), s.type_id, (len(self._rows), s.K))
              .astype(np.float64) for h in self.host]
         impl = self.ops.GEMV_IMPL
-        v = (check_swiglu(self._y, w[0], w[1], self.x, self._rows, impl) if s.n_mats == 2
-             else check_store(self._y, w[0], self.x, self._rows, impl))
+        raw = [h[self._rows] for h in self.host]  # the q8_1 check needs legacy offsets
+        v = (check_swiglu(self._y, w[0], w[1], self.x, self._rows, impl, raw=tuple(raw),
+                          type_ids=(s.type_id, s.type_id)) if s.n_mats == 2
+             else check_store(self._y, w[0], self.x, self._rows, impl, raw=raw[0], type_id=s.type_id))
         unwritten = int(np.isnan(full).sum())
         return dict(v, ok=v["ok"] and unwritten == 0, rows_total=s.rows, unwritten=unwritten,
                     subset=len(self._rows) < s.rows)

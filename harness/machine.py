@@ -90,4 +90,7 @@ def machine_info() -> dict:
         "gpu": gpu_info(),
         "versions": versions(),
         "git": git_info(),
+        # the engine's implementation switches (README "Engine switches"): a result taken
+        # with GGUF_HARNESS_GEMV=q8_1 or an A/B variant must say so
+        "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("GGUF_HARNESS_")},
     }

@@ -92,6 +92,66 @@ def q16_error_bound(x) -> np.ndarray:
     return np.where(amax.astype(F32) > F32(Q16_FLUSH), amax * (1 / 65534 + 2.0 ** -22), amax)
 
 
+# llama.cpp's CUDA mul_mat_vec_q input (ggml-cuda/quantize.cu quantize_q8_1, vecdotq.cuh), the
+# engine's GEMV_IMPL "q8_1" (backends/engine/kernels/gemv.cu, -DACT_Q8_1).
+Q8_1_OFFSET = {2: ("d", -8.0), 6: ("d", -16.0), 3: ("m", 1.0), 7: ("m", 1.0)}  # Q4_0 Q5_0 Q4_1 Q5_1
+_LEGACY_BYTES = {2: 18, 3: 20, 6: 22, 7: 24}
+
+
+def q8_1_parts(x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [K] -> (q [nb, 32], ds [nb], sy [nb]) float64 as llama.cpp's CUDA quantize_q8_1 makes
+    them, float32 arithmetic: per 32-value block (the last zero-padded) amax = max|x|,
+    d = amax / 127, q = roundf(x / d) (half away from zero; 0 for blocks with amax <= 1e-30,
+    the engine's flush, where d is a float32 subnormal or 0 and llama.cpp's codes overflow
+    int8 or divide by zero; llama.cpp zeroes only amax == 0),
+    ds = fp16(d), sy = fp16(sum of the block's unquantised values) (+-inf beyond 65504, as
+    llama.cpp's half2 store gives)."""
+    x = np.asarray(x, dtype=np.float64).astype(F32).reshape(-1)
+    b = np.concatenate([x, np.zeros(-x.size % 32, F32)]).reshape(-1, 32)
+    amax = np.max(np.abs(b), axis=-1, keepdims=True)
+    d = (amax / F32(127)).astype(F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.where(amax > F32(Q16_FLUSH), np.divide(b, d, dtype=F32), F32(0)).astype(np.float64)
+    q = np.sign(v) * np.floor(np.abs(v) + 0.5)
+    ds = d[:, 0].astype(np.float16).astype(np.float64)
+    with np.errstate(over="ignore"):
+        sy = b.astype(np.float64).sum(axis=-1).astype(F32).astype(np.float16).astype(np.float64)
+    return q, ds, sy
+
+
+def round_q8_1(x) -> np.ndarray:
+    """x [K] -> float64 [K]: the values ds * q the CUDA mmvq dot products see (q8_1_parts)."""
+    q, ds, _ = q8_1_parts(x)
+    k = np.asarray(x).size
+    return (q * ds[:, None]).reshape(-1)[:k]
+
+
+def q8_1_offsets(raw: np.ndarray, type_id: int) -> np.ndarray | None:
+    """Per-block offsets b [rows, K/32] float64 of a legacy matrix (y = a q + b per 32-value
+    block: Q4_0 -8 d, Q5_0 -16 d, Q4_1 / Q5_1 m; ggml-quants.c dequantize_row_*), from its raw
+    blocks [rows, row_bytes] uint8; None for the other types (their q8_1 dot products use
+    code sums, no correction)."""
+    if int(type_id) not in Q8_1_OFFSET:
+        return None
+    field, k = Q8_1_OFFSET[int(type_id)]
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    blocks = raw.reshape(raw.shape[0], -1, _LEGACY_BYTES[int(type_id)])
+    at = 0 if field == "d" else 2
+    h = blocks[:, :, at:at + 2].copy().view(np.float16)[..., 0]
+    return k * h.astype(np.float64)
+
+
+def q8_1_offset_term(offsets: np.ndarray | None, x) -> np.ndarray | float:
+    """What llama.cpp adds to w . round_q8_1(x) for a legacy matrix: its dot products fold the
+    offset b with the block's fp16 value sum sy instead of ds * sum(q) (vecdotq.cuh
+    vec_dot_q4_0_q8_1_impl: d4 * (sumi * ds - 8 * sy)), so row r gets
+    sum_b b[r, b] (sy_b - ds_b sum_k q_bk). float64 [rows], or 0.0 without offsets."""
+    if offsets is None:
+        return 0.0
+    q, ds, sy = q8_1_parts(x)
+    return offsets @ (sy - ds * q.sum(axis=-1))[:offsets.shape[1]]
+
+
 def round_for(weight_type: int, x) -> np.ndarray:
     """Activations x [n, k] as ggml's CPU mul_mat sees them for weights of `weight_type`."""
     t = QT(int(weight_type))

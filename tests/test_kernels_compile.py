@@ -19,8 +19,10 @@ import pytest
 from backends.engine import module
 
 ARCH = "sm_90"  # the H200 (ops.py and the kernels assume Hopper: griddepcontrol, 16-byte loads)
-SOURCES = [pytest.param(n, marks=pytest.mark.slow) if n == "gemv.cu" else n  # ~60 s
+SOURCES = [pytest.param(n, (), marks=pytest.mark.slow) if n == "gemv.cu" else (n, ())  # ~60 s
            for n in sorted(p.name for p in module.KERNEL_DIR.glob("*.cu"))]
+# variants the engine compiles with preprocessor defines (module.kernel_in(..., defines))
+SOURCES.append(pytest.param("gemv.cu", ("ACT_Q8_1",), marks=pytest.mark.slow))  # ops GEMV_IMPL q8_1
 
 
 def _nvrtc():
@@ -39,13 +41,14 @@ def _nvrtc():
     pytest.skip("NVRTC not installed (pip install nvidia-cuda-nvrtc==13.0.88)")
 
 
-def compile_source(lib, name: str) -> tuple[int, str]:
+def compile_source(lib, name: str, defines: tuple[str, ...] = ()) -> tuple[int, str]:
     """(NVRTC result code, compile log) of kernels/<name> as the engine builds it."""
     code = module.source_code(name).encode()
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), code, name.encode(), 0, None, None) == 0
     try:
         opts = [b"--std=c++17", f"-I{module.KERNEL_DIR}".encode(), f"--gpu-architecture={ARCH}".encode()]
+        opts += [f"-D{d}".encode() for d in defines]
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -56,10 +59,10 @@ def compile_source(lib, name: str) -> tuple[int, str]:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-@pytest.mark.parametrize("name", SOURCES)
-def test_kernel_source_compiles_with_nvrtc(name):
-    rc, log = compile_source(_nvrtc(), name)
-    assert rc == 0, f"{name}: NVRTC error {rc}\n{log}"
+@pytest.mark.parametrize("name,defines", SOURCES)
+def test_kernel_source_compiles_with_nvrtc(name, defines):
+    rc, log = compile_source(_nvrtc(), name, defines)
+    assert rc == 0, f"{name} {defines}: NVRTC error {rc}\n{log}"
 
 
 def test_a_broken_source_fails_to_compile(monkeypatch):

@@ -16,6 +16,7 @@ from harness.gguf_file import open_gguf
 
 from ..base import CAP_GRAPH, CAP_NODES, CAP_TIMINGS
 from .executor import Executor
+from . import ops as _ops
 from .formats import check_type
 
 
@@ -189,4 +190,5 @@ class EngineBackend:
     def info(self) -> dict:
         return {"bytes_resident": self.arena.bytes_resident, "kv_bytes": self.bufs.kv_bytes(),
                 "planned_bytes": self.planned_bytes, "nodes_per_step": len(self.step_exec.nodes),
-                "bytes_per_step": sum(n.bytes for n in self.step_exec.nodes)}
+                "bytes_per_step": sum(n.bytes for n in self.step_exec.nodes),
+                "gemv_impl": _ops.GEMV_IMPL, "attn_impl": _ops.ATTN_IMPL}

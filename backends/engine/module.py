@@ -17,9 +17,10 @@ SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory above this needs an opt-in
 
 
 @lru_cache(maxsize=None)
-def _module(source: str):
+def _module(source: str, defines: tuple[str, ...] = ()):
     import cupy as cp
-    return cp.RawModule(code=source_code(source), options=("--std=c++17", f"-I{KERNEL_DIR}"))
+    opts = ("--std=c++17", f"-I{KERNEL_DIR}") + tuple(f"-D{d}" for d in defines)
+    return cp.RawModule(code=source_code(source), options=opts)
 
 
 def source_code(source: str) -> str:
@@ -56,11 +57,12 @@ def kernel(name: str):
     raise KeyError(f"no engine kernel named {name!r}")
 
 
-def kernel_in(source: str, name: str):
-    """The RawKernel `name` of kernels/<source>, compiled once per process (sources outside
-    SOURCES, e.g. the qwen35 kernels, name their file; AttributeError-free: CuPy raises
-    its own error if the source has no such kernel)."""
-    return _module(source).get_function(name)
+def kernel_in(source: str, name: str, defines: tuple[str, ...] = ()):
+    """The RawKernel `name` of kernels/<source>, compiled once per process and set of
+    preprocessor `defines` (e.g. ("ACT_Q8_1",) for gemv.cu's llama.cpp-compatible rounding;
+    sources outside SOURCES, e.g. the qwen35 kernels, name their file; AttributeError-free:
+    CuPy raises its own error if the source has no such kernel)."""
+    return _module(source, tuple(defines)).get_function(name)
 
 
 def allow_smem(k, nbytes: int) -> None:

@@ -18,9 +18,14 @@ WARPS = 4            # rows per GEMV block (kernels/gemv.cu WARPS)
 MAX_SEG = 4          # kernels/gemv.cu MAX_SEG
 ATT_WARPS = 8        # kernels/attention.cu ATT_WARPS
 ARGMAX_BLOCKS = 264  # 2 per SM on a 132-SM H200; grid-stride loop covers any vocab
-# GEMV implementation: "q16" (v4, int16 activations + dp2a, kernels/gemv.cu) or "f32" (v1-v3,
-# fp32 activations, kernels/gemv_f32.cu), kept selectable for same-run A/B measurements.
+# GEMV implementation: "q16" (v4, int16 activations + dp2a, kernels/gemv.cu), "f32" (v1-v3,
+# fp32 activations, kernels/gemv_f32.cu), kept selectable for same-run A/B measurements, or
+# "q8_1" (gemv.cu compiled with -DACT_Q8_1: the activation rounded as llama.cpp's CUDA mmvq
+# rounds it, int8 codes with fp16 scale and sum; float weight types take the f32 kernels, as
+# llama.cpp multiplies them with unrounded x) for engine-vs-llama.cpp comparisons.
 GEMV_IMPL = os.environ.get("GGUF_HARNESS_GEMV", "q16")
+GEMV_IMPLS = ("q16", "f32", "q8_1")
+FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
 # Attention: "head" (v6, kernels/attention_head.cu, one 8-warp block per query head and
 # context split, head dims 64/128/256), "gqa" (v4/v5, kernels/attention_gqa.cu, one block per
 # KV head, <= 8 query heads per KV head) or "v3" (kernels/attention.cu); shapes a kernel does
@@ -87,11 +92,12 @@ def gemv_shape(K: int, rows: int, mode: str = "store") -> tuple[int, int]:
     return (2, 8) if K <= 6144 else (4, 8)
 
 
-def gemv_smem(K: int) -> int:
-    """Dynamic shared memory of a q16 GEMV block (kernels/gemv.cu stage_xq): int16 codes,
-    a sum per 8 codes and a float scale per 32 values, for K rounded up to 256."""
+def gemv_smem(K: int, impl: str = "q16") -> int:
+    """Dynamic shared memory of a q16 / q8_1 GEMV block (kernels/gemv.cu stage_xq): int16
+    codes, a sum per 8 codes and a float scale per 32 values, for K rounded up to 256; q8_1
+    adds a float (the block's value sum) per 32 values."""
     kp = -(-K // 256) * 256
-    return 2 * kp + 4 * (kp // 8) + 4 * (kp // 32)
+    return 2 * kp + 4 * (kp // 8) + 4 * (kp // 32) * (2 if impl == "q8_1" else 1)
 
 
 def seg_type(type_id: int, narrow: bool = False) -> int:
@@ -133,11 +139,14 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     if mode == "swiglu" and (len(segs) != 2 or segs[0].w.rows != segs[1].w.rows):
         raise ValueError("swiglu takes a gate and an up matrix with equal rows")
     rows = segs[0].w.rows if mode == "swiglu" else sum(s.w.rows for s in segs)
-    if GEMV_IMPL == "f32":
+    impl = GEMV_IMPL
+    if impl == "q8_1" and any(s.w.type_id in FLOAT_TYPES for s in segs):
+        impl = "f32"  # llama.cpp: float weights see x unrounded (no q8_1)
+    if impl == "f32":
         wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
-    elif GEMV_IMPL == "q16":
+    elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)
         wpr, nw = wpr or dw, nw or dn
         if (nw, wpr) not in GEMV_SHAPES:
@@ -150,13 +159,14 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         for s in segs:  # wide Q4_K/Q5_K loads 16 bytes at block starts (arena.py ALIGN = 256)
             if GEMV_KQ == "wide" and s.w.type_id in (12, 13) and s.w.ptr % 16:
                 raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be 16-byte aligned")
-        k = module.kernel(f"{prefix}_{mode}_w{wpr}_b{nw}")
-        smem = gemv_smem(K)
+        k = module.kernel_in("gemv.cu", f"{prefix}_{mode}_w{wpr}_b{nw}",
+                             ("ACT_Q8_1",) if impl == "q8_1" else ())
+        smem = gemv_smem(K, impl)
     else:
-        raise ValueError(f"GGUF_HARNESS_GEMV={GEMV_IMPL!r}: expected q16 or f32")
+        raise ValueError(f"GGUF_HARNESS_GEMV={GEMV_IMPL!r}: expected one of {', '.join(GEMV_IMPLS)}")
     module.allow_smem(k, smem)
-    by_value = GEMV_IMPL == "q16" and GEMV_ARGS == "value"
-    narrow = GEMV_IMPL == "q16" and GEMV_KQ == "narrow"
+    by_value = impl != "f32" and GEMV_ARGS == "value"
+    narrow = impl != "f32" and GEMV_KQ == "narrow"
     table = seg_table_value(segs, narrow) if by_value else seg_table(segs, narrow)
     wbytes = sum(s.w.nbytes for s in segs)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)

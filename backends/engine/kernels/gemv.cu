@@ -36,7 +36,17 @@ constexpr int kRowUnroll = ROW_UNROLL, kRow2Unroll = ROW2_UNROLL;
 #ifndef PF_AHEAD
 #define PF_AHEAD 2  // grid-stride iterations whose rows are prefetched to L2 ahead of use
 #endif
+#ifdef ACT_Q8_1
+// llama.cpp-compatible activation rounding (ops.GEMV_IMPL "q8_1", compiled with -DACT_Q8_1):
+// the codes, scale and block sum of ggml-cuda's quantize_q8_1 (quantize.cu): d = amax / 127,
+// q = roundf(x / d) (0 for an all-zero block), stored as fp16 d and fp16 sum of the block's
+// unquantised values; the legacy formats fold their offset with that sum (legacy_off below).
+// Purpose: engine-vs-llama.cpp comparisons that isolate kernel differences from the int8
+// rounding policy (the default q16 is ~2^8 x more accurate, see the note below).
+#define XQ_MAX 127.f
+#else
 #define XQ_MAX 32767.f
+#endif
 #define XQ_FLUSH 1e-30f  // blocks with max |x| below this become zeros (XQ_MAX / amax overflows ~1e-34)
 
 // Shared-memory layout for K values, Kp = K rounded up to 256 (zero codes beyond K):
@@ -45,7 +55,8 @@ constexpr int kRowUnroll = ROW_UNROLL, kRow2Unroll = ROW2_UNROLL;
 //                      that keeps the wide path's 16-byte loads free of bank conflicts)
 //   int   xs[Kp / 8]   sum of the 8 codes of that entry
 //   float xd[Kp / 32]  scale of each 32-value block (NaN if the block held NaN/Inf)
-// Bytes: 2.625 Kp (mirrored by backends/engine/ops.py gemv_smem).
+//   float xf[Kp / 32]  q8_1 only: a quarter of the block's fp16 sum of values, in code units
+// Bytes: 2.625 Kp, q8_1 2.75 Kp (mirrored by backends/engine/ops.py gemv_smem).
 //
 // One pass over x: with an RMSNorm, the codes are those of y = x * norm_weight and the
 // norm's scalar 1/rms(x) is returned, to be applied to each finished row sum (scaling a
@@ -56,6 +67,9 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
                                           float eps, int K, int4* xq, int* xs, float* xd, float* scratch) {
     const bool vec = (K & 7) == 0;
     const int nch = ((K + 255) >> 8) * 32;  // multiple of 32: the c < nch test is warp-uniform
+#ifdef ACT_Q8_1
+    float* xf = xd + nch / 4;
+#endif
     float ss = 0.f;
 #pragma unroll 2
     for (int c0 = 0; c0 < nch; c0 += blockDim.x) {
@@ -91,14 +105,29 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
         am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
         bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
         bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+#ifdef ACT_Q8_1
+        float bs = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+        bs += __shfl_xor_sync(0xffffffffu, bs, 1);
+        bs += __shfl_xor_sync(0xffffffffu, bs, 2);
+#endif
         if (c < nch) {
-            const float id = am > XQ_FLUSH ? XQ_MAX / am : 0.f;
             int q[8], s = 0;
+#ifdef ACT_Q8_1
+            const float dq = am / XQ_MAX;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                q[k] = am > XQ_FLUSH ? (int)roundf(v[k] / dq) : 0;  // below: d is subnormal or 0
+                s += q[k];
+            }
+            if ((c & 3) == 0) xf[c >> 2] = bs;  // raw block sum; fp16-rounded after the norm
+#else
+            const float id = am > XQ_FLUSH ? XQ_MAX / am : 0.f;
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
                 q[k] = __float2int_rn(v[k] * id);
                 s += q[k];
             }
+#endif
             xq[xq_slot(c)] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
                               (q[4] & 0xffff) | (q[5] << 16), (q[6] & 0xffff) | (q[7] << 16));
             xs[c] = s;
@@ -107,7 +136,20 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
         }
     }
     const float tot = block_sum(ss, scratch);  // barriers: codes visible to every warp
-    return norm ? rsqrtf(tot / (float)K + eps) : 1.f;
+    const float rs = norm ? rsqrtf(tot / (float)K + eps) : 1.f;
+#ifdef ACT_Q8_1
+    // llama.cpp rounds the scale and the sum of the *normalised* block to fp16: ds = fp16(d rs),
+    // sy = fp16(sum rs). The row sums are multiplied by rs at the end, so xd holds ds / rs, and
+    // xf a quarter of sy in code units (sy / (4 ds)): each of the block's 4 lanes adds its share
+    // of the offset term (legacy_off). A block whose ds underflows fp16 contributes nothing.
+    for (int b = threadIdx.x; b < nch / 4; b += blockDim.x) {
+        const float ds = h2f(f2h(xd[b] * rs)), sy = h2f(f2h(xf[b] * rs));
+        xd[b] = ds / rs;  // NaN (a non-finite block) stays NaN
+        xf[b] = ds != 0.f ? 0.25f * sy / ds : 0.f;
+    }
+    __syncthreads();
+#endif
+    return rs;
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
@@ -129,6 +171,25 @@ __device__ __forceinline__ void prefetch_row(const SegTable& t, int row, int tot
     if (pair) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, t.row_bytes[1], first, step);
 }
 
+#ifdef ACT_Q8_1
+// llama.cpp's vec_dot_q{4,5}_{0,1}_q8_1 (ggml-cuda/vecdotq.cuh) fold the format's offset b
+// (y = a q + b per 32-value block: b = -8 d, -16 d, m, m) with the q8_1 block's fp16 sum of the
+// unquantised values, where qdot8 folds it with the sum of the codes s8. Correction of one
+// lane's 8 values: b * (sy / (4 ds) - s8) in code units (xf, stage_xq). K-quants use code
+// sums in llama.cpp too (dp4a with 0x01010101), so they need none.
+template <int T> constexpr bool kLegacyOff = T == T_Q4_0 || T == T_Q4_1 || T == T_Q5_0 || T == T_Q5_1;
+template <int T> __device__ __forceinline__ float legacy_off(const u8* row, int g, int lane, const float* xd,
+                                                             int K, int c, int s8) {
+    const u8* b = row + (8 * g + (lane >> 2)) * Fmt<T>::TS;
+    float off;
+    if constexpr (T == T_Q4_0) off = -8.f * h2f(ld_u16(b));
+    else if constexpr (T == T_Q5_0) off = -16.f * h2f(ld_u16(b));
+    else off = h2f(ld_u16(b + 2));  // Q4_1, Q5_1: the block minimum m
+    const float* xf = xd + ((K + 255) >> 8) * 8;
+    return off * (xf[c >> 2] - (float)s8);
+}
+#endif
+
 // Lane's partial dot product of one row with the staged x over groups g0, g0 + gstep, ...
 // (no early exit, so the loop unrolls and several groups' loads are in flight together).
 template <int T> __device__ __forceinline__ float row_dot(const u8* row, const int4* xq, const int* xs,
@@ -142,6 +203,9 @@ template <int T> __device__ __forceinline__ float row_dot(const u8* row, const i
             float r;
             if constexpr (Fmt<T>::QK == 1) r = fdot8<T>(row, g, lane, K, xq[p]);
             else r = qdot8<T>(row, g, lane, xq[p], xs[c]);
+#ifdef ACT_Q8_1
+            if constexpr (kLegacyOff<T>) r += legacy_off<T>(row, g, lane, xd, K, c, xs[c]);
+#endif
             acc = fmaf(r, xd[c >> 2], acc);
         }
     }
@@ -163,8 +227,15 @@ template <int T> __device__ __forceinline__ float2 row_dot2(const u8* r0, const 
                 a0 = fmaf(fdot8<T>(r0, g, lane, K, xq[p]), d, a0);
                 a1 = fmaf(fdot8<T>(r1, g, lane, K, xq[p]), d, a1);
             } else {
-                a0 = fmaf(qdot8<T>(r0, g, lane, xq[p], xs[c]), d, a0);
-                a1 = fmaf(qdot8<T>(r1, g, lane, xq[p], xs[c]), d, a1);
+                float q0 = qdot8<T>(r0, g, lane, xq[p], xs[c]), q1 = qdot8<T>(r1, g, lane, xq[p], xs[c]);
+#ifdef ACT_Q8_1
+                if constexpr (kLegacyOff<T>) {
+                    q0 += legacy_off<T>(r0, g, lane, xd, K, c, xs[c]);
+                    q1 += legacy_off<T>(r1, g, lane, xd, K, c, xs[c]);
+                }
+#endif
+                a0 = fmaf(q0, d, a0);
+                a1 = fmaf(q1, d, a1);
             }
         }
     }
