@@ -16,6 +16,7 @@ CAP_NODES = "nodes"        # per-node timing of one decode step
 CAP_CAPTURE = "capture"    # named intermediate tensors for layer-by-layer diffs
 CAP_GRAPH = "graph"        # decode step replayed as a CUDA graph
 CAP_TIMINGS = "timings"    # prefill/decode wall-clock seconds
+CAP_LOGITS_ROWS = "logits_rows"  # float64 logits of every fed position + rewind (oracle)
 
 
 @runtime_checkable

@@ -5,8 +5,10 @@ last call stay available as `last_logits64` so verification can measure other ba
 error against float64. The architecture is read from the file (general.architecture) and
 dispatched through ORACLES; others raise UnsupportedError. Capability "capture": set
 `capture` to a callback(name, layer, array) to receive named float64 intermediates
-(oracles.qwen2 lists the names). Dequantised weights can be cached on disk: pass
-cache_dir, or set $GGUF_HARNESS_ORACLE_CACHE.
+(oracles.qwen2 lists the names). Capability "logits_rows": logits_rows(tokens, first) gives
+the float64 logits of every fed position from one batched pass and rewind(n_past) drops
+tokens again (oracles.sequence; used by harness.speculative). Dequantised weights can be
+cached on disk: pass cache_dir, or set $GGUF_HARNESS_ORACLE_CACHE.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from harness.config import ModelRef, RunConfig
 from harness.errors import ConfigError, UnsupportedError
 from harness.gguf_file import open_gguf
 
-from .base import CAP_CAPTURE
+from .base import CAP_CAPTURE, CAP_LOGITS_ROWS
 
 CACHE_ENV = "GGUF_HARNESS_ORACLE_CACHE"
 
@@ -97,8 +99,21 @@ class OracleBackend:
         self.last_logits64 = self._need().step(token)
         return self.last_logits64.astype(np.float32)
 
+    def logits_rows(self, tokens: Sequence[int], first: int = 0) -> np.ndarray:
+        """Feed tokens in one batched pass; float64 logits [len(tokens) - first, n_vocab]
+        after each of tokens[first:] (oracles.sequence.TokenSequence.logits_rows)."""
+        rows = self._need().logits_rows(tokens, first)
+        self.last_logits64 = rows[-1]
+        return rows
+
+    def rewind(self, n_past: int) -> int:
+        """Keep the first n_past tokens as far as the state allows; returns the position
+        now held, <= n_past (oracles.sequence.TokenSequence.rewind)."""
+        self.last_logits64 = None
+        return self._need().rewind(n_past)
+
     def capabilities(self) -> set[str]:
-        return {CAP_CAPTURE}
+        return {CAP_CAPTURE, CAP_LOGITS_ROWS}
 
     @property
     def n_vocab(self) -> int:

@@ -165,9 +165,15 @@ class Qwen2Oracle(TokenSequence):
 
     def _head(self, x_last: np.ndarray) -> np.ndarray:
         """Output norm and LM head on [1, d]; float64 [n_vocab] logits."""
+        return self._head_rows(x_last)[0]
+
+    def _head_rows(self, x: np.ndarray) -> np.ndarray:
+        """Output norm and LM head on [n, d], one product; float64 [n, n_vocab] logits.
+        Captured "result_output" is [n_vocab] for one row (as llama.cpp's last-token
+        output), [n, n_vocab] for several."""
         w = self.weights
-        h = ops.rms_norm(x_last, w.vector64("output_norm.weight"), self.params.eps)
+        h = ops.rms_norm(x, w.vector64("output_norm.weight"), self.params.eps)
         self._node("result_norm", -1, h)
-        logits = self._lin(self._out_name, h, self._out_bias)[0]
-        self._node("result_output", -1, logits)
+        logits = self._lin(self._out_name, h, self._out_bias)
+        self._node("result_output", -1, logits[0] if len(logits) == 1 else logits)
         return logits

@@ -95,6 +95,8 @@ class Qwen35Oracle(TokenSequence):
     Attributes: params, n_vocab, n_ctx, n_past, load_seconds, weights.
     """
 
+    recurrent_state = True  # DeltaNet conv and delta-rule states (TokenSequence.rewind)
+
     def __init__(self, model_path: str | os.PathLike, n_ctx: int | None = None,
                  cache_dir: str | os.PathLike | None = None, sha256: str | None = None,
                  capture: Capture | None = None,
@@ -241,7 +243,20 @@ class Qwen35Oracle(TokenSequence):
         return self._node("attn_output", il, self._lin(pre + "attn_output.weight", a))
 
     def _head(self, x_last: np.ndarray) -> np.ndarray:
+        return self._head_rows(x_last)[0]
+
+    def _head_rows(self, x: np.ndarray) -> np.ndarray:
+        """Output norm and LM head on [n, d], one product; float64 [n, n_vocab]. The
+        "result_output" node is [n_vocab] for one row, [n, n_vocab] for several."""
         w = self.weights
         h = self._node("result_norm", -1,
-                       ops.rms_norm(x_last, w.vector64("output_norm.weight"), self.params.eps))
-        return self._node("result_output", -1, self._lin(self._out_name, h)[0])
+                       ops.rms_norm(x, w.vector64("output_norm.weight"), self.params.eps))
+        logits = self._lin(self._out_name, h)
+        out = self._node("result_output", -1, logits[0] if len(logits) == 1 else logits)
+        return np.asarray(out).reshape(len(logits), -1)
+
+    def _save_state(self):
+        return self._conv.copy(), self._ssm.copy()
+
+    def _load_state(self, saved) -> None:
+        self._conv[:], self._ssm[:] = saved
