@@ -33,6 +33,7 @@ class Trace:
     decode_s: float = 0.0
     status: str = "ok"
     error: str | None = None
+    speculative: dict | None = None  # reference only: harness.speculative's pass statistics
 
 
 def _logits64(backend, out: np.ndarray) -> np.ndarray:
