@@ -55,6 +55,11 @@ def _add_verify_args(p: argparse.ArgumentParser, *, standard: bool) -> None:
         p.add_argument("--prompt", default=None, help="prompt text instead of the standard one")
         p.add_argument("--prompt-tokens", type=int, default=None,
                        help="cut the prompt to this many tokens (standard prompt: 70)")
+        p.add_argument("--draft", default=None, metavar="BACKEND",
+                       help="one of --backends whose greedy continuations the reference "
+                       "verifies in batched passes instead of n_predict sequential steps: same "
+                       "ids, logits equal up to float64 summation order (harness.speculative); "
+                       "a draft that fails leaves the reference sequential")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -113,6 +113,9 @@ def tokenize_prompt(model, text: str, n_tokens: int | None):
 def run_job(args, console: Console) -> int:
     contexts, text, n_tok = _check_args(args)
     names, unavailable = _choose_backends(args.backends, args.reference, getattr(args, "bench", False))
+    draft = getattr(args, "draft", None)
+    if draft is not None and draft not in names:
+        raise ConfigError(f"--draft {draft!r} is not among the compared backends {names}")
     with bytes_progress(console, f"model {args.model}") as advance:
         model = models.resolve(args.model, progress=advance)
     info = open_gguf(model.path)
@@ -132,7 +135,7 @@ def run_job(args, console: Console) -> int:
         with Progress(console) as prog:
             result = verify_model(model, model_meta(info), proto, base, names,
                                   lambda n: create(n, in_child=(n != "oracle")),
-                                  reference=args.reference, prog=prog)
+                                  reference=args.reference, prog=prog, draft=draft)
         result["unavailable_backends"] = unavailable
         result["prompt"]["pieces"] = _pieces(tok, result, console)
     finally:
@@ -214,6 +217,13 @@ def _print_summary(console: Console, result: dict) -> None:
     else:
         console.print(f"reference-only run ({ref['backend']}): no backend compared, ids sha256 "
                       f"{ref['ids_sha256']}", markup=False)
+    spec = ref.get("speculative")
+    if spec:
+        done = (f"{spec['passes']} batched passes, {spec['accepted']}/{spec['drafted']} draft "
+                f"tokens accepted" if spec.get("used") else "sequential")
+        failed = f"; draft failed: {spec['draft_error']}" if spec.get("draft_error") else ""
+        console.print(f"reference: draft {spec['draft']}, {done}{failed}", markup=False,
+                      soft_wrap=True)
     for v in result["verdicts"]:
         colour = "green" if v["verdict"] == "PASS" else "red"
         console.print(f"[{colour}]{v['verdict']}[/] {v['backend']} c={v['n_ctx']}: {escape(str(v['reason']))}",

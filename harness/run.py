@@ -17,11 +17,13 @@ from rich.markup import escape
 
 from . import machine, metrics
 from .config import ModelRef, ProtocolConfig, RunConfig
-from .errors import HarnessError
+from .errors import ConfigError, HarnessError
 from .progress import Progress
 from .results import SCHEMA
 from .summary import Gate, gate, summarize
 from .verify import GREEDY, TEACHER_FORCED, Trace, run_compared, run_reference
+
+BACKEND_ERRORS = (HarnessError, OSError, RuntimeError, ValueError, MemoryError)
 
 
 def _trace_json(t: Trace) -> dict:
@@ -50,7 +52,7 @@ def _run_backend(create, name: str, model: ModelRef, cfg: RunConfig, proto: Prot
             task = prog.task(f"{name} c={cfg.n_ctx} {mode}", len(ref.ids))
             traces.append(run_compared(backend, name, mode, proto.prompt_ids, ref.ids,
                                        ref_logits, cfg.n_ctx, progress=task))
-    except (HarnessError, OSError, RuntimeError, ValueError, MemoryError) as e:
+    except BACKEND_ERRORS as e:
         done = {t.mode for t in traces}
         for mode in modes:
             if mode not in done:
@@ -60,31 +62,82 @@ def _run_backend(create, name: str, model: ModelRef, cfg: RunConfig, proto: Prot
         prog.log(f"[red]{name} c={cfg.n_ctx} failed:[/] {escape(f'{type(e).__name__}: {e}')}")
     finally:
         if backend is not None:
-            try:
-                backend.close()
-            except Exception:  # a dead child cannot be closed; nothing left to free
-                pass
+            _close(backend)
     return traces
+
+
+def _close(backend) -> None:
+    try:
+        backend.close()
+    except Exception:  # a dead child cannot be closed; nothing left to free
+        pass
+
+
+def _open_draft(create, name: str, model: ModelRef, cfg: RunConfig):
+    """(loaded draft backend, None) or (None, the load error): a failure is recorded."""
+    backend = None
+    try:
+        backend = create(name)
+        backend.load(model, cfg)
+        return backend, None
+    except Exception as e:  # noqa: BLE001 - the draft is optional: any failure -> sequential
+        if backend is not None:
+            _close(backend)
+        return None, f"load: {type(e).__name__}: {e}"
+
+
+def _reference(create, reference: str, draft: str | None, model: ModelRef, cfg: RunConfig,
+               proto: ProtocolConfig, prog: Progress) -> tuple[Trace, np.ndarray]:
+    """The reference's greedy run: sequential, or verified against `draft`'s greedy
+    continuations (harness.speculative; the draft backend is loaded first and closed
+    after; one that fails to load or crashes leaves the run sequential, recorded)."""
+    from .speculative import backend_draft, run_reference_speculative
+    draft_backend, draft_error = _open_draft(create, draft, model, cfg) if draft \
+        else (None, None)
+    try:
+        ref_backend = create(reference)
+        ref_backend.load(model, cfg)
+        task = prog.task(f"{reference} (reference) greedy" + (f", draft {draft}" if draft else ""),
+                         proto.n_predict)
+        try:
+            if draft_backend is None:
+                ref, logits = run_reference(ref_backend, reference, proto.prompt_ids,
+                                            proto.n_predict, cfg.n_ctx, progress=task)
+                if draft:
+                    ref.speculative = {"used": False, "draft": draft, "draft_error": draft_error}
+                return ref, logits
+            return run_reference_speculative(
+                ref_backend, reference, proto.prompt_ids, proto.n_predict, cfg.n_ctx,
+                backend_draft(draft_backend, proto.prompt_ids), progress=task,
+                draft_name=draft)
+        finally:
+            ref_backend.close()
+    finally:
+        if draft_backend is not None:
+            _close(draft_backend)
 
 
 def verify_model(model: ModelRef, model_meta: dict, proto: ProtocolConfig, base: RunConfig,
                  backends: list[str], create, reference: str = "oracle",
-                 prog: Progress | None = None, gate_cfg: Gate = Gate()) -> dict:
+                 prog: Progress | None = None, gate_cfg: Gate = Gate(),
+                 draft: str | None = None) -> dict:
     """Run the protocol; returns the result dict (schema gguf-harness/run/1).
 
     create(name) -> Backend. The reference runs once at the largest context (its maths do
     not depend on the context size); every other backend runs at every context in proto.
+    draft: one of `backends` whose greedy continuations the reference verifies in batched
+    passes instead of stepping token by token (harness.speculative; same ids); recorded
+    as reference.speculative. Raises ConfigError when draft is not among backends.
     """
+    if draft is not None and draft not in backends:
+        raise ConfigError(f"draft backend {draft!r} is not among the compared backends {backends}")
     prog = prog or Progress.quiet()
     started = time.time()
-    ref_backend = create(reference)
-    ref_backend.load(model, replace(base, n_ctx=max(proto.contexts)))
-    task = prog.task(f"{reference} (reference) greedy", proto.n_predict)
-    try:
-        ref, ref_logits = run_reference(ref_backend, reference, proto.prompt_ids,
-                                        proto.n_predict, max(proto.contexts), progress=task)
-    finally:
-        ref_backend.close()
+    ref, ref_logits = _reference(create, reference, draft,
+                                 model, replace(base, n_ctx=max(proto.contexts)), proto, prog)
+    if ref.speculative and ref.speculative.get("draft_error"):
+        prog.log(f"[yellow]draft {draft} failed, the reference went on sequentially:[/] "
+                 f"{escape(str(ref.speculative['draft_error']))}")
     runs, verdicts = [], []
     for name in [b for b in backends if b != reference]:
         for n_ctx in proto.contexts:
@@ -106,6 +159,8 @@ def verify_model(model: ModelRef, model_meta: dict, proto: ProtocolConfig, base:
     ref_json.update(ids_sha256=metrics.ids_sha256(ref.ids), first_16=ref.ids[:16],
                     last_id=ref.ids[-1], final_logits_sha256=ref.steps[-1]["logits_sha256"],
                     timing=_timing(ref, len(proto.prompt_ids)))
+    if ref.speculative is not None:
+        ref_json["speculative"] = ref.speculative
     return {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -117,6 +172,7 @@ def verify_model(model: ModelRef, model_meta: dict, proto: ProtocolConfig, base:
                      "contexts": list(proto.contexts),
                      "n_predict": proto.n_predict, "n_prompt": len(proto.prompt_ids),
                      "teacher_forced": proto.teacher_forced, "reference": reference,
+                     "draft": draft,
                      "backends": backends, "gate": vars(gate_cfg)},
         "prompt": {"ids": list(proto.prompt_ids), **proto.extra},
         "reference": ref_json,

@@ -46,7 +46,10 @@ def summary_rows(result: dict) -> list[dict]:
     ref = as_dict(result.get("reference"))
     ref_sha = ref.get("ids_sha256")
     n_ref = len(as_list(ref.get("ids")))
-    rows = [{"label": f"{ref.get('backend', 'reference')} (reference)", "status": "ok",
+    spec, how = as_dict(ref.get("speculative")), "reference"
+    if spec.get("used"):  # harness.speculative: batched passes, so its tok/s is no step rate
+        how += f", speculative: draft {spec.get('draft')}, {spec.get('passes')} passes"
+    rows = [{"label": f"{ref.get('backend', 'reference')} ({how})", "status": "ok",
              "sha": ref_sha, "same": None, "prefix": None, "n": n_ref, "s": {},
              "t": _timing(ref), "cls": "ref"}]
     for run in as_list(result.get("runs")):
