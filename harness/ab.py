@@ -19,7 +19,9 @@ backend crashed while timed): that is a correctness failure.
 
 Correctness (never a matter of noise): per run (backend, mode, n_ctx), the reference run
 included, the token-id SHA256 (summary.ids_sha256 or the run's own ids_sha256, else computed
-from its ids with harness.metrics.ids_sha256), the final-step logits SHA256 and the status;
+from its ids with harness.metrics.ids_sha256), the final-step logits SHA256 (of a reference
+computed speculatively on one side and otherwise on the other, "not comparable": float64
+summation order, harness.speculative; its ids still count) and the status;
 per (backend, n_ctx) the gate verdict. A FAILURE is: a SHA that changed (or that A has and
 B lacks), a run of A missing in B, a run whose status in B is not "ok", a verdict that is
 FAIL/ERROR in B or missing in B. Runs or verdicts that only B has are listed, not failures.
@@ -270,6 +272,16 @@ def run_sha(run: dict, name: str) -> str | None:
     return str(val) if val is not None else None
 
 
+def _sum_order(run: dict) -> tuple | None:
+    """How a reference's float64 logits were summed: None for the sequential run, else its
+    speculative pass record (harness.speculative: batched passes sum in another order, so
+    float32 logits SHAs may differ in a rounding while the ids cannot)."""
+    spec = as_dict(run.get("speculative"))
+    if not spec.get("used"):
+        return None
+    return tuple(spec.get(k) for k in ("draft", "passes", "fed_tokens", "drafted", "accepted"))
+
+
 def sha_check(name: str, key: RunKey, a: str | None, b: str | None,
               comparable: bool) -> CheckRow | None:
     """Row of one SHA of one run present in both; None when neither side has the SHA."""
@@ -302,8 +314,10 @@ def run_checks(a: dict, b: dict, comparable: bool) -> list[CheckRow]:
         out.append(CheckRow("status", *key, st_a, st_b, "failed" if bad else
                             "same" if st_a == st_b else "changed", bad,
                             str(rb.get("error") or "") if bad else ""))
+        same_order = _sum_order(ra) == _sum_order(rb)
         for name in SHA_FIELDS:
-            row = sha_check(name, key, run_sha(ra, name), run_sha(rb, name), comparable)
+            row = sha_check(name, key, run_sha(ra, name), run_sha(rb, name),
+                            comparable and (same_order or name == "ids_sha256"))
             if row:
                 out.append(row)
     out += [CheckRow("run", *key, None, "present", "new in B", False)

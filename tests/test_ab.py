@@ -171,6 +171,24 @@ def test_logits_sha_change_is_failure():
     assert failures(ab.compare(result(TIGHT), b)) == [("final_logits_sha256", "changed")]
 
 
+def test_speculative_reference_logits_sha_is_not_comparable_but_its_ids_are():
+    """A reference verified in batched passes (harness.speculative) sums in another float64
+    order than the sequential one: its float32 logits SHA may differ, its ids may not."""
+    b = result(TIGHT)
+    b["reference"]["speculative"] = {"used": True, "draft": "llamacpp", "passes": 2,
+                                     "fed_tokens": 199, "drafted": 130, "accepted": 127}
+    b["reference"]["final_logits_sha256"] = "44" * 32
+    res = ab.compare(result(TIGHT), b)
+    assert failures(res) == []
+    assert [c.state for c in res.checks if c.check == "final_logits_sha256"
+            and c.backend == "oracle"] == ["not comparable"]
+    a = copy.deepcopy(b)  # the same passes on both sides: same order, SHAs must match
+    a["reference"]["final_logits_sha256"] = "33" * 32
+    assert failures(ab.compare(a, b)) == [("final_logits_sha256", "changed")]
+    b["reference"]["ids_sha256"] = "99" * 32
+    assert ("ids_sha256", "changed") in failures(ab.compare(result(TIGHT), b))
+
+
 def test_fail_verdict_in_b():
     b = result(TIGHT)
     b["verdicts"][0]["verdict"] = "FAIL"
