@@ -60,7 +60,9 @@ class Qwen2Oracle(TokenSequence):
     kv_round: None (float64 KV cache) or "f16" (values rounded to fp16 when cached);
     act_round: None, or "engine": every matrix product's input rounded as the engine's q16
     GEMV rounds it (oracles.actquant.round_q16), so engine tests separate kernel error from
-    that deliberate rounding;
+    that deliberate rounding; or "q8_1": as llama.cpp's CUDA mmvq rounds it (int8 codes,
+    fp16 scale and sum, legacy offsets folded with the sum: actquant.q8_1_parts), float
+    weight types unrounded;
     capture: optional callback(name, layer, array) for named intermediates (layer -1 for
     the head). All weights are dequantised and shape-checked here, so errors surface at load.
     Raises UnsupportedError (architecture, rope scaling, tensor type), ModelError (missing
@@ -75,9 +77,10 @@ class Qwen2Oracle(TokenSequence):
         t0 = time.perf_counter()
         if kv_round not in (None, "f16"):
             raise ConfigError(f"kv_round must be None or 'f16', got {kv_round!r}")
-        if act_round not in (None, "engine"):
-            raise ConfigError(f"act_round must be None or 'engine', got {act_round!r}")
+        if act_round not in (None, "engine", "q8_1"):
+            raise ConfigError(f"act_round must be None, 'engine' or 'q8_1', got {act_round!r}")
         self.act_round = act_round
+        self._offsets: dict[str, np.ndarray] = {}  # act_round "q8_1": legacy offsets per tensor
         # kv_round="f16": store K and V rounded to fp16 as llama.cpp's and the engine's f16
         # KV caches do, so kernel tests can separate kernel error from KV precision
         self.kv_round = kv_round
@@ -161,7 +164,21 @@ class Qwen2Oracle(TokenSequence):
         """x @ W^T (+ b) in float64; with act_round "engine", x first rounded like the engine."""
         if self.act_round == "engine":
             x = actquant.round_q16(x)
+        elif self.act_round == "q8_1":
+            return self._lin_q8_1(name, x, bias)
         return self.weights.linear(name, x, bias)
+
+    def _lin_q8_1(self, name: str, x: np.ndarray, bias: str | None) -> np.ndarray:
+        t = self.weights.info.tensor(name)
+        if t.type_id in (0, 1, 30):  # float weights: llama.cpp does not round x
+            return self.weights.linear(name, x, bias)
+        y = self.weights.linear(name, np.stack([actquant.round_q8_1(r) for r in x]), bias)
+        if t.type_id in actquant.Q8_1_OFFSET:
+            offs = self._offsets.get(name)
+            if offs is None:
+                offs = self._offsets[name] = actquant.q8_1_offsets(self.weights.info.tensor_data(name), t.type_id)
+            y += np.stack([actquant.q8_1_offset_term(offs, r) for r in x])
+        return y
 
     def _head(self, x_last: np.ndarray) -> np.ndarray:
         """Output norm and LM head on [1, d]; float64 [n_vocab] logits."""

@@ -120,3 +120,27 @@ def test_q8_1_swiglu_check():
     xq = actquant.round_q16(x)
     gq, uq = wg @ xq, wu @ xq
     assert not gemv_check.check_swiglu(gq / (1 + np.exp(-gq)) * uq, wg, wu, x, **kw)["ok"]
+
+
+def test_oracle_q8_1_linear_matches_the_check_formula(tiny_qwen2_q):
+    """Qwen2Oracle(act_round="q8_1")._lin on every matrix of the tiny quantised model (Q5_0,
+    Q8_0, Q4_0, Q6_K, Q4_K) equals gemv_check's q8_1 reference built from the raw blocks;
+    an unknown act_round is refused."""
+    from harness.errors import ConfigError
+    from oracles.qwen2 import Qwen2Oracle
+    o = Qwen2Oracle(tiny_qwen2_q, n_ctx=32, act_round="q8_1")
+    rng = np.random.default_rng(4)
+    seen = set()
+    for t in o.weights.info.tensors.values():
+        if len(t.shape) != 2 or t.name == "token_embd.weight":
+            continue
+        x = rng.normal(size=(2, t.shape[1]))
+        got = o._lin(t.name, x)
+        w = o.weights.get(t.name).astype(np.float64)
+        for r in range(2):
+            ref, _ = gemv_check._q8_1_ref(w, x[r], o.weights.info.tensor_data(t.name), t.type_id)
+            np.testing.assert_allclose(got[r], ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+        seen.add(t.type_id)
+    assert {2, 6, 8} <= seen  # legacy types with and without an offset term were covered
+    with pytest.raises(ConfigError):
+        Qwen2Oracle(tiny_qwen2_q, n_ctx=32, act_round="q4")

@@ -44,7 +44,7 @@ def test_engine_matches_oracle(fixture, request):
     from backends.engine import ops as eops
     eng = _engine(path)
     # same KV precision and GEMV input rounding as the engine (see the tolerance below)
-    orc = _oracle(path, kv_round="f16", act_round="engine" if eops.GEMV_IMPL == "q16" else None)
+    orc = _oracle(path, kv_round="f16", act_round={"q16": "engine", "q8_1": "q8_1"}.get(eops.GEMV_IMPL))
     ref = [np.asarray(orc.prefill(PROMPT), np.float64)]
     ref64 = [orc.last_logits64]
     ids = [int(np.argmax(ref64[0]))]
@@ -66,7 +66,12 @@ def test_engine_matches_oracle(fixture, request):
         # the input by one step (amax / 32767); through the layers that measured 3.0e-5 of
         # the range on both tiny models (engine v4). 1e-4 keeps a 3x margin; a kernel bug
         # moves logits by ~1e-2 of the range or more.
-        tol = 1e-4 if eops.GEMV_IMPL == "q16" else 2e-5
+        # q8_1 (GGUF_HARNESS_GEMV=q8_1, llama.cpp's int8 rounding; oracle act_round "q8_1"): a
+        # code flips only within ~4e-5 of a half-way point (oracles.gemv_check.q8_1_allowance:
+        # ~8e-5 of the inputs with a fused norm, none without), but moves by amax / 127: per
+        # GEMV ~(8e-5 / 127) / (6e-3 / 32767) = 1.7x the q16 effect, so ~5e-5 of the range
+        # expected; 2e-4 keeps a 4x margin (not yet measured: first GPU run pending).
+        tol = {"q16": 1e-4, "q8_1": 2e-4}.get(eops.GEMV_IMPL, 2e-5)
         assert c["max_abs"] <= tol * (r.max() - r.min()), f"step {i}: {c}"
         if c["ref_margin_rel"] > 1e-3:
             assert c["top1_agree"], f"step {i}: top-1 differs at margin {c['ref_margin_rel']}"
