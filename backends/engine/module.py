@@ -16,8 +16,12 @@ SOURCES = ("gemv.cu", "gemv_f32.cu", "attention.cu", "attention_gqa.cu", "attent
 SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory above this needs an opt-in attribute
 
 
-@lru_cache(maxsize=None)
 def _module(source: str, defines: tuple[str, ...] = ()):
+    return _module_for(source, tuple(defines))  # one cache key per (source, defines)
+
+
+@lru_cache(maxsize=None)
+def _module_for(source: str, defines: tuple[str, ...]):
     import cupy as cp
     opts = ("--std=c++17", f"-I{KERNEL_DIR}") + tuple(f"-D{d}" for d in defines)
     return cp.RawModule(code=source_code(source), options=opts)
@@ -62,7 +66,7 @@ def kernel_in(source: str, name: str, defines: tuple[str, ...] = ()):
     preprocessor `defines` (e.g. ("ACT_Q8_1",) for gemv.cu's llama.cpp-compatible rounding;
     sources outside SOURCES, e.g. the qwen35 kernels, name their file; AttributeError-free:
     CuPy raises its own error if the source has no such kernel)."""
-    return _module(source, tuple(defines)).get_function(name)
+    return _module(source, defines).get_function(name)
 
 
 def allow_smem(k, nbytes: int) -> None:
