@@ -133,6 +133,7 @@ class Qwen2Oracle(TokenSequence):
         g = ops.rms_norm(ffn_inp, w.vector64(pre + "ffn_norm.weight"), p.eps)
         self._node("ffn_norm", il, g)
         f = ops.swiglu(self._lin(pre + "ffn_gate.weight", g), self._lin(pre + "ffn_up.weight", g))
+        self._node("ffn_swiglu", il, f)  # llama-graph.cpp build_ffn's cb name for SwiGLU
         f = self._lin(pre + "ffn_down.weight", f)
         self._node("ffn_out", il, f)
         out = f + ffn_inp
