@@ -377,4 +377,4 @@ def side_info(result: dict, path: Path | str | None = None) -> dict:
             "dirty": as_dict(machine.get("git")).get("dirty"),
             "gpu": as_dict(machine.get("gpu")).get("name"),
             "model": model.get("name"), "model_sha256": model.get("sha256"),
-            "note": result.get("note")}
+            "switches": as_dict(machine.get("switches")), "note": result.get("note")}

@@ -86,10 +86,18 @@ def summary_line(doc: dict) -> str:
             f"exit {doc.get('exit_code')}")
 
 
+def _switches(s: dict) -> str:
+    sw = s.get("switches") or {}
+    return ", switches " + " ".join(f"{k}={v}" for k, v in sorted(sw.items())) if sw else ""
+
+
 def _sides(doc: dict) -> list[str]:
-    return [f"{k}: {s['path']}  model {s['model']} ({str(s['model_sha256'])[:12]}), "
-            f"git {s['git']}{' dirty' if s['dirty'] else ''}, created {s['created']}"
-            for k, s in (("A", doc["a"]), ("B", doc["b"]))]
+    lines = [f"{k}: {s['path']}  model {s['model']} ({str(s['model_sha256'])[:12]}), "
+             f"git {s['git']}{' dirty' if s['dirty'] else ''}, created {s['created']}{_switches(s)}"
+             for k, s in (("A", doc["a"]), ("B", doc["b"]))]
+    if (doc["a"].get("switches") or {}) != (doc["b"].get("switches") or {}):
+        lines.append("note: A and B ran with different engine switches (GGUF_HARNESS_*)")
+    return lines
 
 
 def print_table(doc: dict, out: Console) -> None:

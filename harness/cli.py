@@ -1,4 +1,4 @@
-"""Command line: `harness run | verify | models | report | synth`.
+"""Command line: `harness run | verify | models | report | synth | ab | bench-table | bench | plan`.
 
 Top-down map of the project:
   harness run     -> harness.run.verify_model (reference + backends, step by step)

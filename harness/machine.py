@@ -77,6 +77,14 @@ def gpu_info() -> dict | None:
         return None
 
 
+# Environment variables that change what the engine computes or how fast (README "Engine A/B
+# switches"; read by backends/engine/ops.py and launch.py). Paths such as GGUF_HARNESS_CACHE
+# are not switches and stay out of results.
+ENGINE_SWITCHES = ("GGUF_HARNESS_GEMV", "GGUF_HARNESS_GEMV_ARGS", "GGUF_HARNESS_GEMV_KQ",
+                   "GGUF_HARNESS_ATTN", "GGUF_HARNESS_ATTN_SINGLE", "GGUF_HARNESS_ATTN_SPLIT_MIN",
+                   "GGUF_HARNESS_PDL")
+
+
 def machine_info() -> dict:
     """Everything a report needs to say where a result came from."""
     return {
@@ -90,7 +98,7 @@ def machine_info() -> dict:
         "gpu": gpu_info(),
         "versions": versions(),
         "git": git_info(),
-        # the engine's implementation switches (README "Engine switches"): a result taken
+        # the engine's implementation switches (README "Engine A/B switches"): a result taken
         # with GGUF_HARNESS_GEMV=q8_1 or an A/B variant must say so
-        "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("GGUF_HARNESS_")},
+        "switches": {k: os.environ[k] for k in ENGINE_SWITCHES if k in os.environ},
     }

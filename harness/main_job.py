@@ -219,8 +219,12 @@ def _print_summary(console: Console, result: dict) -> None:
                       f"{ref['ids_sha256']}", markup=False)
     spec = ref.get("speculative")
     if spec:
-        done = (f"{spec['passes']} batched passes, {spec['accepted']}/{spec['drafted']} draft "
-                f"tokens accepted" if spec.get("used") else "sequential")
+        if spec.get("used"):
+            secs = spec.get("draft_s")
+            done = (f"{spec['passes']} batched pass(es), {spec['accepted']}/{spec['drafted']} draft "
+                    f"tokens accepted" + (f", drafting took {secs:.1f} s" if secs is not None else ""))
+        else:
+            done = "sequential" + (f" ({spec['reason']})" if spec.get("reason") else "")
         failed = f"; draft failed: {spec['draft_error']}" if spec.get("draft_error") else ""
         console.print(f"reference: draft {spec['draft']}, {done}{failed}", markup=False,
                       soft_wrap=True)

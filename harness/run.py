@@ -133,6 +133,7 @@ def verify_model(model: ModelRef, model_meta: dict, proto: ProtocolConfig, base:
         raise ConfigError(f"draft backend {draft!r} is not among the compared backends {backends}")
     prog = prog or Progress.quiet()
     started = time.time()
+    machine_start = machine.machine_info()
     ref, ref_logits = _reference(create, reference, draft,
                                  model, replace(base, n_ctx=max(proto.contexts)), proto, prog)
     if ref.speculative and ref.speculative.get("draft_error"):
@@ -156,9 +157,14 @@ def verify_model(model: ModelRef, model_meta: dict, proto: ProtocolConfig, base:
                 v = {"verdict": "ERROR", "reason": traces[-1].error if traces else "no run"}
             verdicts.append({"backend": name, "n_ctx": n_ctx, **v})
     ref_json = _trace_json(ref)
+    ref_timing = _timing(ref, len(proto.prompt_ids))
+    if ref.speculative and ref.speculative.get("used"):
+        # batched passes over drafted tokens: prefill/decode seconds are no per-token rates
+        ref_timing = {"prefill_tok_s": None, "decode_tok_s": None, "ms_per_token": None,
+                      "total_s": ref.prefill_s + ref.decode_s}
     ref_json.update(ids_sha256=metrics.ids_sha256(ref.ids), first_16=ref.ids[:16],
                     last_id=ref.ids[-1], final_logits_sha256=ref.steps[-1]["logits_sha256"],
-                    timing=_timing(ref, len(proto.prompt_ids)))
+                    timing=ref_timing)
     if ref.speculative is not None:
         ref_json["speculative"] = ref.speculative
     return {
@@ -166,7 +172,7 @@ def verify_model(model: ModelRef, model_meta: dict, proto: ProtocolConfig, base:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "wall_s": time.time() - started,
         "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "machine": machine.machine_info(),
+        "machine": machine_start,  # taken before the run: its loadavg is the starting load
         "model": {**model.to_json(), **model_meta},
         "settings": {"run": {k: v for k, v in base.to_json().items() if k != "n_ctx"},
                      "contexts": list(proto.contexts),

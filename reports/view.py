@@ -48,7 +48,7 @@ def summary_rows(result: dict) -> list[dict]:
     n_ref = len(as_list(ref.get("ids")))
     spec, how = as_dict(ref.get("speculative")), "reference"
     if spec.get("used"):  # harness.speculative: batched passes, so its tok/s is no step rate
-        how += f", speculative: draft {spec.get('draft')}, {spec.get('passes')} passes"
+        how += f", speculative: draft {spec.get('draft')}, {spec.get('passes')} pass(es)"
     rows = [{"label": f"{ref.get('backend', 'reference')} ({how})", "status": "ok",
              "sha": ref_sha, "same": None, "prefix": None, "n": n_ref, "s": {},
              "t": _timing(ref), "cls": "ref"}]
@@ -93,7 +93,8 @@ def machine_rows(m: dict) -> dict:
     keys = ("hostname", "os", "cpu", "cpu_count", "memory_bytes")
     host = _with_units([(k, m.get(k)) for k in keys if k in m])
     gpu = m.get("gpu")
-    return {"host": host, "gpu": _with_units(flatten(gpu)) if isinstance(gpu, dict) else None,
+    return {"host": host + [(k, v) for k, v in sorted(as_dict(m.get("switches")).items())],
+            "gpu": _with_units(flatten(gpu)) if isinstance(gpu, dict) else None,
             "versions": flatten(m.get("versions"))}
 
 

@@ -391,3 +391,21 @@ def test_md_rows_escape_inline_html_and_pipes():
     from harness.ab_cmd import _md_row
     row = _md_row(["<script>alert(1)</script>", "a|b", "x\ny"])
     assert row == "| &lt;script&gt;alert(1)&lt;/script&gt; | a\\|b | x y |"
+
+
+def test_engine_switches_are_shown_and_a_difference_noted():
+    from harness.ab_cmd import _sides
+    side = {"path": "a.json", "model": "m", "model_sha256": "0" * 64, "git": "abc", "dirty": False,
+            "created": "now", "switches": {}}
+    same = _sides({"a": side, "b": dict(side)})
+    assert not any("different engine switches" in s for s in same)
+    diff = _sides({"a": side, "b": dict(side, switches={"GGUF_HARNESS_GEMV": "q8_1"})})
+    assert "GGUF_HARNESS_GEMV=q8_1" in diff[1] and any("different engine switches" in s for s in diff)
+
+
+def test_machine_records_engine_switches_only(monkeypatch):
+    from harness import machine
+    monkeypatch.setenv("GGUF_HARNESS_GEMV", "q8_1")
+    monkeypatch.setenv("GGUF_HARNESS_CACHE", "/some/path")  # a path, not a switch
+    monkeypatch.setenv("GGUF_HARNESS_GEMVV", "typo")
+    assert machine.machine_info()["switches"] == {"GGUF_HARNESS_GEMV": "q8_1"}

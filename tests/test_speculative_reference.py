@@ -246,6 +246,9 @@ def test_verify_model_records_the_speculative_reference(tiny_qwen2_f32, plain):
     assert ref["speculative"]["accepted"] == 11
     assert "speculative" not in plain["reference"] and plain["settings"]["draft"] is None
     assert [v["verdict"] for v in res["verdicts"]] == ["PASS"]
+    # batched passes are no per-token rate: the reference's rates are left empty, its time kept
+    assert ref["timing"]["decode_tok_s"] is None and ref["timing"]["total_s"] > 0
+    assert plain["reference"]["timing"]["decode_tok_s"] is not None
 
 
 @pytest.mark.parametrize("after", [None, 3])
