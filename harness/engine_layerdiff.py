@@ -34,7 +34,7 @@ from harness.errors import ConfigError, UnsupportedError
 from harness.layerdiff import LayerDiff, compare_node
 
 DEFAULT_TOL = 1e-3   # q16 engine vs the q16-rounding oracle: ~1e-5 per node (fp32 sums)
-_NODE = re.compile(r"blk\.(\d+)\.(qkv|attn|attn_output|ffn_gate_up|ffn_down)$")
+_NODE = re.compile(r"blk\.(\d+)\.(qkv|attn|attn_output|ffn_gate_up|ffn_down)(\.merge)?$")
 ACT_ROUND = {"q16": "engine", "q8_1": "q8_1"}
 
 
@@ -101,11 +101,13 @@ def _walk(engine, prompt: list[int], ref: dict, tol: float) -> LayerDiff:
         bufs.state.set(np.array([tok, pos, 0, 0], np.int32), stream=engine.stream)
         nodes = (engine.step_exec if pos == last else engine.prompt_exec).nodes
         with engine.stream:
-            for node in nodes:
+            for j, node in enumerate(nodes):
                 node.launch(pdl_ok=False)
                 m = _NODE.match(node.name)
                 if m is None and node.name != "output":
                     continue
+                if j + 1 < len(nodes) and nodes[j + 1].name == node.name + ".merge":
+                    continue  # split attention (v3): the output is final after its merge node
                 engine.stream.synchronize()
                 if m is None:
                     outs, il = [("result_output", bufs.logits.get().astype(np.float64))], -1
