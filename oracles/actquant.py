@@ -98,6 +98,26 @@ Q8_1_OFFSET = {2: ("d", -8.0), 6: ("d", -16.0), 3: ("m", 1.0), 7: ("m", 1.0)}  #
 _LEGACY_BYTES = {2: 18, 3: 20, 6: 22, 7: 24}
 
 
+def _q8_1_codes(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks b [nb, 32] float32 -> (q [nb, 32], d [nb, 1] float32): d = amax / 127,
+    q = roundf(b / d) in float32 (half away from zero), 0 for amax <= 1e-30."""
+    amax = np.max(np.abs(b), axis=-1, keepdims=True)
+    d = (amax / F32(127)).astype(F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.where(amax > F32(Q16_FLUSH), np.divide(b, d, dtype=F32), F32(0)).astype(np.float64)
+    return np.sign(v) * np.floor(np.abs(v) + 0.5), d
+
+
+def _blocks32(v) -> np.ndarray:
+    v = np.asarray(v, dtype=np.float64).astype(F32).reshape(-1)
+    return np.concatenate([v, np.zeros(-v.size % 32, F32)]).reshape(-1, 32)
+
+
+def _f16(a) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.asarray(a, F32).astype(np.float16).astype(np.float64)
+
+
 def q8_1_parts(x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [K] -> (q [nb, 32], ds [nb], sy [nb]) float64 as llama.cpp's CUDA quantize_q8_1 makes
     them, float32 arithmetic: per 32-value block (the last zero-padded) amax = max|x|,
@@ -106,17 +126,24 @@ def q8_1_parts(x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     int8 or divide by zero; llama.cpp zeroes only amax == 0),
     ds = fp16(d), sy = fp16(sum of the block's unquantised values) (+-inf beyond 65504, as
     llama.cpp's half2 store gives)."""
-    x = np.asarray(x, dtype=np.float64).astype(F32).reshape(-1)
-    b = np.concatenate([x, np.zeros(-x.size % 32, F32)]).reshape(-1, 32)
-    amax = np.max(np.abs(b), axis=-1, keepdims=True)
-    d = (amax / F32(127)).astype(F32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        v = np.where(amax > F32(Q16_FLUSH), np.divide(b, d, dtype=F32), F32(0)).astype(np.float64)
-    q = np.sign(v) * np.floor(np.abs(v) + 0.5)
-    ds = d[:, 0].astype(np.float16).astype(np.float64)
-    with np.errstate(over="ignore"):
-        sy = b.astype(np.float64).sum(axis=-1).astype(F32).astype(np.float16).astype(np.float64)
-    return q, ds, sy
+    b = _blocks32(x)
+    q, d = _q8_1_codes(b)
+    return q, _f16(d[:, 0]), _f16(b.astype(np.float64).sum(axis=-1))
+
+
+def q8_1_parts_fused(x, norm_w, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q8_1_parts of the RMS-normalised x * norm_w computed in the engine's order (gemv.cu
+    stage_xq with -DACT_Q8_1): codes of v = x * norm_w (one float32 multiply) with
+    d = amax(v) / 127, then with rs = 1 / sqrt(mean(x^2) + eps): ds = fp16(d rs) and
+    sy = fp16(sum(v) rs). The codes are those of the normalised vector up to float32 ties;
+    here they are exactly the kernel's (same float32 operations); rs differs from the
+    kernel's rsqrtf by ~2 ulp, which can move ds or sy to a neighbouring fp16 value."""
+    x64 = np.asarray(x, np.float64).reshape(-1)
+    v = (x64.astype(F32) * np.asarray(norm_w, np.float64).astype(F32).reshape(-1)).astype(F32)
+    rs = 1.0 / np.sqrt(np.mean(x64.astype(F32).astype(np.float64) ** 2) + eps)
+    b = _blocks32(v)
+    q, d = _q8_1_codes(b)
+    return q, _f16(d[:, 0].astype(np.float64) * rs), _f16(b.astype(np.float64).sum(axis=-1) * rs)
 
 
 def round_q8_1(x) -> np.ndarray:

@@ -6,8 +6,9 @@ The rule is the one of tests/test_engine_kernels.py (its module docstring derive
   oracles.actquant.round_q16), x itself for the f32 kernels (GGUF_HARNESS_GEMV=f32).
 - q8_1 kernels (GGUF_HARNESS_GEMV=q8_1, llama.cpp's CUDA rounding) are judged against
   W @ round_q8_1(x) plus llama.cpp's legacy offset term (actquant.q8_1_offset_term), with
-  row_bounds + q8_1_allowance (fp16 neighbours and tie codes, derived there); float weight
-  types run the f32 kernels in that mode and are judged as f32.
+  row_bounds + q8_1_allowance (fp16 neighbours, derived there; with a fused RMSNorm the
+  reference follows the kernel's order, actquant.q8_1_parts_fused); float weight types run
+  the f32 kernels in that mode and are judged as f32.
 - Against the float64 product W @ x_seen, row r may differ by GEMV_TOL * ||w_r|| * ||x||.
 - Against the exact W @ x additionally by |w_r| . q16_error_bound(x), the rounding's own
   worst case (q16 only).
@@ -41,24 +42,20 @@ FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: the q8_1 mode multiplies them with u
 F16_STEP = 2.0 ** -10  # largest relative gap between neighbouring fp16 values (normal range)
 
 
-def q8_1_allowance(w: np.ndarray, x, offsets: np.ndarray | None, fused_norm: bool = False) -> np.ndarray:
+def q8_1_allowance(w: np.ndarray, parts, offsets: np.ndarray | None, fused: bool = False) -> np.ndarray:
     """Extra error [rows] a correct q8_1 kernel may show against the q8_1 oracle, beyond
-    row_bounds. Without a fused norm the kernel's codes and fp16 scales are bit-identical to
-    the oracle's (same float32 max, division and roundf); only its block sums run in another
-    order, so only sy can differ (legacy formats). With a fused RMSNorm (fused_norm) the
-    kernel quantises x * norm_weight and scales by 1/rms afterwards (gemv.cu stage_xq), the
-    oracle the normalised vector. So
-    (a) a block's fp16 scale ds or sum sy can round to the neighbouring fp16 value, moving
-    the row by at most F16_STEP of that block's share |w_b . xhat_b| or |b_b sy_b|; the two
-    unrounded values differ by a few float32 roundings (~3e-7 relative) against fp16's
-    2^-11 half-spacing, so a block flips with probability ~1e-3: we allow 2 + ceil(2e-3 nb)
-    flipped blocks of nb, the row's largest shares; (b) a code near a rounding
-    tie can go the other way: the two quotients x / d differ by <= ~5 float32 roundings
-    (3e-7 relative, <= 4e-5 code units at |code| <= 127), so a code flips with probability
-    <= 8e-5; we allow 2 + ceil(2e-4 K) flipped codes, each max|w_r| max ds. Anything wrong in
-    a block (a scale, a nibble, the offset folded with code sums) costs ~|w_b| |x_b| or the
-    block's whole rounding error instead, which grows like sqrt(K) ds ||w||."""
-    q, ds, sy = actquant.q8_1_parts(x)
+    row_bounds. parts: the oracle's (q, ds, sy) (actquant.q8_1_parts, or q8_1_parts_fused for
+    a kernel with a fused RMSNorm, which follows the kernel's order of operations). The codes
+    are then bit-identical to the kernel's (same float32 max, multiply, division and roundf),
+    so no code can differ; what can: (a) the block sum sy, summed in another order, and with
+    a fused norm also the scale ds (the kernel's rsqrtf is ~2 ulp off the oracle's rs), can
+    round to the neighbouring fp16 value, moving the row by at most F16_STEP of that block's
+    share |b_b sy_b| or |w_b . xhat_b|. The unrounded values differ by a few float32
+    roundings (~3e-7 relative) against fp16's 2^-11 half-spacing, so a block flips with
+    probability ~1e-3: we allow 2 + ceil(2e-3 nb) flipped blocks of nb, the row's largest
+    shares. Anything wrong in a block (a scale, a nibble, the offset folded with code sums, a
+    wrong code) costs ~|w_b| |x_b| or the block's whole rounding error instead."""
+    q, ds, sy = parts
     K = w.shape[1]
     xhat = (q * ds[:, None]).reshape(-1)[:K]
     nb = -(-K // 32)
@@ -67,19 +64,32 @@ def q8_1_allowance(w: np.ndarray, x, offsets: np.ndarray | None, fused_norm: boo
 
     def largest(shares):  # [rows, nb] -> sum of each row's `flips` largest |shares|
         return -np.sort(-np.abs(shares), axis=-1)[:, :flips].sum(axis=-1)
-    a = F16_STEP * largest(wp.sum(axis=-1)) if fused_norm else np.zeros(w.shape[0])
+    a = F16_STEP * largest(wp.sum(axis=-1)) if fused else np.zeros(w.shape[0])
     if offsets is not None:
         a = a + F16_STEP * largest(offsets * sy[None, :offsets.shape[1]])
-    ties = 2 + int(np.ceil(2e-4 * K)) if fused_norm else 0
-    return a + ties * np.abs(w).max(axis=1) * ds.max()
+    return a
 
 
-def _q8_1_ref(w, x, raw, type_id):
-    """(w . round_q8_1(x) + llama.cpp's legacy offset term, offsets) for one matrix."""
+def _q8_1_ref(w, x, raw, type_id, norm=None):
+    """(w . xhat + llama.cpp's legacy offset term, offsets, parts) for one matrix; norm =
+    (norm weight [K], eps) when the kernel fused an RMSNorm and x is its raw input."""
     offs = actquant.q8_1_offsets(raw, type_id) if raw is not None else None
     if offs is None and type_id is not None and int(type_id) in actquant.Q8_1_OFFSET:
         raise ValueError("q8_1 check of a legacy format needs its raw blocks (offsets)")
-    return w @ actquant.round_q8_1(x) + actquant.q8_1_offset_term(offs, x), offs
+    parts = actquant.q8_1_parts(x) if norm is None else actquant.q8_1_parts_fused(x, *norm)
+    q, ds, sy = parts
+    ref = w @ (q * ds[:, None]).reshape(-1)[:w.shape[1]]
+    if offs is not None:
+        ref = ref + offs @ (sy - ds * q.sum(axis=-1))[:offs.shape[1]]
+    return ref, offs, parts
+
+
+def _normalised(x, norm) -> np.ndarray:
+    """x itself, or the RMS-normalised x * w for norm = (w, eps) (oracles.ops.rms_norm)."""
+    x = np.asarray(x, np.float64)
+    if norm is None:
+        return x
+    return ops.rms_norm(x[None], np.asarray(norm[0], np.float64), norm[1])[0]
 
 
 def row_bounds(w: np.ndarray, x) -> np.ndarray:
@@ -106,23 +116,24 @@ def _merge(*vs: dict) -> dict:
 
 
 def check_store(y, w: np.ndarray, x, row_ids=None, impl: str = "q16", raw=None,
-                type_id: int | None = None, fused_norm: bool = False) -> dict:
+                type_id: int | None = None, norm=None) -> dict:
     """y [n] (kernel output of rows row_ids) vs w [n, K] float64 (those rows, dequantised)
     and x [K]. Returns {ok, rows_checked, nonfinite, max_err_over_bound, worst_row,
     worst_ref, worst_got, check, ratios}; ok is False for any NaN/Inf in y. impl "q8_1"
     needs the rows' raw blocks [n, row_bytes] and type_id for the legacy formats (ValueError
-    without them), and fused_norm=True when the kernel applied an RMSNorm to x (x is then
-    the normalised vector; q8_1_allowance)."""
+    without them); norm = (norm weight, eps) when the kernel fused an RMSNorm: x is then
+    the kernel's raw input (q8_1 only: the reference follows the kernel's order,
+    actquant.q8_1_parts_fused; other impls take the normalised x)."""
     y = np.asarray(y, np.float64)
     ids = np.arange(y.size) if row_ids is None else np.asarray(row_ids)
-    x64 = np.asarray(x, np.float64)
+    raw_x, x64 = x, _normalised(x, norm)
     bound = row_bounds(w, x64)
     if impl == "q8_1" and type_id is not None and int(type_id) in FLOAT_TYPES:
         impl = "f32"
     if impl == "q8_1":
-        ref, offs = _q8_1_ref(w, x64, raw, type_id)
-        return _merge(_verdict(y, ref, bound + q8_1_allowance(w, x64, offs, fused_norm), ids,
-                               "vs q8_1 (llama.cpp-rounded) oracle"))
+        ref, offs, parts = _q8_1_ref(w, raw_x if norm is not None else x64, raw, type_id, norm)
+        return _merge(_verdict(y, ref, bound + q8_1_allowance(w, parts, offs, norm is not None),
+                               ids, "vs q8_1 (llama.cpp-rounded) oracle"))
     a = _verdict(y, w @ x_seen(x64, impl), bound, ids, "vs rounded-x oracle")
     if impl != "q16":
         return _merge(a)
@@ -138,19 +149,21 @@ def swiglu_bound(g: np.ndarray, u: np.ndarray, eg: np.ndarray, eu: np.ndarray) -
 
 
 def check_swiglu(y, wg: np.ndarray, wu: np.ndarray, x, row_ids=None, impl: str = "q16",
-                 raw=(None, None), type_ids=(None, None), fused_norm: bool = False) -> dict:
+                 raw=(None, None), type_ids=(None, None), norm=None) -> dict:
     """y [n] = silu(wg x) * (wu x) from the kernel vs the float64 oracle with x_seen (the
     inputs of both rows are rounded the same way); result as check_store (raw / type_ids:
     the gate's and up's, for q8_1)."""
     y = np.asarray(y, np.float64)
     ids = np.arange(y.size) if row_ids is None else np.asarray(row_ids)
+    raw_x, x = x, _normalised(x, norm)
     eg, eu = row_bounds(wg, x), row_bounds(wu, x)
     if impl == "q8_1" and any(t is not None and int(t) in FLOAT_TYPES for t in type_ids):
         impl = "f32"
     if impl == "q8_1":
-        (g, og), (u, ou) = (_q8_1_ref(m, x, r, t) for m, r, t in zip((wg, wu), raw, type_ids))
-        eg = eg + q8_1_allowance(wg, x, og, fused_norm)
-        eu = eu + q8_1_allowance(wu, x, ou, fused_norm)
+        src = raw_x if norm is not None else x
+        (g, og, pg), (u, ou, pu) = (_q8_1_ref(m, src, r, t, norm) for m, r, t in zip((wg, wu), raw, type_ids))
+        eg = eg + q8_1_allowance(wg, pg, og, norm is not None)
+        eu = eu + q8_1_allowance(wu, pu, ou, norm is not None)
     else:
         xs = x_seen(x, impl)
         g, u = wg @ xs, wu @ xs

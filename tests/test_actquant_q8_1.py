@@ -138,9 +138,25 @@ def test_oracle_q8_1_linear_matches_the_check_formula(tiny_qwen2_q):
         got = o._lin(t.name, x)
         w = o.weights.get(t.name).astype(np.float64)
         for r in range(2):
-            ref, _ = gemv_check._q8_1_ref(w, x[r], o.weights.info.tensor_data(t.name), t.type_id)
+            ref, _, _ = gemv_check._q8_1_ref(w, x[r], o.weights.info.tensor_data(t.name), t.type_id)
             np.testing.assert_allclose(got[r], ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
         seen.add(t.type_id)
     assert {2, 6, 8} <= seen  # legacy types with and without an offset term were covered
     with pytest.raises(ConfigError):
         Qwen2Oracle(tiny_qwen2_q, n_ctx=32, act_round="q4")
+
+
+def test_fused_parts_model_the_normalised_vector():
+    """q8_1_parts_fused (the kernel's order: codes of x * w, fp16 of d * rs) equals
+    q8_1_parts of the normalised vector except at float32 ties and fp16 boundaries."""
+    from oracles import ops
+    rng = np.random.default_rng(12)
+    K, eps = 8960, 1e-6
+    x = (rng.normal(size=K) * 3).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), eps)[0]
+    qf, dsf, syf = actquant.q8_1_parts_fused(x, nw, eps)
+    qn, dsn, syn = actquant.q8_1_parts(xn)
+    assert np.mean(qf != qn) < 1e-3 and np.abs(qf - qn).max() <= 1
+    assert (np.abs(dsf - dsn) <= dsn * 2.0 ** -10).all()
+    assert (np.abs(syf - syn) <= np.abs(syn) * 2.0 ** -10 + 1e-3).all()
