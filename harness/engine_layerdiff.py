@@ -109,15 +109,14 @@ def _walk(engine, prompt: list[int], ref: dict, tol: float) -> LayerDiff:
                 if j + 1 < len(nodes) and nodes[j + 1].name == node.name + ".merge":
                     continue  # split attention (v3): the output is final after its merge node
                 engine.stream.synchronize()
-                if m is None:
+                if m is None:  # the head: the oracle captured the last prompt row only
                     outs, il = [("result_output", bufs.logits.get().astype(np.float64))], -1
-                    want = lambda name: ref[(name, il)][-1] if ref[(name, il)].ndim > 1 else ref[(name, il)]  # noqa: E731
                 else:
                     il = int(m.group(1))
                     outs = _engine_outputs(m.group(2), bufs, p, pos)
-                    want = lambda name: ref[(name, il)][pos]  # noqa: E731
                 for name, val in outs:
                     if (name, il) in ref:
-                        rep.nodes.append(compare_node(pos, name, il, want(name), val, tol))
+                        want = ref[(name, il)] if il < 0 else ref[(name, il)][pos]
+                        rep.nodes.append(compare_node(pos, name, il, want, val, tol))
     engine.pos = len(prompt)
     return rep

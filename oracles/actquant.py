@@ -24,6 +24,8 @@ from gguf.constants import GGMLQuantizationType as QT
 
 from harness.errors import ConfigError
 
+from .dequant import get_format
+
 F32 = np.float32
 _Q8_0 = {QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.IQ4_NL, QT.Q4_1, QT.Q5_1}
 _Q8_K = {QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S,
@@ -95,7 +97,7 @@ def q16_error_bound(x) -> np.ndarray:
 # llama.cpp's CUDA mul_mat_vec_q input (ggml-cuda/quantize.cu quantize_q8_1, vecdotq.cuh), the
 # engine's GEMV_IMPL "q8_1" (backends/engine/kernels/gemv.cu, -DACT_Q8_1).
 Q8_1_OFFSET = {2: ("d", -8.0), 6: ("d", -16.0), 3: ("m", 1.0), 7: ("m", 1.0)}  # Q4_0 Q5_0 Q4_1 Q5_1
-_LEGACY_BYTES = {2: 18, 3: 20, 6: 22, 7: 24}
+Q8_1_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: llama.cpp multiplies them with unrounded x
 
 
 def _q8_1_codes(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -146,11 +148,15 @@ def q8_1_parts_fused(x, norm_w, eps: float) -> tuple[np.ndarray, np.ndarray, np.
     return q, _f16(d[:, 0].astype(np.float64) * rs), _f16(b.astype(np.float64).sum(axis=-1) * rs)
 
 
-def round_q8_1(x) -> np.ndarray:
-    """x [K] -> float64 [K]: the values ds * q the CUDA mmvq dot products see (q8_1_parts)."""
-    q, ds, _ = q8_1_parts(x)
-    k = np.asarray(x).size
+def q8_1_xhat(parts, k: int) -> np.ndarray:
+    """The values ds * q [k] (float64) that the CUDA mmvq dot products see, from q8_1_parts."""
+    q, ds, _ = parts
     return (q * ds[:, None]).reshape(-1)[:k]
+
+
+def round_q8_1(x) -> np.ndarray:
+    """x [K] -> float64 [K]: q8_1_xhat of q8_1_parts(x)."""
+    return q8_1_xhat(q8_1_parts(x), np.asarray(x).size)
 
 
 def q8_1_offsets(raw: np.ndarray, type_id: int) -> np.ndarray | None:
@@ -162,20 +168,21 @@ def q8_1_offsets(raw: np.ndarray, type_id: int) -> np.ndarray | None:
         return None
     field, k = Q8_1_OFFSET[int(type_id)]
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    blocks = raw.reshape(raw.shape[0], -1, _LEGACY_BYTES[int(type_id)])
+    blocks = raw.reshape(raw.shape[0], -1, get_format(int(type_id)).type_size)
     at = 0 if field == "d" else 2
     h = blocks[:, :, at:at + 2].copy().view(np.float16)[..., 0]
     return k * h.astype(np.float64)
 
 
-def q8_1_offset_term(offsets: np.ndarray | None, x) -> np.ndarray | float:
-    """What llama.cpp adds to w . round_q8_1(x) for a legacy matrix: its dot products fold the
-    offset b with the block's fp16 value sum sy instead of ds * sum(q) (vecdotq.cuh
+def q8_1_offset_term(offsets: np.ndarray | None, parts) -> np.ndarray | float:
+    """What llama.cpp adds to w . q8_1_xhat(parts) for a legacy matrix: its dot products fold
+    the offset b with the block's fp16 value sum sy instead of ds * sum(q) (vecdotq.cuh
     vec_dot_q4_0_q8_1_impl: d4 * (sumi * ds - 8 * sy)), so row r gets
-    sum_b b[r, b] (sy_b - ds_b sum_k q_bk). float64 [rows], or 0.0 without offsets."""
+    sum_b b[r, b] (sy_b - ds_b sum_k q_bk). parts: q8_1_parts or q8_1_parts_fused of the
+    input. float64 [rows], or 0.0 without offsets."""
     if offsets is None:
         return 0.0
-    q, ds, sy = q8_1_parts(x)
+    q, ds, sy = parts
     return offsets @ (sy - ds * q.sum(axis=-1))[:offsets.shape[1]]
 
 

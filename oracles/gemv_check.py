@@ -38,7 +38,6 @@ def x_seen(x, impl: str = "q16") -> np.ndarray:
     return np.asarray(x, np.float64)
 
 
-FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: the q8_1 mode multiplies them with unrounded x
 F16_STEP = 2.0 ** -10  # largest relative gap between neighbouring fp16 values (normal range)
 
 
@@ -55,9 +54,9 @@ def q8_1_allowance(w: np.ndarray, parts, offsets: np.ndarray | None, fused: bool
     probability ~1e-3: we allow 2 + ceil(2e-3 nb) flipped blocks of nb, the row's largest
     shares. Anything wrong in a block (a scale, a nibble, the offset folded with code sums, a
     wrong code) costs ~|w_b| |x_b| or the block's whole rounding error instead."""
-    q, ds, sy = parts
+    sy = parts[2]
     K = w.shape[1]
-    xhat = (q * ds[:, None]).reshape(-1)[:K]
+    xhat = actquant.q8_1_xhat(parts, K)
     nb = -(-K // 32)
     wp = np.concatenate([w * xhat, np.zeros((w.shape[0], nb * 32 - K))], axis=1).reshape(w.shape[0], nb, 32)
     flips = min(nb, 2 + int(np.ceil(2e-3 * nb)))
@@ -77,10 +76,7 @@ def _q8_1_ref(w, x, raw, type_id, norm=None):
     if offs is None and type_id is not None and int(type_id) in actquant.Q8_1_OFFSET:
         raise ValueError("q8_1 check of a legacy format needs its raw blocks (offsets)")
     parts = actquant.q8_1_parts(x) if norm is None else actquant.q8_1_parts_fused(x, *norm)
-    q, ds, sy = parts
-    ref = w @ (q * ds[:, None]).reshape(-1)[:w.shape[1]]
-    if offs is not None:
-        ref = ref + offs @ (sy - ds * q.sum(axis=-1))[:offs.shape[1]]
+    ref = w @ actquant.q8_1_xhat(parts, w.shape[1]) + actquant.q8_1_offset_term(offs, parts)
     return ref, offs, parts
 
 
@@ -128,7 +124,7 @@ def check_store(y, w: np.ndarray, x, row_ids=None, impl: str = "q16", raw=None,
     ids = np.arange(y.size) if row_ids is None else np.asarray(row_ids)
     raw_x, x64 = x, _normalised(x, norm)
     bound = row_bounds(w, x64)
-    if impl == "q8_1" and type_id is not None and int(type_id) in FLOAT_TYPES:
+    if impl == "q8_1" and type_id is not None and int(type_id) in actquant.Q8_1_FLOAT_TYPES:
         impl = "f32"
     if impl == "q8_1":
         ref, offs, parts = _q8_1_ref(w, raw_x if norm is not None else x64, raw, type_id, norm)
@@ -157,7 +153,7 @@ def check_swiglu(y, wg: np.ndarray, wu: np.ndarray, x, row_ids=None, impl: str =
     ids = np.arange(y.size) if row_ids is None else np.asarray(row_ids)
     raw_x, x = x, _normalised(x, norm)
     eg, eu = row_bounds(wg, x), row_bounds(wu, x)
-    if impl == "q8_1" and any(t is not None and int(t) in FLOAT_TYPES for t in type_ids):
+    if impl == "q8_1" and any(t is not None and int(t) in actquant.Q8_1_FLOAT_TYPES for t in type_ids):
         impl = "f32"
     if impl == "q8_1":
         src = raw_x if norm is not None else x

@@ -171,14 +171,15 @@ class Qwen2Oracle(TokenSequence):
 
     def _lin_q8_1(self, name: str, x: np.ndarray, bias: str | None) -> np.ndarray:
         t = self.weights.info.tensor(name)
-        if t.type_id in (0, 1, 30):  # float weights: llama.cpp does not round x
+        if t.type_id in actquant.Q8_1_FLOAT_TYPES:  # llama.cpp does not round x for these
             return self.weights.linear(name, x, bias)
-        y = self.weights.linear(name, np.stack([actquant.round_q8_1(r) for r in x]), bias)
+        parts = [actquant.q8_1_parts(r) for r in x]
+        y = self.weights.linear(name, np.stack([actquant.q8_1_xhat(pr, x.shape[1]) for pr in parts]), bias)
         if t.type_id in actquant.Q8_1_OFFSET:
             offs = self._offsets.get(name)
             if offs is None:
                 offs = self._offsets[name] = actquant.q8_1_offsets(self.weights.info.tensor_data(name), t.type_id)
-            y += np.stack([actquant.q8_1_offset_term(offs, r) for r in x])
+            y += np.stack([actquant.q8_1_offset_term(offs, pr) for pr in parts])
         return y
 
     def _head(self, x_last: np.ndarray) -> np.ndarray:

@@ -80,7 +80,7 @@ def test_q8_1_oracle_equals_llamacpp_integer_formula(type_id):
     x = rng.normal(size=K).astype(np.float32)
     ref = _llamacpp_legacy_dot(raw, type_id, x)
     offs = actquant.q8_1_offsets(raw, type_id)
-    got = w @ actquant.round_q8_1(x) + actquant.q8_1_offset_term(offs, x)
+    got = w @ actquant.round_q8_1(x) + actquant.q8_1_offset_term(offs, actquant.q8_1_parts(x))
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
     # without the offset term the two differ (the term is not negligible)
     assert np.abs(w @ actquant.round_q8_1(x) - ref).max() > 1e-6 * np.abs(ref).max()
@@ -92,7 +92,8 @@ def test_q8_1_check_accepts_llamacpp_and_rejects_a_wrong_block():
     raw = random_blocks(6, rows * K // 32, rng).reshape(rows, -1)  # Q5_0
     w = dequantize(raw.reshape(-1), 6, (rows, K)).astype(np.float64)
     x = rng.normal(size=K).astype(np.float32)
-    y = w @ actquant.round_q8_1(x) + actquant.q8_1_offset_term(actquant.q8_1_offsets(raw, 6), x)
+    y = w @ actquant.round_q8_1(x) + actquant.q8_1_offset_term(actquant.q8_1_offsets(raw, 6),
+                                                                actquant.q8_1_parts(x))
     assert gemv_check.check_store(y, w, x, impl="q8_1", raw=raw, type_id=6)["ok"]
     # the same y checked as if the offsets were folded with code sums fails...
     bad = y.copy()
