@@ -112,10 +112,14 @@ def diff_call(call: int, ref_nodes: Sequence[tuple[str, int, np.ndarray]],
 
 def layer_diff(model_path: str | os.PathLike, prompt: Sequence[int], steps: Sequence[int] = (),
                *, tol: float = DEFAULT_TOL, n_ctx: int = 256, n_threads: int = 2,
-               inject: dict | None = None, act_round: str | None = None) -> LayerDiff:
+               inject: dict | None = None, act_round: str | None = None,
+               gpu: bool = False) -> LayerDiff:
     """Run the prompt (one prefill) and then `steps` (one token each) through the qwen35/qwen2
     oracle and through llama.cpp (CPU, f32 KV cache, flash attention off so no F16 rounding),
-    capturing both, and diff every call. inject: the oracle's fault injection
+    capturing both, and diff every call. gpu=True: llama.cpp as the verification protocol
+    runs it on CUDA (every layer offloaded, flash attention on, f16 KV cache) and the oracle
+    with an f16 KV cache (kv_round="f16"), so what is left is llama.cpp's kernel arithmetic
+    (int8 activations in mmvq/mmq, fp16 inside flash attention). inject: the oracle's fault injection
     {(name, layer): fn} (tests); act_round="llamacpp": the oracle rounds activations of
     quantised products as llama.cpp's CPU backend (oracles.actquant), so quantised models
     can be diffed at a float32-level tolerance. Raises ConfigError / ModelError /
@@ -129,12 +133,15 @@ def layer_diff(model_path: str | os.PathLike, prompt: Sequence[int], steps: Sequ
         raise ConfigError("layer_diff needs a non-empty prompt")
     nodes: list[tuple[str, int, np.ndarray]] = []
     cls = _oracle_class(open_gguf(model_path).arch)
-    kwargs = {k: v for k, v in (("inject", inject), ("act_round", act_round)) if v}
+    kwargs = {k: v for k, v in (("inject", inject), ("act_round", act_round),
+                                ("kv_round", "f16" if gpu else None)) if v}
     oracle = cls(model_path, n_ctx=n_ctx, capture=lambda n, l, a: nodes.append((n, l, a.copy())),
                  **kwargs)
     lc = CapturingLlamaCpp()
-    lc.load(ModelRef("layer-diff", model_path),
-            RunConfig(n_ctx=n_ctx, kv_type="f32", flash_attn=False, n_threads=n_threads))
+    cfg = (RunConfig(n_ctx=n_ctx, kv_type="f16", flash_attn=True, n_gpu_layers=99,
+                     n_threads=n_threads) if gpu else
+           RunConfig(n_ctx=n_ctx, kv_type="f32", flash_attn=False, n_threads=n_threads))
+    lc.load(ModelRef("layer-diff", model_path), cfg)
     report = LayerDiff(tol)
     try:
         for call, toks in enumerate([list(prompt)] + [[t] for t in steps]):

@@ -11,7 +11,9 @@ in graph order.
 
 ggml_tensor is read through a ctypes mirror of the struct in ggml/include/ggml.h; its size is
 checked against libggml (ggml_tensor_overhead() - sizeof(ggml_object)) before first use.
-Only F32 tensors in host memory are copied (CPU backend); others are recorded as skipped.
+Only F32 tensors are copied, others are recorded as skipped. Tensors in host memory (CPU
+backend) are read in place; tensors in device memory (CUDA backend) are copied out with
+ggml_backend_tensor_get (ggml/include/ggml-backend.h), as llama.cpp's eval-callback example does.
 """
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ def _ggml() -> ctypes.CDLL:
     lib.ggml_tensor_overhead.restype = ctypes.c_size_t
     lib.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
     lib.ggml_backend_buffer_is_host.restype = ctypes.c_bool
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                            ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
     expected = lib.ggml_tensor_overhead() - GGML_OBJECT_SIZE
     if ctypes.sizeof(GgmlTensor) != expected:
         raise UnsupportedError(f"struct ggml_tensor of this libggml has {expected} bytes, the "
@@ -59,16 +64,20 @@ def _ggml() -> ctypes.CDLL:
 
 
 def read_f32(t: GgmlTensor) -> np.ndarray | None:
-    """Copy of an F32 host tensor in numpy order (reversed ne, strides from nb); None when
-    the tensor is not F32, has no data, or lives outside host memory."""
+    """Copy of an F32 tensor in numpy order (reversed ne, strides from nb); None when the
+    tensor is not F32 or has no data. Device tensors are copied to the host first (the
+    whole strided extent, which is ggml_nbytes of the tensor)."""
     if t.type != GGML_TYPE_F32 or not t.data:
-        return None
-    if t.buffer and not _ggml().ggml_backend_buffer_is_host(t.buffer):
         return None
     ne, nb = list(t.ne), list(t.nb)
     extent = sum((n - 1) * s for n, s in zip(ne, nb)) + 4
-    buf = (ctypes.c_char * extent).from_address(t.data)
-    base = np.frombuffer(buf, dtype=np.float32)
+    if t.buffer and not _ggml().ggml_backend_buffer_is_host(t.buffer):
+        host = np.empty(extent, dtype=np.uint8)
+        _ggml().ggml_backend_tensor_get(ctypes.addressof(t), host.ctypes.data, 0, extent)
+        base = host.view(np.float32)  # extent is a multiple of 4: F32 strides are
+    else:
+        buf = (ctypes.c_char * extent).from_address(t.data)
+        base = np.frombuffer(buf, dtype=np.float32)
     view = np.lib.stride_tricks.as_strided(base, shape=tuple(reversed(ne)),
                                            strides=tuple(reversed(nb)))
     return np.array(view, dtype=np.float32)  # copy: the graph reuses this memory
@@ -77,7 +86,7 @@ def read_f32(t: GgmlTensor) -> np.ndarray | None:
 class TensorCapture:
     """The eval callback. want(name) -> bool selects nodes (default: all). After a decode,
     tensors[name] lists the float32 arrays (numpy order [ne3, ne2, ne1, ne0]) of every node
-    of that name in graph order; skipped lists names seen but not copied (not F32 / host)."""
+    of that name in graph order; skipped lists names seen but not copied (not F32)."""
 
     def __init__(self, want: Callable[[str], bool] | None = None) -> None:
         _ggml()  # ABI check before llama.cpp ever calls us
