@@ -63,14 +63,19 @@ def warps_per_row(K: int) -> int:
 GEMV_SHAPES = {(4, 1), (8, 1), (8, 2), (8, 4), (8, 8)}
 # q16 GEMV segment table: "value" (kernel parameter, v4) or "pointer" (device memory, v1-v3)
 GEMV_ARGS = os.environ.get("GGUF_HARNESS_GEMV_ARGS", "value")
-# q16 GEMV row loop of Q4_K, Q5_K, Q6_K: "wide" (8 lanes per super-block, 32 weights per lane,
-# kernels/kwide.cuh) or "narrow" (8 weights per lane and group, qdot.cuh qdot8), kept for
-# same-run A/B; read by gemv() at call time (set this attribute or the env before building).
+# q16 GEMV row loop of Q4_K, Q5_K, Q6_K and IQ4_XS: "wide" (8 lanes per super-block, 32 weights
+# per lane, kernels/kwide.cuh and kwide_iq4.cuh) or "narrow" (8 weights per lane and group,
+# qdot.cuh qdot8; IQ4_XS through the non-inlined I-quant call), kept for same-run A/B; read by
+# gemv() at call time (set this attribute or the env before building).
 GEMV_KQ = os.environ.get("GGUF_HARNESS_GEMV_KQ", "wide")
-KQ_WIDE_TYPES = (12, 13, 14)  # Q4_K, Q5_K, Q6_K
+KQ_WIDE_TYPES = (12, 13, 14, 23)  # Q4_K, Q5_K, Q6_K, IQ4_XS
+# Alignment the wide loop's loads need at the weights' start (rows of whole super-blocks keep it):
+# Q4_K/Q5_K 16-byte loads at block starts (144 / 176-byte blocks), IQ4_XS 8-byte loads (136-byte
+# blocks); Q6_K realigns its 2-byte aligned blocks itself.
+KQ_WIDE_ALIGN = {12: 16, 13: 16, 23: 8}
 NARROW_BIT = 0x100            # kernels/gemv.cu NARROW_BIT: per-8 loop for a KQ_WIDE_TYPES segment
-# struct Seg: "type" is the GGML type id, | NARROW_BIT for a Q4_K/Q5_K/Q6_K segment on the
-# narrow loop (q16 only: the f32 kernels read the plain id)
+# struct Seg: "type" is the GGML type id, | NARROW_BIT for a Q4_K/Q5_K/Q6_K/IQ4_XS segment on
+# the narrow loop (q16 only: the f32 kernels read the plain id)
 SEG_DT = np.dtype([("w", "<u8"), ("bias", "<u8"), ("out", "<u8"), ("type", "<i4"), ("rows", "<i4")],
                   align=True)
 TABLE_DT = np.dtype([("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4", (MAX_SEG,))],
@@ -107,7 +112,7 @@ def seg_type(type_id: int, narrow: bool = False) -> int:
 
 def seg_table_value(segs: list[Seg], narrow: bool = False):
     """struct SegTable as a numpy structured scalar, passed by value as a kernel parameter.
-    narrow: mark Q4_K/Q5_K/Q6_K segments for the per-8 loop (seg_type)."""
+    narrow: mark Q4_K/Q5_K/Q6_K/IQ4_XS segments for the per-8 loop (seg_type)."""
     if not 1 <= len(segs) <= MAX_SEG:
         raise ValueError(f"a GEMV node takes 1..{MAX_SEG} matrices, got {len(segs)}")
     t = np.zeros((), TABLE_DT)
@@ -129,7 +134,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
 
     x: cupy float32 [K]; every segment's weights must have ne[0] == K. norm: F32 [K] weight
     of an RMSNorm applied to x first. wpr / nw: warps per row / per block (q16 only; default
-    gemv_shape). Q4_K/Q5_K/Q6_K rows take the GEMV_KQ loop (q16). Raises UnsupportedError /
+    gemv_shape). Q4_K/Q5_K/Q6_K/IQ4_XS rows take the GEMV_KQ loop (q16). Raises UnsupportedError /
     ValueError on bad input.
     """
     for s in segs:
@@ -156,9 +161,10 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             raise ValueError(f"GGUF_HARNESS_GEMV_ARGS={GEMV_ARGS!r}: expected value or pointer")
         if GEMV_KQ not in ("wide", "narrow"):
             raise ValueError(f"GGUF_HARNESS_GEMV_KQ={GEMV_KQ!r}: expected wide or narrow")
-        for s in segs:  # wide Q4_K/Q5_K loads 16 bytes at block starts (arena.py ALIGN = 256)
-            if GEMV_KQ == "wide" and s.w.type_id in (12, 13) and s.w.ptr % 16:
-                raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be 16-byte aligned")
+        for s in segs:  # the wide loads (KQ_WIDE_ALIGN; arena.py ALIGN = 256 gives it)
+            a = KQ_WIDE_ALIGN.get(s.w.type_id, 1) if GEMV_KQ == "wide" else 1
+            if s.w.ptr % a:
+                raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
         k = module.kernel_in("gemv.cu", f"{prefix}_{mode}_w{wpr}_b{nw}",
                              ("ACT_Q8_1",) if impl == "q8_1" else ())
         smem = gemv_smem(K, impl)

@@ -8,11 +8,12 @@
 //      the norm weight, llama.cpp src/models/qwen2.cpp), then quantised per 32-value block
 //      to int16 codes with a float scale, plus the sum of every 8 codes (qdot8's offsets).
 //   3. walk its rows (grid-stride, each iteration prefetching the rows PF_AHEAD ahead): for
-//      Q4_K, Q5_K and Q6_K 8 lanes share a 256-value super-block and each lane takes 32
-//      weights (row_dot_wide, kwide.cuh: 2-9 global loads per 32 weights); for the other
-//      formats, or with the segment type's NARROW_BIT set (backends/engine/ops.py,
-//      GGUF_HARNESS_GEMV_KQ=narrow, kept for same-run A/B), every lane takes 8 weights per
-//      256-value group and calls qdot8 (integer dp2a, qdot.cuh).
+//      Q4_K, Q5_K, Q6_K and IQ4_XS 8 lanes share a 256-value super-block and each lane takes
+//      32 weights (row_dot_wide, kwide.cuh, and row_dot_wide_iq4, kwide_iq4.cuh: 2-9 global
+//      loads per 32 weights); for the other formats, or with the segment type's NARROW_BIT
+//      set (backends/engine/ops.py, GGUF_HARNESS_GEMV_KQ=narrow, kept for same-run A/B),
+//      every lane takes 8 weights per 256-value group and calls qdot8 (integer dp2a, qdot.cuh;
+//      the I-quants behind the non-inlined row_dot_iq).
 // Epilogues: store (+bias), add into the output (residual stream), SwiGLU of a gate/up
 // pair (silu(gate) * up, llm_graph_context::build_ffn with LLM_FFN_SILU + LLM_FFN_PAR).
 //
@@ -23,6 +24,7 @@
 // stays far more accurate than llama.cpp (tests/test_engine_kernels.py derives the bound).
 #include "qdot.cuh"
 #include "kwide.cuh"
+#include "kwide_iq4.cuh"
 #include "segs.cuh"
 
 #ifndef ROW_UNROLL
@@ -247,17 +249,25 @@ template <int T> __device__ __forceinline__ float2 row_dot2(const u8* r0, const 
     X(T_Q8_0) X(T_Q2_K) X(T_Q3_K)
 // ... and wide loops (row_dot_wide, kwide.cuh) with the per-8 loop as type | NARROW_BIT.
 #define FOR_EACH_WIDE_TYPE(X) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K)
+// IQ4_XS also has a wide loop (row_dot_wide_iq4, kwide_iq4.cuh; in row_dot_kq / row_dot2_kq);
+// its per-8 loop under NARROW_BIT stays the non-inlined I-quant call (row_dot_iq).
 #define NARROW_BIT 0x100  // set in a segment's type by ops.py for GGUF_HARNESS_GEMV_KQ=narrow
 // I-quants: row loops in one non-inlined function. Inlined as 9 more cases they changed the
 // register allocation of every kernel (nvcc 13, sm_90: swiglu w2_b8 79 -> 128 registers, 24 ->
 // 16 resident warps per SM; store w1_b4 52 -> 62) although each format alone fitted; behind a
-// call the kernels keep their registers and occupancy, and only I-quant rows pay the call and
-// generic (not shared-window) loads of x. Gate/up pairs of I-quants run as two calls (no row_dot2).
-// (FOR_EACH_IQ_TYPE: iquants.cuh)
+// call the kernels keep their registers and occupancy, and only I-quant rows pay the call.
+// Gate/up pairs of I-quants run as two calls (no row_dot2). IQ4_XS takes the inlined wide loop
+// instead unless NARROW_BIT is set (kwide_iq4.cuh). (FOR_EACH_IQ_TYPE: iquants.cuh)
+// x is addressed from the shared array itself, not passed as pointers (until v7 it was: 3
+// generic pointers as call arguments, generic loads): fewer values live across the call.
+extern __shared__ int4 smem4[];  // the staged x (stage_xq layout above)
 
-__device__ __noinline__ float row_dot_iq(int type, const u8* row, const int4* xq, const int* xs,
-                                         const float* xd, int K, int lane, int g0, int gstep) {
-    switch (type) {
+__device__ __noinline__ float row_dot_iq(int type, const u8* row, int K, int lane, int g0, int gstep) {
+    const int Kp = (K + 255) & ~255;
+    const int4* xq = smem4;
+    const int* xs = (const int*)(smem4 + Kp / 8);
+    const float* xd = (const float*)(xs + Kp / 8);
+    switch (type & ~NARROW_BIT) {  // IQ4_XS | NARROW_BIT: its per-8 loop (GGUF_HARNESS_GEMV_KQ=narrow)
 #define CASE(T) case T: return row_dot<T>(row, xq, xs, xd, K, lane, g0, gstep);
         FOR_EACH_IQ_TYPE(CASE)
 #undef CASE
@@ -265,18 +275,22 @@ __device__ __noinline__ float row_dot_iq(int type, const u8* row, const int4* xq
     return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
 }
 
-// Q4_K, Q5_K, Q6_K wide loops (kwide.cuh), reached after the switch of the other formats.
-// Inlined: behind a __noinline__ call as for the I-quants every store/add kernel rose to 64
-// registers (nvcc 13, sm_90; a kernel needs its callee's register count). Register counts
-// react to the shape of this dispatch (a single switch with the wide cases gave 12-16 byte
-// spills in the w1_b8 and w8_b8 kernels): compare ptxas -v before changing it.
-__device__ __forceinline__ bool is_wide(int type) { return type >= T_Q4_K && type <= T_Q6_K; }
+// Q4_K, Q5_K, Q6_K (kwide.cuh) and IQ4_XS (kwide_iq4.cuh) wide loops, reached after the switch
+// of the other formats. Inlined: behind a __noinline__ call as for the I-quants every store/add
+// kernel rose to 64 registers (nvcc 13, sm_90; a kernel needs its callee's register count).
+// Register counts react to the shape of this dispatch (a single switch with the wide cases gave
+// 12-16 byte spills in the w1_b8 and w8_b8 kernels): compare ptxas -v before changing it
+// (docs/perf-notes.md v7 has the table of the IQ4_XS addition).
+__device__ __forceinline__ bool is_wide(int type) {
+    return (type >= T_Q4_K && type <= T_Q6_K) || type == T_IQ4_XS;
+}
 __device__ __forceinline__ float row_dot_kq(int type, const u8* row, XS xa, int K, int lane, int g0,
                                             int gstep) {
     switch (type) {
 #define CASE(T) case T: return row_dot_wide<T>(row, xa, K, lane, g0, gstep);
         FOR_EACH_WIDE_TYPE(CASE)
 #undef CASE
+        case T_IQ4_XS: return row_dot_wide_iq4(row, xa, K, lane, g0, gstep);
     }
     return __int_as_float(0x7fc00000);
 }
@@ -286,6 +300,7 @@ __device__ __forceinline__ float2 row_dot2_kq(int type, const u8* r0, const u8* 
 #define CASE(T) case T: return row_dot2_wide<T>(r0, r1, xa, K, lane, g0, gstep);
         FOR_EACH_WIDE_TYPE(CASE)
 #undef CASE
+        case T_IQ4_XS: return row_dot2_wide_iq4(r0, r1, xa, K, lane, g0, gstep);
     }
     return make_float2(__int_as_float(0x7fc00000), __int_as_float(0x7fc00000));
 }
@@ -302,7 +317,7 @@ __device__ __forceinline__ float row_dot_any(int type, const u8* row, const int4
 #undef CASE
     }
     if (is_wide(type)) return row_dot_kq(type, row, xs_addr(xq, xs, xd), K, lane, g0, gstep);
-    return row_dot_iq(type, row, xq, xs, xd, K, lane, g0, gstep);
+    return row_dot_iq(type, row, K, lane, g0, gstep);  // IQ4_XS | NARROW_BIT included
 }
 
 __device__ __forceinline__ float2 row_dot2_any(int t0, int t1, const u8* r0, const u8* r1, const int4* xq,
@@ -328,9 +343,9 @@ __device__ __forceinline__ float2 row_dot2_any(int t0, int t1, const u8* r0, con
 template <int MODE, int WPR, int NW>
 __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, float eps, int K,
                           int total_rows) {
-    extern __shared__ int4 smem4[];
     __shared__ float scratch[32];
     __shared__ float part[2][NW];
+    __shared__ float xsc[NW];  // the norm's scale per warp: read per row, not kept in a register
     const int Kp = (K + 255) & ~255;
     int4* xq = smem4;
     int* xs = (int*)(smem4 + Kp / 8);
@@ -345,7 +360,7 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
         prefetch_row(t, first + i * stride, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
     pdl_trigger();  // the next node may launch and start its own prefetch now
-    const float xscale = stage_xq(x, norm, eps, K, xq, xs, xd, scratch);
+    xsc[warp] = stage_xq(x, norm, eps, K, xq, xs, xd, scratch);  // every lane: the same value
     for (int base = blockIdx.x * rows_per_block; base < total_rows; base += stride) {
         int row = base + warp / WPR;
         prefetch_row(t, row + PF_AHEAD * stride, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
@@ -365,6 +380,7 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
                                 xq, xs, xd, K, lane, sub, WPR);
             }
         }
+        const float xscale = xsc[warp];
         y = warp_sum(y) * xscale;
         if (MODE == 2) up = warp_sum(up) * xscale;
         combine_warps<WPR>(y, up, part[0], part[1], warp, sub, lane);
