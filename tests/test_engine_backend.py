@@ -42,9 +42,18 @@ def _teacher_forced(backend, ids):
 def test_engine_matches_oracle(fixture, request):
     path = request.getfixturevalue(fixture)
     from backends.engine import ops as eops
+    if eops.GEMV_IMPL == "q8_1":
+        # int8 codes are too coarse for an end-to-end bound: the engine's fp32 inputs differ
+        # from the oracle's fp64 ones by ~1e-7, which now and then flips one code; one flip
+        # moves a K=64 dot product by ~3e-3 and the next GEMV then flips a few % of its codes
+        # (measured on tiny_qwen2_q: every node within 3e-7 until position 6, then 3.9e-3 at
+        # l_out-0 and 2e-2 one layer later; 7.6e-3 of the logit range at the prompt's end).
+        # The q8_1 kernels are checked where inputs are identical: tests/test_engine_q8_1.py.
+        # docs/llamacpp-cuda-numerics.md has the measurements.
+        pytest.skip("GGUF_HARNESS_GEMV=q8_1: int8 input rounding is chaotic end to end")
     eng = _engine(path)
     # same KV precision and GEMV input rounding as the engine (see the tolerance below)
-    orc = _oracle(path, kv_round="f16", act_round={"q16": "engine", "q8_1": "q8_1"}.get(eops.GEMV_IMPL))
+    orc = _oracle(path, kv_round="f16", act_round={"q16": "engine"}.get(eops.GEMV_IMPL))
     ref = [np.asarray(orc.prefill(PROMPT), np.float64)]
     ref64 = [orc.last_logits64]
     ids = [int(np.argmax(ref64[0]))]
@@ -66,13 +75,7 @@ def test_engine_matches_oracle(fixture, request):
         # the input by one step (amax / 32767); through the layers that measured 3.0e-5 of
         # the range on both tiny models (engine v4). 1e-4 keeps a 3x margin; a kernel bug
         # moves logits by ~1e-2 of the range or more.
-        # q8_1 (GGUF_HARNESS_GEMV=q8_1, llama.cpp's int8 rounding; oracle act_round "q8_1"): a
-        # code flips only within ~4e-5 of a half-way point (the kernel quantises x * w, this
-        # oracle the normalised vector: the quotients differ by ~5 float32 roundings, <= 4e-5
-        # code units; ~8e-5 of the inputs with a fused norm, none without), but moves by amax / 127: per
-        # GEMV ~(8e-5 / 127) / (6e-3 / 32767) = 1.7x the q16 effect, so ~5e-5 of the range
-        # expected; 2e-4 keeps a 4x margin (not yet measured: first GPU run pending).
-        tol = {"q16": 1e-4, "q8_1": 2e-4}.get(eops.GEMV_IMPL, 2e-5)
+        tol = {"q16": 1e-4}.get(eops.GEMV_IMPL, 2e-5)
         assert c["max_abs"] <= tol * (r.max() - r.min()), f"step {i}: {c}"
         if c["ref_margin_rel"] > 1e-3:
             assert c["top1_agree"], f"step {i}: top-1 differs at margin {c['ref_margin_rel']}"
