@@ -1,4 +1,4 @@
-"""Command line: `harness run | verify | models | report | synth | ab | bench-table | bench | plan`.
+"""Command line: `harness run | verify | models | report | synth | ab | bench-table | bench | plan | layerdiff`.
 
 Top-down map of the project:
   harness run     -> harness.run.verify_model (reference + backends, step by step)
@@ -12,6 +12,8 @@ Top-down map of the project:
   harness bench-table -> harness.benchtable (llama-bench style pp/tg table of a result)
   harness bench   -> harness.bench_cmd -> harness.bench_nodes (engine step, node by node)
   harness plan    -> harness.plan_cmd -> harness.plan (GPU memory capacity plan)
+  harness layerdiff -> harness.layerdiff_cmd -> harness.layerdiff / harness.engine_layerdiff
+                     (oracle vs llama.cpp or the engine, node by node)
 Errors of the user's input (HarnessError) print one line and exit 2; no traceback.
 """
 from __future__ import annotations
@@ -97,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     from .plan_cmd import add_plan_parser
     add_plan_parser(sub)
+    from .layerdiff_cmd import add_layerdiff_parser
+    add_layerdiff_parser(sub)
     return ap
 
 
@@ -157,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "plan":
             from .plan_cmd import run_plan
             return run_plan(args, console)
+        if args.cmd == "layerdiff":
+            from .layerdiff_cmd import run_layerdiff
+            return run_layerdiff(args, console)
         from .main_job import run_job
         return run_job(args, console)
     except HarnessError as e:
