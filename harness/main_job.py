@@ -99,14 +99,18 @@ def tokenize_prompt(model, text: str, n_tokens: int | None):
     """Prompt ids through llama.cpp (child process), and a detokeniser for the report."""
     from backends.registry import create
     tok = create("llamacpp", in_child=True)
-    tok.load(model, RunConfig(n_ctx=64, n_batch=64, n_ubatch=64))
-    ids = tok.tokenize(text)
-    if n_tokens is not None:
-        if len(ids) < n_tokens:
-            raise ConfigError(f"the prompt gives only {len(ids)} tokens, need {n_tokens}")
-        ids = ids[:n_tokens]
-    if not ids:
-        raise ConfigError("the prompt is empty: it tokenises to no ids")
+    try:
+        tok.load(model, RunConfig(n_ctx=64, n_batch=64, n_ubatch=64))
+        ids = tok.tokenize(text)
+        if n_tokens is not None:
+            if len(ids) < n_tokens:
+                raise ConfigError(f"the prompt gives only {len(ids)} tokens, need {n_tokens}")
+            ids = ids[:n_tokens]
+        if not ids:
+            raise ConfigError("the prompt is empty: it tokenises to no ids")
+    except BaseException:
+        tok.close()  # the tokenizer's child process: nobody else holds it on this path
+        raise
     return tok, ids
 
 

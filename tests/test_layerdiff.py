@@ -28,6 +28,15 @@ def test_compare_node_statuses():
     assert llama_name("v_conv", 2) == "v_conv_predelta-2"
 
 
+def test_compare_node_last_row_when_llama_kept_only_the_output_row():
+    ref = np.arange(12, dtype=np.float64).reshape(3, 4)  # [n_tokens, n_embd]
+    last = compare_node(0, "l_out", 23, ref, ref[-1].astype(np.float32), 1e-3)
+    assert last.status == "ok" and last.n == 4
+    wrong = compare_node(0, "l_out", 23, ref, ref[0].astype(np.float32), 1e-3)
+    assert wrong.status == "bad"  # the first row is not the output row
+    assert compare_node(0, "l_out", 23, ref, np.ones(6), 1e-3).status == "size"
+
+
 def test_first_bad_is_the_first_in_order():
     ref = [("a", 0, np.ones(3)), ("b", 0, np.ones(3)), ("c", 1, np.ones(3))]
     got = {"a-0": np.ones(3), "b-0": np.full(3, 2.0), "c-1": np.full(3, 5.0)}
