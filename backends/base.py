@@ -17,6 +17,7 @@ CAP_CAPTURE = "capture"    # named intermediate tensors for layer-by-layer diffs
 CAP_GRAPH = "graph"        # decode step replayed as a CUDA graph
 CAP_TIMINGS = "timings"    # prefill/decode wall-clock seconds
 CAP_LOGITS_ROWS = "logits_rows"  # float64 logits of every fed position + rewind (oracle)
+CAP_MEMORY = "memory"      # info() holds planned vs measured device memory (engine)
 
 
 @runtime_checkable

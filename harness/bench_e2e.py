@@ -10,6 +10,8 @@ Decode tok/s = n_decode / median decode seconds; effective bandwidth = decode we
 per step (harness.model_bytes) / step time, as % of the copy bandwidth. Engine/llama.cpp
 ratios are reported per context. Throughput is only meaningful next to a passing
 verification of the same backend, so it is only run after one, into the same result.
+A backend with the "memory" capability (the engine) adds its planned vs measured device
+memory after the bench to the row (row["memory"], MEMORY_KEYS of its info()).
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ from dataclasses import replace
 
 from .config import ModelRef, RunConfig
 from .errors import HarnessError
+
+# the engine's info() fields recorded per bench row (backends/engine/backend.py info())
+MEMORY_KEYS = ("token_embd", "planned_bytes", "plan_free_bytes", "vram_limit", "bytes_resident",
+               "bytes_host", "kv_bytes", "pool_bytes", "measured_bytes_load", "measured_bytes_step")
 
 
 def _row(name: str, n_ctx: int, r: dict, n_prompt: int, n_decode: int, step_bytes: int,
@@ -55,6 +61,7 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
                 row = _row(name, n_ctx, r, len(prompt_ids), n_decode, step_bytes, copy_gbs)
                 if mem_used:
                     row["gpu_mem_used_bytes"] = mem_used() - before
+                row.update(_memory(b))
                 rows.append(row)
                 log(f"{name} c={n_ctx}: decode {row['decode_tok_s']:.1f} tok/s "
                     f"({row['ms_per_token']:.3f} ms/token), prefill {row['prefill_tok_s']:.0f} tok/s")
@@ -69,6 +76,15 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
                         pass
     return {"rows": rows, "errors": errors, "ratios": _ratios(rows), "copy_gb_s": copy_gbs,
             "n_decode": n_decode, "reps": reps}
+
+
+def _memory(backend) -> dict:
+    """{"memory": planned vs measured device memory} of a backend that reports it, else {}."""
+    from backends.base import CAP_MEMORY
+    if CAP_MEMORY not in backend.capabilities():
+        return {}
+    info = backend.info()
+    return {"memory": {k: info.get(k) for k in MEMORY_KEYS}}
 
 
 def rep_rates(n_tokens, seconds) -> list[float]:

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import models
+from .config import EMBD_PLACEMENTS
 from .errors import ConfigError, HarnessError
 
 # wide tables when output is a file or CI log (rich defaults to 80 columns there)
@@ -45,6 +46,12 @@ def _add_verify_args(p: argparse.ArgumentParser, *, standard: bool) -> None:
                    help="llama.cpp layers on the GPU (default: 99 with a GPU, else 0)")
     p.add_argument("--no-flash-attn", action="store_true", help="llama.cpp flash attention off")
     p.add_argument("--kv-type", default="f16", help="KV cache type: f16, f32, q8_0")
+    p.add_argument("--vram-limit", type=int, default=None, metavar="BYTES",
+                   help="engine: plan against min(free device memory, BYTES), emulating a "
+                   "smaller card (default: the free memory)")
+    p.add_argument("--embd-placement", choices=EMBD_PLACEMENTS, default="auto",
+                   help="engine: token_embd in device memory, in mapped host memory (one row "
+                   "per token read over PCIe), or auto (host only when the model does not fit)")
     p.add_argument("--no-teacher-forced", action="store_true", help="greedy runs only")
     p.add_argument("--out", default="out", help="output root (runs go to OUT/runs/...)")
     p.add_argument("--no-report", action="store_true", help="write result.json only")

@@ -7,6 +7,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 KV_TYPES = ("f16", "f32", "q8_0")
+EMBD_PLACEMENTS = ("auto", "device", "host")  # the engine's token_embd placement (harness.plan)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class RunConfig:
     flash_attn: llama.cpp flash attention; kv_type: KV cache element type; seed: RNG seed
     (greedy decoding does not use it, recorded for completeness); use_extra_bufts: llama.cpp
     extra buffer types (off: ggml's AMX/repack path crashes on the CI CPUs, see README).
+    Engine only: vram_limit: plan against min(the device's free bytes, this) to emulate a
+    smaller card (None: the free bytes); embd_placement: token_embd in device memory
+    ("device"), in page-locked host memory read one row per token ("host"), or "auto" (the
+    planner's choice: the host only when the model does not fit otherwise; harness.plan).
     """
 
     n_ctx: int = 512
@@ -46,6 +51,8 @@ class RunConfig:
     kv_type: str = "f16"
     seed: int = 1
     use_extra_bufts: bool = False
+    vram_limit: int | None = None
+    embd_placement: str = "auto"
 
     def __post_init__(self) -> None:
         if self.n_ctx < 8:
@@ -56,6 +63,13 @@ class RunConfig:
             raise ConfigError(f"n_threads must be >= 1, got {self.n_threads}")
         if self.kv_type not in KV_TYPES:
             raise ConfigError(f"kv_type must be one of {KV_TYPES}, got {self.kv_type!r}")
+        if self.vram_limit is not None and (isinstance(self.vram_limit, bool)
+                                            or not isinstance(self.vram_limit, int)
+                                            or self.vram_limit < 1):
+            raise ConfigError(f"vram_limit must be a number of bytes >= 1, got {self.vram_limit!r}")
+        if self.embd_placement not in EMBD_PLACEMENTS:
+            raise ConfigError(f"embd_placement must be one of {EMBD_PLACEMENTS}, "
+                              f"got {self.embd_placement!r}")
 
     def to_json(self) -> dict:
         return asdict(self)

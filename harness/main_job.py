@@ -77,6 +77,9 @@ def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
     for flag in ("bench_decode", "bench_reps"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    limit = getattr(args, "vram_limit", None)
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--vram-limit must be >= 1 byte, got {limit}")
     prompt = getattr(args, "prompt", None)
     if prompt is not None and not prompt.strip():
         raise ConfigError("the prompt is empty")
@@ -126,7 +129,8 @@ def run_job(args, console: Console) -> int:
     gpu = gpu_info()
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (99 if gpu else 0)
     base = RunConfig(n_threads=args.threads, n_gpu_layers=ngl, flash_attn=not args.no_flash_attn,
-                     kv_type=args.kv_type)
+                     kv_type=args.kv_type, vram_limit=getattr(args, "vram_limit", None),
+                     embd_placement=getattr(args, "embd_placement", "auto"))
     console.print(f"model [bold]{escape(model.name)}[/] ({escape(str(info.arch))}, {model.size:,} B) "
                   f"backends {names} reference {args.reference}")
     tok, ids = tokenize_prompt(model, text, n_tok)

@@ -5,9 +5,12 @@
 
 against the memory really free on the device (cudaMemGetInfo, or `--free` / `--vram-limit`
 to emulate a smaller card). If the weights do not fit, token_embd (read one row per token)
-can live on the host: the decode step then sends one row per token to the device through a
-staging buffer. Over budget -> ModelError with the figures, before anything is allocated;
-the context is never shortened and the KV precision never lowered to make it fit.
+can live on the host: the decode step then sends one row per token to the device (the
+engine's embedding kernel reads it straight from mapped page-locked host memory; the plan
+still counts one row of device staging, a bound). The engine plans with engine_plan (its
+--vram-limit / --embd-placement settings, harness.config.RunConfig). Over budget ->
+ModelError with the figures, before anything is allocated; the context is never shortened
+and the KV precision never lowered to make it fit.
 
 Sizes (bytes): KV = 2 (k, v) x 2 (fp16) x n_ctx x n_kv x head_dim per attention layer;
 DeltaNet state = Hv x S x S fp32 (the [48,128,128] matrix per layer at the 27B shape) plus the
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import ModelError, UnsupportedError
+from .config import EMBD_PLACEMENTS
+from .errors import ConfigError, ModelError, UnsupportedError
 from .gguf_file import GGUFInfo
 
 MiB = 1 << 20
@@ -154,6 +158,30 @@ def plan_model(info: GGUFInfo, n_ctx: int, free: int, embd_on_host: bool | None 
     tied = "output.weight" not in info.tensors
     host = False if tied else embd_on_host  # a tied head reads the whole table every step
     return plan_sizes(weights, e.nbytes, e.row_bytes, s, n_ctx, free, host, safety)
+
+
+def budget(free: int, vram_limit: int | None) -> int:
+    """The device bytes a plan is made against: the free bytes, capped at vram_limit (a
+    smaller card emulated on a larger one)."""
+    return int(free) if vram_limit is None else min(int(free), int(vram_limit))
+
+
+def engine_plan(info: GGUFInfo, n_ctx: int, free: int, vram_limit: int | None = None,
+                placement: str = "auto", safety: int = SAFETY_BYTES) -> Plan:
+    """The plan the engine loads with (backends/engine/backend.py; pure, no GPU needed):
+    plan_model against budget(free, vram_limit), token_embd on the device ("device"), on the
+    host ("host") or where plan_model puts it ("auto": the host only when the model does not
+    fit otherwise). The caller refuses with require_fit before allocating anything.
+    ConfigError: an unknown placement, or "host" for a model whose output head is token_embd
+    itself (tied: the head reads the whole table every step, so it stays on the device)."""
+    if placement not in EMBD_PLACEMENTS:
+        raise ConfigError(f"token_embd placement must be one of {EMBD_PLACEMENTS}, got {placement!r}")
+    if placement == "host" and "output.weight" not in info.tensors:
+        raise ConfigError(f"{info.path.name}: token_embd is also the output head (no output.weight) "
+                          "and is read whole every step: it cannot live on the host (placement "
+                          "auto or device)")
+    on_host = {"auto": None, "device": False, "host": True}[placement]
+    return plan_model(info, n_ctx, budget(free, vram_limit), embd_on_host=on_host, safety=safety)
 
 
 def require_fit(plan: Plan, what: str) -> None:

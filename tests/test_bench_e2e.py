@@ -24,6 +24,9 @@ class Fake:
         return {"prefill_s": [10 * self.prefill] + [self.prefill] * (reps - 1),
                 "decode_s": [10 * self.decode] + [self.decode] * (reps - 1)}
 
+    def capabilities(self):
+        return set()
+
     def close(self):
         pass
 

@@ -1,8 +1,11 @@
 """EngineBackend: the project's CUDA engine behind the Backend protocol.
 
-load: check the file and the types, plan memory, upload the weights into one arena,
-allocate the step buffers and KV cache, build the node lists. Each fed token is one replay
-of a captured CUDA graph (prompt tokens whose logits are not needed skip the head).
+load: check the file and the types, plan memory (harness.plan.engine_plan: free device
+bytes capped at RunConfig.vram_limit; token_embd on the device or, per
+RunConfig.embd_placement, in mapped page-locked host memory read one row per token), upload
+the weights into one arena, allocate the step buffers and KV cache, build the node lists.
+Each fed token is one replay of a captured CUDA graph (prompt tokens whose logits are not
+needed skip the head). info() reports the plan against measured device memory.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from harness.config import ModelRef, RunConfig
 from harness.errors import ConfigError, ModelError, NumericError, UnsupportedError
 from harness.gguf_file import open_gguf
 
-from ..base import CAP_GRAPH, CAP_NODES, CAP_TIMINGS
+from ..base import CAP_GRAPH, CAP_MEMORY, CAP_NODES, CAP_TIMINGS
 from .executor import Executor
 from . import ops as _ops
 from .formats import check_type
@@ -53,27 +56,46 @@ class EngineBackend:
         for n in names:
             check_type(info.tensor(n).type_id, n)
         n_vocab = info.tensor("token_embd.weight").ne[1]
-        self._plan(info, model.name, cfg.n_ctx)
-        self.arena = Arena(info, names)
-        self.bufs = arch.Buffers.allocate(p, n_vocab, cfg.n_ctx)
-        body, head = arch.build(self.arena, self.bufs, p, cfg.n_ctx)
+        pool = cp.get_default_memory_pool()
+        free0 = int(cp.cuda.runtime.memGetInfo()[0])  # with the CUDA context, before any allocation
+        pool0 = pool.used_bytes()
+        plan = self._plan(info, model.name, cfg, free0)
+        host = [n for n, _ in plan.host]  # ["token_embd.weight"] or none
+        self.arena = Arena(info, names, host=host)
+        try:
+            self.bufs = arch.Buffers.allocate(p, n_vocab, cfg.n_ctx)
+            body, head = arch.build(self.arena, self.bufs, p, cfg.n_ctx)
+        except BaseException:  # not loaded, so close() frees nothing: free the arena here
+            self.arena.close()
+            raise
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.prompt_exec = Executor(body, self.stream)
         self.step_exec = Executor(body + head, self.stream)
         self.params, self.n_vocab, self.n_ctx = p, n_vocab, cfg.n_ctx
+        self.vram_limit = cfg.vram_limit
+        self._free_at_load = free0
+        self.pool_bytes = pool.used_bytes() - pool0
+        self.measured_bytes_load = self._device_used()
+        self.measured_bytes_step = None
         self._loaded = True
         self.reset()
 
-    def _plan(self, info, name: str, n_ctx: int) -> None:
-        """Refuse before allocating when the capacity plan (harness.plan: weights + KV +
-        workspace + safety margin against cudaMemGetInfo's free bytes) does not fit.
-        token_embd stays on the device: the engine has no host placement yet."""
+    def _plan(self, info, name: str, cfg: RunConfig, free: int):
+        """The capacity plan (harness.plan.engine_plan: weights + KV + workspace + safety
+        margin against min(free, cfg.vram_limit), token_embd placed per cfg.embd_placement);
+        ModelError before anything is allocated when it does not fit."""
+        from harness.plan import engine_plan, require_fit
+        plan = engine_plan(info, cfg.n_ctx, free, cfg.vram_limit, cfg.embd_placement)
+        what = f"engine: {name}" + (f" (--vram-limit {cfg.vram_limit:,} B)" if cfg.vram_limit else "")
+        require_fit(plan, what)
+        self.plan, self.planned_bytes = plan, plan.need
+        return plan
+
+    def _device_used(self) -> int:
+        """Device bytes in use now minus at the start of load() (cudaMemGetInfo: device-wide,
+        so other processes' allocations in between count too; allocation granularity ~2 MiB)."""
         import cupy as cp
-        from harness.plan import plan_model, require_fit
-        free, _ = cp.cuda.runtime.memGetInfo()
-        plan = plan_model(info, n_ctx, free, embd_on_host=False)
-        require_fit(plan, f"engine: {name}")
-        self.planned_bytes = plan.need
+        return self._free_at_load - int(cp.cuda.runtime.memGetInfo()[0])
 
     # -- Backend protocol ------------------------------------------------------------------
     def reset(self) -> None:
@@ -90,7 +112,12 @@ class EngineBackend:
         if self.pos >= self.n_ctx:
             raise ConfigError(f"context full: n_ctx={self.n_ctx}")
         self.bufs.state.set(np.array([token, self.pos, 0, 0], np.int32), stream=self.stream)
-        (self.step_exec if with_head else self.prompt_exec).replay()
+        ex = self.step_exec if with_head else self.prompt_exec
+        first = ex.graph is None
+        ex.replay()
+        if first:  # the graph was just captured and instantiated: its device memory counts
+            used = self._device_used()
+            self.measured_bytes_step = max(used, self.measured_bytes_step or 0)
         self.pos += 1
 
     def prefill(self, tokens) -> np.ndarray:
@@ -119,13 +146,15 @@ class EngineBackend:
                            f"first NaN/Inf produced by node {where}")
 
     def capabilities(self) -> set[str]:
-        return {CAP_GRAPH, CAP_NODES, CAP_TIMINGS}
+        return {CAP_GRAPH, CAP_MEMORY, CAP_NODES, CAP_TIMINGS}
 
     def close(self) -> None:
         if self._loaded:
             import cupy as cp
             self.stream.synchronize()
-            del self.arena, self.bufs, self.prompt_exec, self.step_exec
+            del self.bufs, self.prompt_exec, self.step_exec  # the graphs first: they read the arena
+            self.arena.close()  # device arena and the pinned host memory of token_embd
+            del self.arena
             cp.get_default_memory_pool().free_all_blocks()
             self._loaded = False
 
@@ -188,7 +217,21 @@ class EngineBackend:
         return rows
 
     def info(self) -> dict:
+        """Step facts and memory, predicted vs measured: planned_bytes (plan.need: weights on
+        the device + KV + workspace + staging + safety margin) against plan_free_bytes
+        (min(free at load, vram_limit)); token_embd: "device" or "host" (page-locked, mapped:
+        bytes_host); measured_bytes_load / measured_bytes_step: cudaMemGetInfo's free bytes at
+        the start of load() minus after load / after the step graphs were first captured and
+        run (None before a step; device-wide, so it includes CUDA module and graph memory and
+        any other process's allocations); pool_bytes: CuPy memory-pool bytes the engine's own
+        arrays took at load (weights arena, step buffers, KV cache, node workspaces)."""
         return {"bytes_resident": self.arena.bytes_resident, "kv_bytes": self.bufs.kv_bytes(),
-                "planned_bytes": self.planned_bytes, "nodes_per_step": len(self.step_exec.nodes),
+                "planned_bytes": self.planned_bytes, "plan_free_bytes": self.plan.free,
+                "vram_limit": self.vram_limit,
+                "token_embd": "host" if self.arena.on_host("token_embd.weight") else "device",
+                "bytes_host": self.arena.bytes_host, "pool_bytes": self.pool_bytes,
+                "measured_bytes_load": self.measured_bytes_load,
+                "measured_bytes_step": self.measured_bytes_step,
+                "nodes_per_step": len(self.step_exec.nodes),
                 "bytes_per_step": sum(n.bytes for n in self.step_exec.nodes),
                 "gemv_impl": _ops.GEMV_IMPL, "attn_impl": _ops.ATTN_IMPL}
