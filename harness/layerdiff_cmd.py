@@ -129,13 +129,7 @@ def check_args(args) -> None:
     if args.gpu and args.against == "engine":
         raise ConfigError("--gpu selects llama.cpp on CUDA; the engine always runs on the GPU "
                           "(drop --gpu with --against engine)")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a folder")
-    try:
-        (out / "runs").mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot create the output folder {out}: {e}") from None
+    results.check_out_root(args.out)
 
 
 def check_backends(args) -> dict:

@@ -88,13 +88,7 @@ def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {n_tok}")
     if prompt is None and n_tok is None:
         n_tok = STANDARD_PROMPT_TOKENS
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a folder")
-    try:
-        (out / "runs").mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot create the output folder {out}: {e}") from None
+    results.check_out_root(args.out)
     return _contexts(args.contexts), prompt if prompt is not None else STANDARD_PROMPT, n_tok
 
 

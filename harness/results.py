@@ -14,6 +14,20 @@ from pathlib import Path
 SCHEMA = "gguf-harness/run/1"
 
 
+def check_out_root(out: str | Path) -> Path:
+    """The --out folder, with its runs/ subfolder created; ConfigError (before any work) when
+    it is a file or cannot be created."""
+    from .errors import ConfigError
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder")
+    try:
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the output folder {out}: {e}") from None
+    return out
+
+
 def new_run_dir(root: Path, sha: str | None) -> Path:
     """Create and return a fresh run folder under root; never reuses an existing one."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
