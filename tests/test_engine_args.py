@@ -5,6 +5,8 @@ from __future__ import annotations
 import struct
 from types import SimpleNamespace as NS
 
+import numpy as np
+
 from backends.engine import ops
 
 
@@ -30,3 +32,79 @@ def test_narrow_bit_marks_only_the_wide_kquants():
         raw = bytes(memoryview(ops.seg_table_value(segs, narrow)))
         assert [struct.unpack_from("<i", raw, 32 * i + 24)[0] for i in range(4)] == want
     assert ops.NARROW_BIT == 0x100
+
+
+def _launch_kernel_names(monkeypatch, cases, impl="q16", args="value", kq="wide"):
+    """(kernel name, defines, segment types in the table) ops.gemv launches for each
+    (mode, [GGML type ids]) of `cases`, with module's compile/occupancy calls faked (no GPU)."""
+    from backends.engine.arena import DeviceTensor
+    from backends.engine.formats import FORMATS
+    asked = []
+    monkeypatch.setattr(ops.module, "kernel_in", lambda src, name, defines=(): asked.append(
+        (src, name, tuple(defines))) or NS(name=name))
+    monkeypatch.setattr(ops.module, "allow_smem", lambda k, n: None)
+    monkeypatch.setattr(ops.module, "blocks_per_sm", lambda k, threads, smem: 2)
+    monkeypatch.setattr(ops.module, "sm_count", lambda: 132)
+    monkeypatch.setattr(ops, "_device_bytes", lambda raw: NS(raw=raw))
+    monkeypatch.setattr(ops, "GEMV_IMPL", impl)
+    monkeypatch.setattr(ops, "GEMV_ARGS", args)
+    monkeypatch.setattr(ops, "GEMV_KQ", kq)
+    K, rows, got = 2048, 64, []
+    for mode, types in cases:
+        segs = []
+        for i, t in enumerate(types):
+            f = FORMATS[t]
+            rb = K // f.block_size * f.type_size
+            w = DeviceTensor(f"w{i}", 1 << 20 + i, t, (K, rows), rb, rb * rows)
+            segs.append(ops.Seg(w, NS(size=rows, data=NS(ptr=4096 * (i + 1)))))
+        node = ops.gemv("n", mode, segs, NS(), K)
+        table = node.args[0] if args == "value" else np.frombuffer(node.args[0].raw, ops.TABLE_DT)[0]
+        src, name, defines = asked[-1]
+        assert src == "gemv.cu" and node.kernel.name == name
+        got.append((name, defines, [int(table["s"][i]["type"]) for i in range(len(types))]))
+    return got
+
+
+def test_gemv_takes_the_iq4_kernels_exactly_for_iq4_xs_segments(monkeypatch):
+    """The wide IQ4_XS loop is compiled only into the _iq4 GEMV kernels (kernels/gemv.cu with
+    -DGEMV_IQ4, engine v8); every other node must keep v6's kernels. An IQ4_XS segment
+    anywhere in the table (QKV-like triple, gate/up pair, mixed pair) selects them; the other
+    I-quants (IQ4_NL 20, IQ3_S 21) and K-quants do not."""
+    Q8_0, Q4_K, Q6_K, IQ4_NL, IQ3_S, IQ4_XS = 8, 12, 14, 20, 21, 23
+    cases = [("store", [Q8_0]), ("store", [Q4_K, Q6_K, IQ4_XS]), ("add", [IQ4_XS]),
+             ("swiglu", [IQ4_XS, IQ4_XS]), ("swiglu", [Q6_K, IQ4_XS]), ("swiglu", [Q4_K, Q4_K]),
+             ("store", [IQ4_NL, IQ3_S]), ("add", [Q6_K])]
+    iq4 = [IQ4_XS in types for _, types in cases]
+    assert sum(iq4) == 4
+    for impl, extra in (("q16", ()), ("q8_1", ("ACT_Q8_1",))):
+        for args, prefix in (("value", "gemv"), ("pointer", "gemvp")):
+            got = _launch_kernel_names(monkeypatch, cases, impl, args)
+            for (mode, types), has, (name, defines, seg_types) in zip(cases, iq4, got):
+                assert name.startswith(f"{prefix}_{mode}_w") and name.endswith("_iq4") == has, (impl, name)
+                assert defines == extra + (("GEMV_IQ4",) if has else ()), (impl, name)
+                assert seg_types == types  # wide: plain type ids
+    # narrow (per-8 loops): IQ4_XS carries NARROW_BIT, which only the _iq4 kernels' I-quant
+    # call masks (the v6 kernels' row_dot_iq would give NaN), so it must still take them
+    got = _launch_kernel_names(monkeypatch, cases, kq="narrow")
+    for (mode, types), has, (name, defines, seg_types) in zip(cases, iq4, got):
+        assert name.endswith("_iq4") == has and defines == (("GEMV_IQ4",) if has else ())
+        assert seg_types == [t | ops.NARROW_BIT if t in (Q4_K, 13, Q6_K, IQ4_XS) else t for t in types]
+    assert ops.gemv_kernel("gemv", "store", 1, 8, [Q8_0]) == ("gemv_store_w1_b8", ())
+    assert ops.gemv_kernel("gemvp", "swiglu", 4, 8, [IQ4_XS, Q6_K], "q8_1") == (
+        "gemvp_swiglu_w4_b8_iq4", ("ACT_Q8_1", "GEMV_IQ4"))
+
+
+def test_module_kernel_builds_iq4_names_with_the_iq4_define(monkeypatch):
+    """module.kernel (by name, no defines) must look the _iq4 GEMV kernels up in the
+    -DGEMV_IQ4 build, the others in the plain one (kernels/gemv.cu compiles one set per build)."""
+    from backends.engine import module
+    seen = []
+    monkeypatch.setattr(module, "_module", lambda src, defines=(): seen.append((src, tuple(defines))) or
+                        NS(get_function=lambda n: n))
+    module.kernel.cache_clear()
+    try:
+        assert module.kernel("gemv_store_w1_b8") == "gemv_store_w1_b8"
+        assert module.kernel("gemvp_swiglu_w2_b8_iq4") == "gemvp_swiglu_w2_b8_iq4"
+    finally:
+        module.kernel.cache_clear()
+    assert seen == [("gemv.cu", ()), ("gemv.cu", ("GEMV_IQ4",))]

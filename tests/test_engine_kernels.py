@@ -280,12 +280,16 @@ WIDE_K = (256, 768, 1280, 1792, 8960)
 
 
 @pytest.mark.parametrize("kq", ["wide", "narrow"])
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
-    """Q4_K/Q5_K/Q6_K rows on both q16 row loops (ops.GEMV_KQ, kernels/kwide.cuh and the per-8
-    qdot8 loop): super-block counts that leave lanes of a round idle, every block shape
-    (WPR = 8 with fewer super-blocks than the 32 a row's warps cover per round), store, add
-    and gate/up pairs of the same format and mixed with another wide format."""
+    """Q4_K/Q5_K/Q6_K/IQ4_XS rows on both q16 row loops (ops.GEMV_KQ, kernels/kwide.cuh and
+    kwide_iq4.cuh, and the per-8 qdot8 loop; IQ4_XS narrow: the non-inlined I-quant call;
+    IQ4_XS nodes, pairs mixed with Q6_K included, run the _iq4 kernels, ops.gemv_kernel):
+    super-block counts that leave lanes of a round idle, every block shape (WPR = 8 with fewer
+    super-blocks than the 32 a row's warps cover per round), store, add and gate/up pairs of
+    the same format (IQ4_XS: row_dot2_wide_iq4, the 27B's SwiGLU node) and mixed with another
+    wide format. Odd super-block counts put IQ4_XS rows at both 16-byte parities (136-byte
+    blocks: the qs runs are 16-byte aligned in every other block)."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":

@@ -23,6 +23,8 @@ SOURCES = [pytest.param(n, (), marks=pytest.mark.slow) if n == "gemv.cu" else (n
            for n in sorted(p.name for p in module.KERNEL_DIR.glob("*.cu"))]
 # variants the engine compiles with preprocessor defines (module.kernel_in(..., defines))
 SOURCES.append(pytest.param("gemv.cu", ("ACT_Q8_1",), marks=pytest.mark.slow))  # ops GEMV_IMPL q8_1
+# the _iq4 kernels (wide IQ4_XS loop) of nodes with an IQ4_XS segment (ops.gemv_kernel), q16 and q8_1
+SOURCES += [pytest.param("gemv.cu", d + ("GEMV_IQ4",), marks=pytest.mark.slow) for d in ((), ("ACT_Q8_1",))]
 
 
 def _nvrtc():

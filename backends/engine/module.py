@@ -47,8 +47,8 @@ def _headers_digest() -> str:
 def kernel(name: str):
     """The RawKernel `name` from whichever source defines it (KeyError if none does)."""
     # GEMV kernels are instantiated by a GEMV_KERNEL macro: no literal name to search for
-    if name.startswith(("gemv_", "gemvp_")):
-        return _module("gemv.cu").get_function(name)
+    if name.startswith(("gemv_", "gemvp_")):  # the _iq4 ones: the -DGEMV_IQ4 build (ops.gemv_kernel)
+        return _module("gemv.cu", ("GEMV_IQ4",) if name.endswith("_iq4") else ()).get_function(name)
     if name.startswith("gemvf_"):
         return _module("gemv_f32.cu").get_function(name)
     if name.startswith("attn_gqa_d"):  # GQA_KERNEL macro, one per head dim

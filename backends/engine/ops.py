@@ -74,6 +74,10 @@ KQ_WIDE_TYPES = (12, 13, 14, 23)  # Q4_K, Q5_K, Q6_K, IQ4_XS
 # blocks); Q6_K realigns its 2-byte aligned blocks itself.
 KQ_WIDE_ALIGN = {12: 16, 13: 16, 23: 8}
 NARROW_BIT = 0x100            # kernels/gemv.cu NARROW_BIT: per-8 loop for a KQ_WIDE_TYPES segment
+# The wide IQ4_XS loop lives only in the "_iq4" GEMV kernels (kernels/gemv.cu built with
+# -DGEMV_IQ4, engine v8): launched exactly for segment tables holding an IQ4_XS matrix, so that
+# every other node keeps v6's kernels (registers and occupancy, docs/perf-notes.md v8).
+IQ4_XS = 23
 # struct Seg: "type" is the GGML type id, | NARROW_BIT for a Q4_K/Q5_K/Q6_K/IQ4_XS segment on
 # the narrow loop (q16 only: the f32 kernels read the plain id)
 SEG_DT = np.dtype([("w", "<u8"), ("bias", "<u8"), ("out", "<u8"), ("type", "<i4"), ("rows", "<i4")],
@@ -128,14 +132,25 @@ def seg_table(segs: list[Seg], narrow: bool = False):
     return _device_bytes(np.array(seg_table_value(segs, narrow)).tobytes())
 
 
+def gemv_kernel(prefix: str, mode: str, wpr: int, nw: int, type_ids, impl: str = "q16"
+                ) -> tuple[str, tuple[str, ...]]:
+    """(kernel name, preprocessor defines of kernels/gemv.cu) of a q16 / q8_1 GEMV node whose
+    segments have the GGML types `type_ids`: gemv[p]_<mode>_w<wpr>_b<nw>, with the suffix _iq4
+    and -DGEMV_IQ4 (the build holding the wide IQ4_XS loop) exactly when a segment is IQ4_XS,
+    and -DACT_Q8_1 for impl "q8_1"."""
+    iq4 = IQ4_XS in tuple(type_ids)
+    defines = (("ACT_Q8_1",) if impl == "q8_1" else ()) + (("GEMV_IQ4",) if iq4 else ())
+    return f"{prefix}_{mode}_w{wpr}_b{nw}" + ("_iq4" if iq4 else ""), defines
+
+
 def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | None = None,
          eps: float = 0.0, wpr: int | None = None, nw: int | None = None) -> Node:
     """y = W x for every segment (mode "store" | "add" | "swiglu", see kernels/gemv.cu).
 
     x: cupy float32 [K]; every segment's weights must have ne[0] == K. norm: F32 [K] weight
     of an RMSNorm applied to x first. wpr / nw: warps per row / per block (q16 only; default
-    gemv_shape). Q4_K/Q5_K/Q6_K/IQ4_XS rows take the GEMV_KQ loop (q16). Raises UnsupportedError /
-    ValueError on bad input.
+    gemv_shape). Q4_K/Q5_K/Q6_K/IQ4_XS rows take the GEMV_KQ loop (q16; a node with an IQ4_XS
+    segment runs the _iq4 kernel, gemv_kernel). Raises UnsupportedError / ValueError on bad input.
     """
     for s in segs:
         check_type(s.w.type_id, s.w.name)
@@ -165,8 +180,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             a = KQ_WIDE_ALIGN.get(s.w.type_id, 1) if GEMV_KQ == "wide" else 1
             if s.w.ptr % a:
                 raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
-        k = module.kernel_in("gemv.cu", f"{prefix}_{mode}_w{wpr}_b{nw}",
-                             ("ACT_Q8_1",) if impl == "q8_1" else ())
+        k = module.kernel_in("gemv.cu", *gemv_kernel(prefix, mode, wpr, nw,
+                                                     (s.w.type_id for s in segs), impl))
         smem = gemv_smem(K, impl)
     else:
         raise ValueError(f"GGUF_HARNESS_GEMV={GEMV_IMPL!r}: expected one of {', '.join(GEMV_IMPLS)}")

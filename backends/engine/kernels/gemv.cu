@@ -9,11 +9,12 @@
 //      to int16 codes with a float scale, plus the sum of every 8 codes (qdot8's offsets).
 //   3. walk its rows (grid-stride, each iteration prefetching the rows PF_AHEAD ahead): for
 //      Q4_K, Q5_K, Q6_K and IQ4_XS 8 lanes share a 256-value super-block and each lane takes
-//      32 weights (row_dot_wide, kwide.cuh, and row_dot_wide_iq4, kwide_iq4.cuh: 2-9 global
-//      loads per 32 weights); for the other formats, or with the segment type's NARROW_BIT
-//      set (backends/engine/ops.py, GGUF_HARNESS_GEMV_KQ=narrow, kept for same-run A/B),
-//      every lane takes 8 weights per 256-value group and calls qdot8 (integer dp2a, qdot.cuh;
-//      the I-quants behind the non-inlined row_dot_iq).
+//      32 weights (row_dot_wide, kwide.cuh, and row_dot_wide_iq4, kwide_iq4.cuh, the latter
+//      only in the _iq4 kernels: 2-9 global loads per 32 weights); for the other formats, or
+//      with the segment type's NARROW_BIT set (backends/engine/ops.py,
+//      GGUF_HARNESS_GEMV_KQ=narrow, kept for same-run A/B), every lane takes 8 weights per
+//      256-value group and calls qdot8 (integer dp2a, qdot.cuh; the I-quants behind the
+//      non-inlined row_dot_iq / row_dot_iq_smem).
 // Epilogues: store (+bias), add into the output (residual stream), SwiGLU of a gate/up
 // pair (silu(gate) * up, llm_graph_context::build_ffn with LLM_FFN_SILU + LLM_FFN_PAR).
 //
@@ -249,20 +250,35 @@ template <int T> __device__ __forceinline__ float2 row_dot2(const u8* r0, const 
     X(T_Q8_0) X(T_Q2_K) X(T_Q3_K)
 // ... and wide loops (row_dot_wide, kwide.cuh) with the per-8 loop as type | NARROW_BIT.
 #define FOR_EACH_WIDE_TYPE(X) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K)
-// IQ4_XS also has a wide loop (row_dot_wide_iq4, kwide_iq4.cuh; in row_dot_kq / row_dot2_kq);
-// its per-8 loop under NARROW_BIT stays the non-inlined I-quant call (row_dot_iq).
+// IQ4_XS also has a wide loop (row_dot_wide_iq4, kwide_iq4.cuh; in row_dot_kq / row_dot2_kq), but
+// only in the kernels instantiated with IQ4 = true (the "_iq4" names, compiled with -DGEMV_IQ4,
+// below), which ops.py launches exactly for segment tables holding an IQ4_XS matrix. There its
+// per-8 loop under NARROW_BIT stays the non-inlined I-quant call (row_dot_iq_smem). The other
+// kernels (IQ4 = false) are engine v6's code: an IQ4_XS row reaching one of them would take the
+// per-8 I-quant call (row_dot_iq), IQ4_XS | NARROW_BIT would give NaN.
 #define NARROW_BIT 0x100  // set in a segment's type by ops.py for GGUF_HARNESS_GEMV_KQ=narrow
 // I-quants: row loops in one non-inlined function. Inlined as 9 more cases they changed the
 // register allocation of every kernel (nvcc 13, sm_90: swiglu w2_b8 79 -> 128 registers, 24 ->
 // 16 resident warps per SM; store w1_b4 52 -> 62) although each format alone fitted; behind a
-// call the kernels keep their registers and occupancy, and only I-quant rows pay the call.
-// Gate/up pairs of I-quants run as two calls (no row_dot2). IQ4_XS takes the inlined wide loop
-// instead unless NARROW_BIT is set (kwide_iq4.cuh). (FOR_EACH_IQ_TYPE: iquants.cuh)
-// x is addressed from the shared array itself, not passed as pointers (until v7 it was: 3
-// generic pointers as call arguments, generic loads): fewer values live across the call.
+// call the kernels keep their registers and occupancy, and only I-quant rows pay the call and
+// generic (not shared-window) loads of x. Gate/up pairs of I-quants run as two calls (no row_dot2).
+// (FOR_EACH_IQ_TYPE: iquants.cuh)
+__device__ __noinline__ float row_dot_iq(int type, const u8* row, const int4* xq, const int* xs,
+                                         const float* xd, int K, int lane, int g0, int gstep) {
+    switch (type) {
+#define CASE(T) case T: return row_dot<T>(row, xq, xs, xd, K, lane, g0, gstep);
+        FOR_EACH_IQ_TYPE(CASE)
+#undef CASE
+    }
+    return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
+}
+
+// The I-quant call of the _iq4 kernels (v7): x addressed from the shared array itself, not
+// passed as 3 generic pointers (generic loads), so fewer values live across the call, which
+// the inlined wide IQ4_XS loop needs (docs/perf-notes.md v7/v8 register tables).
 extern __shared__ int4 smem4[];  // the staged x (stage_xq layout above)
 
-__device__ __noinline__ float row_dot_iq(int type, const u8* row, int K, int lane, int g0, int gstep) {
+__device__ __noinline__ float row_dot_iq_smem(int type, const u8* row, int K, int lane, int g0, int gstep) {
     const int Kp = (K + 255) & ~255;
     const int4* xq = smem4;
     const int* xs = (const int*)(smem4 + Kp / 8);
@@ -275,37 +291,42 @@ __device__ __noinline__ float row_dot_iq(int type, const u8* row, int K, int lan
     return __int_as_float(0x7fc00000);  // unknown type: NaN, caught by the finite checks
 }
 
-// Q4_K, Q5_K, Q6_K (kwide.cuh) and IQ4_XS (kwide_iq4.cuh) wide loops, reached after the switch
-// of the other formats. Inlined: behind a __noinline__ call as for the I-quants every store/add
-// kernel rose to 64 registers (nvcc 13, sm_90; a kernel needs its callee's register count).
-// Register counts react to the shape of this dispatch (a single switch with the wide cases gave
-// 12-16 byte spills in the w1_b8 and w8_b8 kernels): compare ptxas -v before changing it
-// (docs/perf-notes.md v7 has the table of the IQ4_XS addition).
-__device__ __forceinline__ bool is_wide(int type) {
-    return (type >= T_Q4_K && type <= T_Q6_K) || type == T_IQ4_XS;
+// Q4_K, Q5_K, Q6_K (kwide.cuh) and, with IQ4, IQ4_XS (kwide_iq4.cuh) wide loops, reached after
+// the switch of the other formats. Inlined: behind a __noinline__ call as for the I-quants every
+// store/add kernel rose to 64 registers (nvcc 13, sm_90; a kernel needs its callee's register
+// count). Register counts react to the shape of this dispatch (a single switch with the wide
+// cases gave 12-16 byte spills in the w1_b8 and w8_b8 kernels): compare ptxas -v before
+// changing it (docs/perf-notes.md v7 and v8 have the tables).
+template <bool IQ4> __device__ __forceinline__ bool is_wide(int type) {
+    return (type >= T_Q4_K && type <= T_Q6_K) || (IQ4 && type == T_IQ4_XS);
 }
-__device__ __forceinline__ float row_dot_kq(int type, const u8* row, XS xa, int K, int lane, int g0,
-                                            int gstep) {
+template <bool IQ4> __device__ __forceinline__ float row_dot_kq(int type, const u8* row, XS xa, int K,
+                                                                int lane, int g0, int gstep) {
     switch (type) {
 #define CASE(T) case T: return row_dot_wide<T>(row, xa, K, lane, g0, gstep);
         FOR_EACH_WIDE_TYPE(CASE)
 #undef CASE
-        case T_IQ4_XS: return row_dot_wide_iq4(row, xa, K, lane, g0, gstep);
+        case T_IQ4_XS:
+            if constexpr (IQ4) return row_dot_wide_iq4(row, xa, K, lane, g0, gstep);
+            break;
     }
     return __int_as_float(0x7fc00000);
 }
-__device__ __forceinline__ float2 row_dot2_kq(int type, const u8* r0, const u8* r1, XS xa, int K, int lane,
-                                              int g0, int gstep) {
+template <bool IQ4> __device__ __forceinline__ float2 row_dot2_kq(int type, const u8* r0, const u8* r1, XS xa,
+                                                                  int K, int lane, int g0, int gstep) {
     switch (type) {
 #define CASE(T) case T: return row_dot2_wide<T>(r0, r1, xa, K, lane, g0, gstep);
         FOR_EACH_WIDE_TYPE(CASE)
 #undef CASE
-        case T_IQ4_XS: return row_dot2_wide_iq4(r0, r1, xa, K, lane, g0, gstep);
+        case T_IQ4_XS:
+            if constexpr (IQ4) return row_dot2_wide_iq4(r0, r1, xa, K, lane, g0, gstep);
+            break;
     }
     return make_float2(__int_as_float(0x7fc00000), __int_as_float(0x7fc00000));
 }
 
 // Runtime dispatch on the GGML type id (uniform per warp, so no divergence).
+template <bool IQ4>
 __device__ __forceinline__ float row_dot_any(int type, const u8* row, const int4* xq, const int* xs,
                                              const float* xd, int K, int lane, int g0, int gstep) {
     switch (type) {
@@ -316,10 +337,12 @@ __device__ __forceinline__ float row_dot_any(int type, const u8* row, const int4
         FOR_EACH_WIDE_TYPE(CASE)
 #undef CASE
     }
-    if (is_wide(type)) return row_dot_kq(type, row, xs_addr(xq, xs, xd), K, lane, g0, gstep);
-    return row_dot_iq(type, row, K, lane, g0, gstep);  // IQ4_XS | NARROW_BIT included
+    if (is_wide<IQ4>(type)) return row_dot_kq<IQ4>(type, row, xs_addr(xq, xs, xd), K, lane, g0, gstep);
+    if constexpr (IQ4) return row_dot_iq_smem(type, row, K, lane, g0, gstep);  // IQ4_XS | NARROW_BIT included
+    else return row_dot_iq(type, row, xq, xs, xd, K, lane, g0, gstep);
 }
 
+template <bool IQ4>
 __device__ __forceinline__ float2 row_dot2_any(int t0, int t1, const u8* r0, const u8* r1, const int4* xq,
                                                const int* xs, const float* xd, int K, int lane, int g0,
                                                int gstep) {
@@ -332,20 +355,23 @@ __device__ __forceinline__ float2 row_dot2_any(int t0, int t1, const u8* r0, con
             FOR_EACH_WIDE_TYPE(CASE)
 #undef CASE
         }
-        if (is_wide(t0)) return row_dot2_kq(t0, r0, r1, xs_addr(xq, xs, xd), K, lane, g0, gstep);
+        if (is_wide<IQ4>(t0)) return row_dot2_kq<IQ4>(t0, r0, r1, xs_addr(xq, xs, xd), K, lane, g0, gstep);
     }
-    return make_float2(row_dot_any(t0, r0, xq, xs, xd, K, lane, g0, gstep),
-                       row_dot_any(t1, r1, xq, xs, xd, K, lane, g0, gstep));
+    return make_float2(row_dot_any<IQ4>(t0, r0, xq, xs, xd, K, lane, g0, gstep),
+                       row_dot_any<IQ4>(t1, r1, xq, xs, xd, K, lane, g0, gstep));
 }
 
 // MODE 0: out = y (+ bias); MODE 1: out += y (+ bias); MODE 2: SwiGLU, segments 0 and 1 are
 // gate and up with equal rows, out(seg 0) = silu(gate) * up.
-template <int MODE, int WPR, int NW>
+// IQ4: the wide IQ4_XS loop is compiled in (the _iq4 kernels). Those keep the norm's scale in
+// shared memory, re-read per row (xsc), instead of a register, for the registers of the inlined
+// IQ4_XS loop; the others are v6's code (register tables: docs/perf-notes.md v8).
+template <int MODE, int WPR, int NW, bool IQ4>
 __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, float eps, int K,
                           int total_rows) {
     __shared__ float scratch[32];
     __shared__ float part[2][NW];
-    __shared__ float xsc[NW];  // the norm's scale per warp: read per row, not kept in a register
+    __shared__ float xsc[IQ4 ? NW : 1];  // IQ4: the norm's scale per warp
     const int Kp = (K + 255) & ~255;
     int4* xq = smem4;
     int* xs = (int*)(smem4 + Kp / 8);
@@ -360,7 +386,8 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
         prefetch_row(t, first + i * stride, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
     pdl_trigger();  // the next node may launch and start its own prefetch now
-    xsc[warp] = stage_xq(x, norm, eps, K, xq, xs, xd, scratch);  // every lane: the same value
+    const float rs = stage_xq(x, norm, eps, K, xq, xs, xd, scratch);  // every lane: the same value
+    if constexpr (IQ4) xsc[warp] = rs;
     for (int base = blockIdx.x * rows_per_block; base < total_rows; base += stride) {
         int row = base + warp / WPR;
         prefetch_row(t, row + PF_AHEAD * stride, total_rows, MODE == 2, sub * 32 + lane, WPR * 32);
@@ -368,19 +395,19 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
         int si = 0;
         if (row < total_rows) {
             if (MODE == 2) {
-                const float2 r = row_dot2_any(t.s[0].type, t.s[1].type,
-                                              (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row,
-                                              (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row,
-                                              xq, xs, xd, K, lane, sub, WPR);
+                const float2 r = row_dot2_any<IQ4>(t.s[0].type, t.s[1].type,
+                                                   (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row,
+                                                   (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row,
+                                                   xq, xs, xd, K, lane, sub, WPR);
                 y = r.x;
                 up = r.y;
             } else {
                 si = find_seg(t, row);
-                y = row_dot_any(t.s[si].type, (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row,
-                                xq, xs, xd, K, lane, sub, WPR);
+                y = row_dot_any<IQ4>(t.s[si].type, (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row,
+                                     xq, xs, xd, K, lane, sub, WPR);
             }
         }
-        const float xscale = xsc[warp];
+        const float xscale = IQ4 ? xsc[warp] : rs;
         y = warp_sum(y) * xscale;
         if (MODE == 2) up = warp_sum(up) * xscale;
         combine_warps<WPR>(y, up, part[0], part[1], warp, sub, lane);
@@ -392,18 +419,31 @@ __device__ void gemv_body(const SegTable& t, const float* x, const float* norm, 
 // Two argument conventions: the segment table by value (kernel parameter space: no memory
 // round trip before the first weight prefetch can be issued; engine v4 default) or through
 // a device pointer (engine v1-v3; kept selectable for A/B, GGUF_HARNESS_GEMV_ARGS=pointer).
-#define GEMV_KERNEL(MODE, MNAME, WPR, NW)                                                      \
+// Compiled with -DGEMV_IQ4 the source holds only the _iq4 kernels (IQ4_XS wide loop, v7's
+// code; ops.py builds that module only for a node with an IQ4_XS segment), without it only
+// the others (v6's code): each build compiles half the instances, and a model without IQ4_XS
+// never compiles the _iq4 ones.
+#ifdef GEMV_IQ4
+#define GEMV_IQ4_FLAG true
+#define GEMV_SFX _iq4
+#else
+#define GEMV_IQ4_FLAG false
+#define GEMV_SFX
+#endif
+#define GEMV_KERNEL(MODE, MNAME, WPR, NW, SFX)                                                 \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                       \
-    gemv_##MNAME##_w##WPR##_b##NW(const SegTable t, const float* x, const float* norm,          \
-                                  float eps, int K, int total_rows) {                           \
-        gemv_body<MODE, WPR, NW>(t, x, norm, eps, K, total_rows);                               \
+    gemv_##MNAME##_w##WPR##_b##NW##SFX(const SegTable t, const float* x, const float* norm,     \
+                                       float eps, int K, int total_rows) {                      \
+        gemv_body<MODE, WPR, NW, GEMV_IQ4_FLAG>(t, x, norm, eps, K, total_rows);                \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                       \
-    gemvp_##MNAME##_w##WPR##_b##NW(const SegTable* __restrict__ t, const float* x,              \
-                                   const float* norm, float eps, int K, int total_rows) {       \
-        gemv_body<MODE, WPR, NW>(*t, x, norm, eps, K, total_rows);                              \
+    gemvp_##MNAME##_w##WPR##_b##NW##SFX(const SegTable* __restrict__ t, const float* x,         \
+                                        const float* norm, float eps, int K, int total_rows) {  \
+        gemv_body<MODE, WPR, NW, GEMV_IQ4_FLAG>(*t, x, norm, eps, K, total_rows);               \
     }
-#define GEMV_MODES(WPR, NW) GEMV_KERNEL(0, store, WPR, NW) GEMV_KERNEL(1, add, WPR, NW) \
-    GEMV_KERNEL(2, swiglu, WPR, NW)
-// kernel names: gemv[p]_<mode>_w<warps per row>_b<warps per block>
+// (GEMV_MODES_ receives GEMV_SFX macro-expanded: _iq4 or nothing, then pasted onto the name)
+#define GEMV_MODES_(WPR, NW, SFX) GEMV_KERNEL(0, store, WPR, NW, SFX) \
+    GEMV_KERNEL(1, add, WPR, NW, SFX) GEMV_KERNEL(2, swiglu, WPR, NW, SFX)
+#define GEMV_MODES(WPR, NW) GEMV_MODES_(WPR, NW, GEMV_SFX)
+// kernel names: gemv[p]_<mode>_w<warps per row>_b<warps per block>[_iq4]
 GEMV_MODES(1, 4) GEMV_MODES(1, 8) GEMV_MODES(2, 8) GEMV_MODES(4, 8) GEMV_MODES(8, 8)
