@@ -12,12 +12,14 @@ tokenised whole, or --prompt-ids as given. --steps N adds N single-token decode 
 with the oracle's own greedy continuation: the argmax after the prompt, then after each fed
 step (harness.verify.generate), computed in a first oracle pass with the diff's oracle
 settings (KV rounding and act_round); that pass costs one more oracle load.
---against engine: the engine is walked token by token, so the steps are appended to the
-prompt and a node's `call` is its position; positions past the prompt count as decode.
+--against engine (qwen2 and qwen35 models): the engine is walked token by token, so the
+steps are appended to the prompt and a node's `call` is its position; positions past the
+prompt count as decode. The engine node -> oracle node maps: harness.engine_layerdiff.
 
 --act-round: the oracle's rounding of matrix-product inputs (oracles.actquant); "auto":
   engine              the rounding of the engine's GEMV (GGUF_HARNESS_GEMV: q16 -> engine,
-                      q8_1 -> q8_1), as engine_layer_diff chooses it;
+                      q8_1 -> q8_1 for qwen2, none for qwen35 whose oracle has no q8_1
+                      model), as engine_layer_diff chooses it (auto_act_round);
   llamacpp (CPU)      "llamacpp" (ggml's CPU q8_0/q8_K/f16 activations) for qwen35, none for
                       qwen2 (its oracle has no model of it);
   llamacpp --gpu      "q8_1" (CUDA mmvq/mmq int8 activations) for qwen2, none for qwen35.
@@ -25,10 +27,12 @@ prompt and a node's `call` is its position; positions past the prompt count as d
   auto against llama.cpp compares unrounded float64 with llama.cpp's float32 graph.
 
 Output. A table per (phase, node name): nodes compared, over tol, not compared (llama.cpp
-has no node of that name or size), median and max rel_rms and where the max is (layer,
-call); then LayerDiff.summary() (the first bad node). --format json prints the JSON
-document instead. Either way OUT/runs/<UTC time>-<sha>/layerdiff.json is written
-atomically into a new folder (harness.results), never over an earlier one.
+has no node of that name or size; the qwen35 engine keeps no buffer for it: norms fused into
+GEMVs, values inside its kernels), median and max rel_rms and where the max is (layer,
+call); then LayerDiff.summary() (the first bad node). rel_rms^2 is the node's NMSE.
+--format json prints the JSON document instead. Either way
+OUT/runs/<UTC time>-<sha>/layerdiff.json is written atomically into a new folder
+(harness.results), never over an earlier one.
 
 Exit status: 0 when every compared node is within --tol, 1 when a node is over it (or no
 node could be compared), 2 for bad input or an unavailable backend (one `error:` line).
@@ -168,8 +172,8 @@ def resolve_act_round(requested: str, against: str, gpu: bool, arch: str) -> str
     if against == "engine":
         from backends.engine import ops as eops
 
-        from .engine_layerdiff import ACT_ROUND
-        return ACT_ROUND.get(eops.GEMV_IMPL)
+        from .engine_layerdiff import auto_act_round
+        return auto_act_round(arch, eops.GEMV_IMPL)
     return AUTO_LLAMACPP.get((gpu, arch))
 
 
@@ -276,7 +280,9 @@ def print_table(doc: dict, out: Console) -> None:
     missing = sorted({n["llama_name"].rsplit("-", 1)[0] if n["layer"] >= 0 else n["llama_name"]
                       for n in ld["nodes"] if n["status"] == "missing"})
     if missing:
-        out.print(Text("not compared, no node of that name: " + ", ".join(missing)))
+        why = "the engine keeps no buffer for" if s["against"] == "engine" else \
+            "no node of that name"
+        out.print(Text(f"not compared, {why}: " + ", ".join(missing)))
     size = list(dict.fromkeys(f"{n['llama_name']} (call {n['call']})"
                               for n in ld["nodes"] if n["status"] == "size"))
     if size:
@@ -326,8 +332,10 @@ def run_layerdiff(args, console: Console) -> int:
     info = open_gguf(model.path)
     from backends.oracle import _oracle_class
     _oracle_class(info.arch)  # UnsupportedError now for an architecture the oracle lacks
-    if args.against == "engine" and info.arch != "qwen2":
-        raise UnsupportedError(f"--against engine maps qwen2 nodes only, not {info.arch}")
+    from .engine_layerdiff import ARCHS as ENGINE_ARCHS
+    if args.against == "engine" and info.arch not in ENGINE_ARCHS:
+        raise UnsupportedError(f"--against engine maps {' and '.join(ENGINE_ARCHS)} nodes, "
+                               f"not {info.arch}")
     act = resolve_act_round(args.act_round, args.against, args.gpu, info.arch)
     source, text, prompt = prompt_ids(args, model, int(info.tensor("token_embd.weight").ne[-1]))
     if len(prompt) + args.steps > args.ctx:

@@ -2,6 +2,7 @@
 
     harness synth --preset qwen35-27b --quant ud-q4_k_m --out out/q35-27b.gguf [--seed N]
     harness synth --preset qwen35-tiny --quant q4_k_m --via-llama-quantize --out t.gguf
+    harness synth --preset qwen35-27b-4l --quant q4_k_m --out out/q35-27b-4l.gguf  # 27B widths, 4 layers
     harness synth --list
 
 qwen35 presets take any mix of harness.synth.qwen35_presets.QUANTS (written directly as

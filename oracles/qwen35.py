@@ -22,7 +22,8 @@ for the batch x [n, E] (capture names are llama.cpp's cb() names):
       a = softmax(q k^T * scale + causal mask) v (GQA)                   "attn_pregate"
       out = (a * sigmoid(gate)) Wo^T                             "attn_gated", "attn_output"
     r = out + x                                                          "attn_residual"
-    f = ffn(rms_norm(r) * post_attention_norm) (SwiGLU)          "attn_post_norm", "ffn_out"
+    g = rms_norm(r) * post_attention_norm                                "attn_post_norm"
+    s = silu(g Wgate^T) * (g Wup^T); f = s Wdown^T  (SwiGLU)       "ffn_swiglu", "ffn_out"
     x = f + r                                                            "post_ffn", "l_out"
 then logits = rms_norm(x[last]) * output_norm Wout^T              "result_norm", "result_output"
 Ops: oracles.ops (norm, attention, SwiGLU), oracles.deltanet, oracles.rope_multi.
@@ -179,6 +180,7 @@ class Qwen35Oracle(TokenSequence):
         g = self._node("attn_post_norm", il,
                        ops.rms_norm(res, w.vector64(pre + "post_attention_norm.weight"), p.eps))
         f = ops.swiglu(self._lin(pre + "ffn_gate.weight", g), self._lin(pre + "ffn_up.weight", g))
+        f = self._node("ffn_swiglu", il, f)  # llama-graph.cpp build_ffn's cb name for SwiGLU
         f = self._node("ffn_out", il, self._lin(pre + "ffn_down.weight", f))
         return self._node("l_out", il, self._node("post_ffn", il, f + res))
 

@@ -70,3 +70,18 @@ def tiny_qwen35_f32(synth_dir) -> Path:
     from harness.synth.qwen35_presets import write_qwen35_preset
     return write_qwen35_preset("qwen35-tiny", synth_dir / "qwen35-tiny-f32.gguf", "f32",
                                seed=SYNTH_SEED)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_mix(synth_dir):
+    """quant mix -> Path of the "qwen35-tiny" preset written in that mix of
+    harness.synth.qwen35_presets.QUANTS (seed SYNTH_SEED), each file written once per session."""
+    from harness.synth.qwen35_presets import write_qwen35_preset
+    made: dict[str, Path] = {}
+
+    def get(quant: str) -> Path:
+        if quant not in made:
+            made[quant] = write_qwen35_preset("qwen35-tiny", synth_dir / f"qwen35-tiny-mix-{quant}.gguf",
+                                              quant, seed=SYNTH_SEED)
+        return made[quant]
+    return get

@@ -213,3 +213,51 @@ def test_act_round_table_matches_the_oracles(fixture, arch, request):
         else:
             with pytest.raises(ConfigError):
                 cls(path, n_ctx=16, act_round=act)
+
+
+def _engine_on_the_cpu(monkeypatch, path, **kw):
+    """--against engine without a GPU: the registry reports the engine usable and
+    engine_layer_diff walks tests/engine35_fake.py's CPU stand-in (the GPU walk itself is
+    tested in test_engine_layerdiff_qwen35.py); kw go to engine_layer_diff (inject)."""
+    from engine35_fake import FakeQwen35Engine
+
+    import backends.registry as reg
+    import harness.engine_layerdiff as eld
+    from backends.engine import ops as eops
+    avail = reg.available_backends()
+    monkeypatch.setattr(reg, "available_backends", lambda: avail | {"engine": None})
+    monkeypatch.setattr(eops, "GEMV_IMPL", "q16")
+    run = eld.engine_layer_diff
+    monkeypatch.setattr(eld, "engine_layer_diff", lambda *a, **k: run(
+        *a, engine=FakeQwen35Engine(path, n_ctx=k["n_ctx"]), **k, **kw))
+
+
+def test_against_engine_takes_qwen35(tiny_qwen35_f32, tmp_path, capsys, monkeypatch):
+    """A qwen35 model through `harness layerdiff --against engine` (CPU stand-in): exit 0,
+    act_round auto = the engine's q16 rounding, the delta-rule states compared at the last
+    position, the nodes the engine keeps no buffer for listed as not compared."""
+    _engine_on_the_cpu(monkeypatch, tiny_qwen35_f32)
+    out = tmp_path / "out"
+    assert main(_ld(tiny_qwen35_f32, out, "--against", "engine", "--steps", "2")) == 0
+    cap = capsys.readouterr()
+    assert "not compared, the engine keeps no buffer for: a_softplus, attn_norm" in cap.out
+    (doc,) = _docs(out)
+    assert doc["model"]["arch"] == "qwen35" and doc["settings"]["act_round_used"] == "engine"
+    assert len(doc["step_ids"]) == 2 and doc["layerdiff"]["first_bad"] is None
+    rows = {(r["phase"], r["name"]): r for r in doc["by_node"]}
+    assert rows[("decode", "new_state")]["compared"] == 6  # 6 DeltaNet layers, last position
+    assert ("prefill", "new_state") not in rows
+    assert rows[("decode", "Qcur")]["compared"] == 2 * 2  # 2 attention layers x 2 steps
+    assert rows[("prefill", "beta_sigmoid")]["compared"] == 8 * 6
+    a = rows[("prefill", "a_softplus")]
+    assert (a["compared"], a["not_compared"], a["max_rel_rms"]) == (0, 8 * 6, None)
+
+
+def test_against_engine_names_a_qwen35_fault(tiny_qwen35_f32, tmp_path, capsys, monkeypatch):
+    _engine_on_the_cpu(monkeypatch, tiny_qwen35_f32, inject={("attn_gated", 3): lambda a: a * 1.01})
+    out = tmp_path / "out"
+    assert main(_ld(tiny_qwen35_f32, out, "--against", "engine")) == 1
+    assert "first bad node: layer 3, op 'attn_gated'" in capsys.readouterr().out
+    (doc,) = _docs(out)
+    bad = doc["layerdiff"]["first_bad"]
+    assert (bad["name"], bad["layer"], bad["call"]) == ("attn_gated", 3, 0)

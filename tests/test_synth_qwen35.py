@@ -146,6 +146,69 @@ def test_27b_decode_bytes_and_mix_without_writing():
         plan_tensors(s, mix_for(q, s.n_layer))
 
 
+def test_27b_4l_plan_without_writing(capsys):
+    """qwen35-27b-4l: the 27B's widths with 4 layers (DeltaNet 0-2, attention 3) and no MTP
+    block; every tensor has its 27B shape, names / shapes are what the engine and the oracle
+    read, the float32 weights fit the oracle's cap; the mixes pick sensible layers for 4."""
+    from backends.engine import qwen35 as eq
+    from harness.synth.qwen35 import decode_bytes
+    from oracles.qwen35 import MAX_WEIGHT_BYTES, expected_shapes
+    from oracles.qwen35_params import Qwen35Params
+    s, big = shape("qwen35-27b-4l"), shape("qwen35-27b")
+    assert (s.n_layer, s.n_nextn) == (4, 0)
+    assert dataclasses.replace(s, n_layer=64, n_nextn=1) == big
+    assert [s.is_recurrent(il) for il in range(4)] == [True, True, True, False]
+    p = Qwen35Params(n_layer=4, n_nextn=0, n_ctx_train=s.n_ctx_train, n_embd=s.n_embd,
+                     n_ff=s.n_ff, n_head=s.n_head, n_head_kv=s.n_head_kv, head_dim=s.head_dim,
+                     n_rot=s.n_rot, rope_sections=s.rope_sections, eps=s.rms_eps,
+                     freq_base=s.rope_freq_base, freq_scale=1.0, attn_scale=0.0,
+                     ssm_d_conv=s.ssm_d_conv, ssm_d_state=s.ssm_d_state,
+                     ssm_n_group=s.ssm_n_group, ssm_dt_rank=s.ssm_dt_rank,
+                     recurrent=(True, True, True, False))
+    eq.check_shapes(p)  # head 256, state 128, conv 4: instantiated engine kernels
+    want_bytes = {"q4_k_m": 2_662_169_216, "ud-q4_k_m": 2_651_714_176}
+    types = {}
+    for q in QUANTS:
+        plans = plan_tensors(s, mix_for(q, s.n_layer))
+        big_ne = {b.name: b.ne for b in plan_tensors(big, mix_for(q, big.n_layer))}
+        ne = {b.name: b.ne for b in plans}
+        assert all(ne[n] == big_ne[n] for n in ne), q
+        assert {n.split(".")[1] for n in ne if n.startswith("blk.")} == {"0", "1", "2", "3"}
+        assert sorted(ne) == sorted(eq.tensor_names(p, tied=False))
+        assert ne == {n: tuple(v) for n, v in expected_shapes(p, s.n_vocab, tied=False).items()}
+        if q in want_bytes:
+            assert decode_bytes(plans, s) == sum(b.nbytes for b in plans) == want_bytes[q]
+            assert preset_decode_bytes("qwen35-27b-4l", q) == want_bytes[q]
+            types[q] = {b.name: b.qtype.name for b in plans}
+    f32_bytes = 4 * sum(int(np.prod(b)) for n, b in ne.items() if n != "token_embd.weight")
+    assert f32_bytes < MAX_WEIGHT_BYTES  # the oracle loads it (~11.2 GB)
+    assert "blk.0.attn_qkv.weight" in ne and "blk.3.attn_q.weight" in ne
+    assert "blk.3.attn_qkv.weight" not in ne and "blk.0.attn_q.weight" not in ne
+    # q4_k_m: llama.cpp's use_more_bits(il, 4) is layers 2 and 3
+    t = types["q4_k_m"]
+    assert [t[f"blk.{il}.ffn_down.weight"] for il in range(4)] == ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert t["blk.3.attn_v.weight"] == "Q6_K" and t["output.weight"] == "Q6_K"
+    # ud-q4_k_m: outer (0, 3) and middle (1) groups of one layer each
+    t = types["ud-q4_k_m"]
+    assert [t[f"blk.{il}.ffn_down.weight"] for il in range(4)] == ["Q5_K", "Q4_K", "Q4_K", "Q5_K"]
+    assert [t[f"blk.{il}.ffn_up.weight"] for il in range(4)] == ["IQ4_XS", "IQ3_S", "IQ4_XS", "IQ4_XS"]
+    from harness.cli import main
+    assert main(["synth", "--list"]) == 0
+    assert "qwen35-27b-4l" in capsys.readouterr().err  # the console writes to stderr
+
+
+def test_ud_mix_layer_groups_unchanged_from_8_layers_up():
+    """The at-least-one-layer groups of mix_ud_q4_k_m change nothing for 8 and 64 layers."""
+    for n in (8, 64):
+        mix = mix_for("ud-q4_k_m", n)
+        outer = {il for il in range(n) if il < n // 8 or il >= 7 * n // 8}
+        middle = set(range(3 * n // 8, 3 * n // 8 + n // 8))
+        assert {int(k.split(".")[1]) for k, v in mix.items()
+                if k.endswith("ffn_down.weight") and v == "Q5_K" and k[4].isdigit()} == outer
+        assert {int(k.split(".")[1]) for k, v in mix.items()
+                if k.endswith("ffn_gate.weight") and v == "IQ3_S"} == middle
+
+
 def test_unknown_names():
     with pytest.raises(ConfigError, match="unknown quant mix"):
         mix_for("q3_k_xl", 8)

@@ -5,6 +5,9 @@ attention, hidden 5120, FFN 17408, vocab 248320; attention 24 query heads with a
 gate, 4 KV heads x 256, RoPE over 64 dims with sections [11, 11, 10, 0]; DeltaNet 16 key and
 48 value heads x 128, conv kernel 4; one MTP block, skipped by plain decoding).
 "qwen35-tiny" keeps those ratios at 256 wide (every matrix row whole K-quant super-blocks).
+"qwen35-27b-4l" is "qwen35-27b" cut to 4 layers (DeltaNet 0-2, full attention 3) without the
+MTP block: every tensor shape of the 27B (engine vs oracle at the real widths, issue #6),
+2.66 GB in q4_k_m, float32 weights for the oracle ~11 GB.
 
 Mixes (quant name -> {glob: GGML type}, first match wins, norms/conv/ssm_a/dt always F32):
   q4_k_m     llama.cpp Q4_K_M style: Q4_K, Q6_K for attn_v / ffn_down on "more bits" layers
@@ -14,7 +17,9 @@ Mixes (quant name -> {glob: GGML type}, first match wins, norms/conv/ssm_a/dt al
              Q6_K, IQ4_XS, IQ3_S, F32): token_embd Q4_K, output Q6_K, DeltaNet in/out Q5_K,
              FFN gate/up IQ4_XS (IQ3_S in the middle layers), ffn_down Q5_K on the outer
              layers and Q4_K inside. Chosen so decode bytes land within 2 % of the source's
-             16,102,434,816 (test_synth_qwen35 checks it without writing the file).
+             16,102,434,816 (test_synth_qwen35 checks it without writing the file). Outer
+             and middle groups are n_layer/8 layers, at least one (4 layers: ffn_down Q5_K
+             on 0 and 3, IQ3_S gate/up on 1).
   iq4_xs     IQ4_XS everywhere except output (Q6_K).
   q8_0 / iq3_s / f32 / f16: one type for every matrix (iq3_s keeps output Q6_K).
 """
@@ -35,6 +40,7 @@ SHAPES: dict[str, dict] = {
                        ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=48, n_ctx_train=262144,
                        n_nextn=1),
 }
+SHAPES["qwen35-27b-4l"] = {**SHAPES["qwen35-27b"], "n_layer": 4, "n_nextn": 0}
 SOURCE_DECODE_BYTES = 16_102_434_816  # docs/sources.md §1, Qwen3.8-27B-UD-Q4_K_M tensors for decoding
 
 
@@ -53,8 +59,9 @@ def mix_q4_k_m(n_layer: int) -> dict[str, str]:
 
 
 def mix_ud_q4_k_m(n_layer: int) -> dict[str, str]:
-    outer = [il for il in range(n_layer) if il < n_layer // 8 or il >= 7 * n_layer // 8]
-    middle = range(3 * n_layer // 8, 3 * n_layer // 8 + n_layer // 8)
+    k = max(1, n_layer // 8)  # an eighth of the layers, at least one (as n_layer // 8 from 8 up)
+    outer = [il for il in range(n_layer) if il < k or il >= 7 * n_layer // 8]
+    middle = range(3 * n_layer // 8, 3 * n_layer // 8 + k)
     return {"token_embd.weight": "Q4_K", "output.weight": "Q6_K",
             **_layers(["ffn_down"], outer, "Q5_K"),
             **_layers(["ffn_gate", "ffn_up"], middle, "IQ3_S"),
