@@ -1,10 +1,12 @@
 """`harness plan`: print the GPU memory plan of a model (harness.plan) without allocating.
 
     harness plan [--model NAME|PATH] [--ctx 2048] [--free BYTES | --vram-limit BYTES]
-                 [--embd auto|host|device] [--json]
+                 [--embd-placement auto|host|device] [--json]
 
 Free memory: --free as given; otherwise the GPU's cudaMemGetInfo free bytes, capped at
---vram-limit (emulates a smaller card). Exit 0 when the plan fits, 1 when it does not.
+--vram-limit (emulates a smaller card). The plan is the one the engine loads with
+(harness.plan.engine_plan, the same --vram-limit / --embd-placement as `harness verify`).
+Exit 0 when the plan fits, 1 when it does not.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import models
+from .config import EMBD_PLACEMENTS
 from .errors import ConfigError, ModelError
-from .plan import MiB
+from .plan import MiB, budget
 
 
 def add_plan_parser(sub) -> None:
@@ -26,7 +29,8 @@ def add_plan_parser(sub) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--free", type=int, help="plan against this many free bytes (no GPU needed)")
     g.add_argument("--vram-limit", type=int, help="cap the GPU's free bytes (emulate a smaller card)")
-    p.add_argument("--embd", choices=["auto", "host", "device"], default="auto",
+    p.add_argument("--embd-placement", "--embd", dest="embd", choices=EMBD_PLACEMENTS,
+                   default="auto",
                    help="token_embd placement (auto: host only when the weights do not fit)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -45,7 +49,7 @@ def _free_bytes(args) -> int:
         if args.vram_limit is None:
             raise ConfigError("no GPU here: pass --free BYTES or --vram-limit BYTES") from None
         return args.vram_limit
-    return free if args.vram_limit is None else min(free, args.vram_limit)
+    return budget(free, args.vram_limit)
 
 
 def run_plan(args, console: Console) -> int:
@@ -53,12 +57,11 @@ def run_plan(args, console: Console) -> int:
         raise ConfigError("--ctx must be >= 1")
     free = _free_bytes(args)
     from .gguf_file import open_gguf
-    from .plan import plan_model
+    from .plan import engine_plan
     from .progress import bytes_progress
     with bytes_progress(console, f"model {args.model}") as advance:
         model = models.resolve(args.model, progress=advance)
-    embd = {"auto": None, "host": True, "device": False}[args.embd]
-    plan = plan_model(open_gguf(model.path), args.ctx, free, embd_on_host=embd)
+    plan = engine_plan(open_gguf(model.path), args.ctx, free, placement=args.embd)
     if args.json:
         print(json.dumps({"model": model.name, "n_ctx": args.ctx, **plan.as_dict()}, indent=1))
     else:

@@ -103,6 +103,21 @@ def test_cli_plan(tiny_qwen2_q, capsys):
     assert cli.main(["plan", "--model", str(tiny_qwen2_q), "--ctx", "0", "--free", "1"]) == 2
 
 
+def test_cli_plan_is_the_engines_plan(tmp_path, tiny_qwen2_q, capsys):
+    """`harness plan` plans as the engine loads (engine_plan): host placement on a separate
+    output head, and the engine's refusal of host placement when token_embd is the head."""
+    from harness.synth.qwen2 import write_qwen2
+    args = ["plan", "--ctx", "64", "--free", str(1 << 40), "--json"]
+    assert "output.weight" in open_gguf(tiny_qwen2_q).tensors
+    assert cli.main([*args, "--model", str(tiny_qwen2_q), "--embd", "host"]) == 0  # old spelling
+    out = json.loads(capsys.readouterr().out)
+    assert [h["name"] for h in out["host"]] == ["token_embd.weight"]
+    tied = write_qwen2(tmp_path / "tied.gguf", n_layer=1, n_embd=64, n_head=4, n_head_kv=2,
+                       n_ff=128, n_vocab=300, n_ctx_train=128, tied=True)
+    assert cli.main([*args, "--model", str(tied), "--embd-placement", "host"]) == 2
+    assert "cannot live on the host" in capsys.readouterr().err
+
+
 def test_cli_plan_needs_a_free_figure_without_a_gpu(tiny_qwen2_q, capsys, monkeypatch):
     import builtins
     real_import = builtins.__import__
