@@ -161,9 +161,10 @@ stage_synth_27b() {
     local gguf=$WORK/qwen35-27b.gguf rc=0
     run mkdir -p "$WORK"
     run "$HARNESS" synth --preset qwen35-27b --quant ud-q4_k_m --out "$gguf" --force
-    # llama.cpp as its own reference: a throughput run (the float64 oracle would need ~100 GB)
-    run "$HARNESS" verify --model "$gguf" --backends llamacpp --reference llamacpp --contexts 512 \
-        --n-predict 129 --bench --out "$OUT" || rc=1
+    # llama.cpp as the reference (the float64 oracle would need ~100 GB): the engine's ids,
+    # teacher-forced KL and top-1 against llama.cpp, and both decoders' tok/s (issue #6)
+    run "$HARNESS" verify --model "$gguf" --backends llamacpp,engine --reference llamacpp \
+        --contexts 512,2048 --n-predict 129 --bench --out "$OUT" || rc=1
     if [[ $KEEP_SYNTH != 1 ]]; then
         run rm -f "$gguf"
     fi

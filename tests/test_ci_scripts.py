@@ -180,7 +180,7 @@ def test_dry_run_lists_every_stage_in_order(tmp_path):
     assert "EXTRAS=gpu,qwen05b,qwen15b" in text
     assert "-m pytest -m gpu" in text
     assert "harness synth --preset qwen35-27b --quant ud-q4_k_m" in text
-    assert "--backends llamacpp --reference llamacpp --contexts 512 --n-predict 129 --bench" in text
+    assert "--backends llamacpp,engine --reference llamacpp --contexts 512,2048 --n-predict 129 --bench" in text
     assert "harness ab PREV NEW --threshold 0.07 --fail-on-slower" in text
     assert f"harness report --history {out}" in text
     for stage in STAGES:  # seconds are whole and may tick over on a busy machine

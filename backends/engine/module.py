@@ -7,6 +7,7 @@ in the code for an edit of a table or a .cuh file to recompile."""
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -16,7 +17,26 @@ SOURCES = ("gemv.cu", "gemv_f32.cu", "attention.cu", "attention_gqa.cu", "attent
 SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory above this needs an opt-in attribute
 
 
+# A/B knob: rows prefetched to L2 ahead of use by the q16/q8_1 GEMV (kernels/gemv.cu PF_AHEAD,
+# default 2 there): GGUF_HARNESS_GEMV_PF=0..4 builds gemv.cu with -DPF_AHEAD=N (its own CuPy
+# cache entry). Why a knob: ncu on the H200 (docs/perf-notes.md, session 7) read 1.9x the output
+# head's weight bytes from DRAM at PF_AHEAD=2: lines prefetched two grid strides ahead (~44 MB
+# for that head) are evicted before their loads arrive.
+GEMV_PF = os.environ.get("GGUF_HARNESS_GEMV_PF", "")
+
+
+def gemv_pf_defines(value: str = GEMV_PF) -> tuple[str, ...]:
+    """("PF_AHEAD=N",) for GGUF_HARNESS_GEMV_PF=N (0..4), () when unset; ValueError else."""
+    if value == "":
+        return ()
+    if not (value.isdigit() and 0 <= int(value) <= 4):
+        raise ValueError(f"GGUF_HARNESS_GEMV_PF={value!r}: expected an integer 0..4")
+    return (f"PF_AHEAD={int(value)}",)
+
+
 def _module(source: str, defines: tuple[str, ...] = ()):
+    if source == "gemv.cu":
+        defines = tuple(defines) + gemv_pf_defines()
     return _module_for(source, tuple(defines))  # one cache key per (source, defines)
 
 

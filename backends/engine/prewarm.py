@@ -1,0 +1,79 @@
+"""Compile every engine kernel module ahead of use, several NVRTC compiles at once.
+
+CuPy compiles a RawModule on first use, one after another, and keeps the result in its
+on-disk kernel cache (CUPY_CACHE_DIR, keyed by code string and options: module.py). gemv.cu
+alone takes 60-90 s per build (docs/perf-notes.md) and there are four builds of it (q16 /
+q8_1 x plain / _iq4), so a fresh machine or an edited kernel header costs minutes of
+serial compiles inside the first run or test. Here each build compiles in its own process
+(spawned: no CUDA context is shared), so the wall time is about the slowest build; later
+processes find every module in the cache.
+
+    python -m backends.engine.prewarm [--jobs N] [--only gemv]
+
+Prints one line per build (seconds, ok or the compile error's first line); exit status 1 if
+any build failed, 2 without a GPU (CuPy needs a device to compile for its architecture).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+# (source, defines, one kernel it defines): get_function forces the compile. Defines in the
+# order the engine passes them (ops.gemv_kernel), or the cache key differs.
+BUILDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("gemv.cu", (), "gemv_store_w1_b4"),
+    ("gemv.cu", ("GEMV_IQ4",), "gemv_store_w1_b4_iq4"),
+    ("gemv.cu", ("ACT_Q8_1",), "gemv_store_w1_b4"),
+    ("gemv.cu", ("ACT_Q8_1", "GEMV_IQ4"), "gemv_store_w1_b4_iq4"),
+    ("gemv_f32.cu", (), "gemvf_store_w1"),
+    ("attention.cu", (), "attn_decode"),
+    ("attention_gqa.cu", (), "attn_gqa_d128"),
+    ("attention_head.cu", (), "attn_head_d128"),
+    ("misc.cu", (), "embed_row"),
+    ("attention_gated.cu", (), "attn_gated_d128"),
+    ("deltanet.cu", (), "gdn_step_s128_r8"),
+)
+
+
+def _compile(build: tuple[str, tuple[str, ...], str]) -> tuple[str, float, str]:
+    """Child process: compile one build; (label, seconds, "ok" or the error's first line)."""
+    from . import module
+    source, defines, name = build
+    label = source + "".join(f" -D{d}" for d in defines)
+    t0 = time.perf_counter()
+    try:
+        module.kernel_in(source, name, defines)
+        status = "ok"
+    except Exception as e:  # a compile error names the build; the others still run
+        status = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return label, time.perf_counter() - t0, status
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m backends.engine.prewarm", description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=len(BUILDS), help="compiles at once (default: all)")
+    ap.add_argument("--only", default="", help="builds whose source name contains this text")
+    a = ap.parse_args(argv)
+    from harness.errors import UnsupportedError
+    from harness.gpu import require_cupy
+    try:
+        require_cupy()  # CuPy compiles for the device's architecture
+    except UnsupportedError as e:
+        print(f"prewarm: {e}", file=sys.stderr)
+        return 2
+    builds = [b for b in BUILDS if a.only in b[0]]
+    t0 = time.perf_counter()
+    failed = 0
+    with ProcessPoolExecutor(max_workers=max(1, a.jobs), mp_context=get_context("spawn")) as ex:
+        for label, secs, status in ex.map(_compile, builds):
+            failed += status != "ok"
+            print(f"{secs:7.1f} s  {label}: {status}", flush=True)
+    print(f"prewarm: {len(builds)} builds, {failed} failed, {time.perf_counter() - t0:.1f} s wall")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
