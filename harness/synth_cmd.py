@@ -3,15 +3,19 @@
     harness synth --preset qwen35-27b --quant ud-q4_k_m --out out/q35-27b.gguf [--seed N]
     harness synth --preset qwen35-tiny --quant q4_k_m --via-llama-quantize --out t.gguf
     harness synth --preset qwen35-27b-4l --quant q4_k_m --out out/q35-27b-4l.gguf  # 27B widths, 4 layers
+    harness synth --preset qwen35-27b --quant ud-q4_k_m --out q.gguf --jobs 1  # one process
     harness synth --list
 
 qwen35 presets take any mix of harness.synth.qwen35_presets.QUANTS (written directly as
 random blocks), or with --via-llama-quantize an F32 model quantised by llama.cpp's own
 quantiser to that file type (harness.synth.llama_quantize.FTYPES). qwen2 presets have fixed
-mixes. Prints size, decode bytes (every tensor but MTP blocks), write time and peak RSS.
+mixes. --jobs N worker processes write the tensor data (default: the usable CPUs,
+os.sched_getaffinity); the file is the same bytes for every N (harness.synth.parallel_write).
+Prints size, decode bytes (every tensor but MTP blocks), write time, MB/s and peak RSS.
 """
 from __future__ import annotations
 
+import os
 import resource
 import time
 from pathlib import Path
@@ -34,6 +38,17 @@ def add_synth_parser(sub) -> None:
                    help="write F32, then quantise with llama.cpp to the --quant file type")
     p.add_argument("--list", action="store_true", help="list presets and mixes, then exit")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes writing the tensors (default: usable CPUs); "
+                        "same bytes for any value")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (os.sched_getaffinity; os.cpu_count where missing)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _list(console: Console) -> int:
@@ -64,17 +79,21 @@ def _write(args, console: Console) -> Path:
     if args.preset not in SHAPES:
         if args.via_llama_quantize or args.method != "direct":
             raise ConfigError("--via-llama-quantize and --method apply to qwen35 presets only")
-        return write_preset(args.preset, args.out, seed=args.seed, quant=args.quant)
+        bar, update = _bar(console)
+        with bar:
+            return write_preset(args.preset, args.out, seed=args.seed, quant=args.quant,
+                                jobs=args.jobs, progress=update)
     bar, update = _bar(console)
     with bar:
         if not args.via_llama_quantize:
             return write_qwen35_preset(args.preset, args.out, args.quant or "f32", seed=args.seed,
-                                       method=args.method, progress=update)
+                                       method=args.method, progress=update, jobs=args.jobs)
         from .synth.llama_quantize import llama_quantize
         f32 = args.out.with_name(args.out.name + ".f32.gguf")
-        write_qwen35_preset(args.preset, f32, "f32", seed=args.seed, progress=update)
+        write_qwen35_preset(args.preset, f32, "f32", seed=args.seed, progress=update,
+                            jobs=args.jobs)
     try:
-        return llama_quantize(f32, args.out, args.quant or "q8_0")
+        return llama_quantize(f32, args.out, args.quant or "q8_0", n_threads=args.jobs)
     finally:
         f32.unlink(missing_ok=True)
 
@@ -91,6 +110,10 @@ def run_synth(args, console: Console) -> int:
         raise ConfigError(f"--out {args.out} exists; use --force to overwrite it")
     if not args.out.parent.is_dir():
         raise ConfigError(f"the folder of --out does not exist: {args.out.parent}")
+    if args.jobs is None:
+        args.jobs = usable_cpus()
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     t0 = time.perf_counter()
     path = _write(args, console)
     seconds = time.perf_counter() - t0
@@ -101,6 +124,10 @@ def run_synth(args, console: Console) -> int:
     mtp = tuple(f"blk.{il}." for il in range(n_layer, n_all))
     decode = sum(t.nbytes for n, t in info.tensors.items() if not n.startswith(mtp))
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    console.print(f"wrote {escape(str(path))} ({info.arch}, {len(info.tensors)} tensors): {info.file_size:,} B, "
-                  f"decode bytes {decode:,}, {seconds:.1f} s, peak RSS {rss_mib:,.0f} MiB")
+    worker_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # largest child
+    workers = f", largest worker {worker_mib:,.0f} MiB" if args.jobs > 1 else ""
+    console.print(f"wrote {escape(str(path))} ({info.arch}, {len(info.tensors)} tensors): "
+                  f"{info.file_size:,} B, decode bytes {decode:,}, {seconds:.1f} s "
+                  f"({info.file_size / seconds / 1e6:,.0f} MB/s, --jobs {args.jobs}), "
+                  f"peak RSS {rss_mib:,.0f} MiB{workers}")
     return 0

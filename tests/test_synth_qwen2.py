@@ -119,10 +119,11 @@ def test_tiny_runs_in_llama_cpp(fixture, request):
 
 
 def test_degeneracy_check_catches_positive_mean_weights(tmp_path, monkeypatch):
-    # Negative control: |w| (positive mean) must trip the same check.
-    real = synth_qwen2.make_weights
-    monkeypatch.setattr(synth_qwen2, "make_weights", lambda name, ne, kind, std, seed: (
-        np.abs(real(name, ne, kind, std, seed)) if kind == "matrix" else real(name, ne, kind, std, seed)))
+    # Negative control: |w| (positive mean) must trip the same check. normal_rows draws every
+    # chunk of every tensor (write_qwen2 streams; jobs=1 keeps the patch in this process).
+    real = synth_qwen2.normal_rows
+    monkeypatch.setattr(synth_qwen2, "normal_rows", lambda rng, n, ne0, kind, std: (
+        np.abs(real(rng, n, ne0, kind, std)) if kind == "matrix" else real(rng, n, ne0, kind, std)))
     path = write_qwen2(tmp_path / "biased.gguf", **TINY, seed=1)
     _, out = _run_checks(path)
     assert len(set(out)) < 5

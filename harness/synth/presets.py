@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ConfigError
+from .gguf_stream import Progress
 from .qwen2 import write_qwen2
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=256, n_vocab=512,
@@ -62,16 +63,19 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def write_preset(name: str, path: str | Path, seed: int = 0, quant: str | None = None) -> Path:
+def write_preset(name: str, path: str | Path, seed: int = 0, quant: str | None = None,
+                 jobs: int = 1, progress: Progress | None = None) -> Path:
     """write_qwen2(path, **PRESETS[name], seed=seed), or for a qwen35 preset (QWEN35_SHAPES)
-    write_qwen35_preset(name, path, quant or "f32", seed); ConfigError for an unknown name."""
+    write_qwen35_preset(name, path, quant or "f32", seed); ConfigError for an unknown name.
+    jobs: worker processes (same bytes for any value); progress(bytes_done, total, name)."""
     from .qwen35_presets import SHAPES as QWEN35_SHAPES, write_qwen35_preset
     if name in QWEN35_SHAPES:
-        return write_qwen35_preset(name, path, quant or "f32", seed=seed)
+        return write_qwen35_preset(name, path, quant or "f32", seed=seed, jobs=jobs,
+                                   progress=progress)
     if name not in PRESETS:
         known = ", ".join([*PRESETS, *QWEN35_SHAPES])
         raise ConfigError(f"unknown synthetic preset {name!r} (known: {known})")
     if quant is not None:
         raise ConfigError(f"preset {name!r} has a fixed quant mix; a quant applies to qwen35 "
                           "presets only")
-    return write_qwen2(path, seed=seed, **PRESETS[name])
+    return write_qwen2(path, seed=seed, jobs=jobs, progress=progress, **PRESETS[name])

@@ -14,6 +14,9 @@ Weights are zero-mean normal draws, one stream per tensor seeded by (seed, crc32
 matrices std 1/sqrt(fan_in) so activations stay O(1), token_embd std 1/sqrt(n_embd), norm weights
 1 + N(0, 0.1^2), biases N(0, 0.1^2). Zero mean matters: random K-quant blocks have a
 positive mean and make greedy output degenerate (project notes, docs/sources.md §4).
+The file is streamed (harness.synth.gguf_stream): each tensor's stream is consumed chunk
+after chunk (TensorStream, a sequential TensorPlan), so with jobs > 1 the tensors, not the
+chunks, are spread over the workers.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from gguf.constants import GGMLQuantizationType as QT
 
 from ..errors import ConfigError
 from .bpe_vocab import add_vocab
+from .gguf_stream import Progress, TensorPlan, write_gguf_streaming
 from .quantize import check_row, encode, parse_type, quant_source
 
 ARCH = "qwen2"
@@ -115,13 +119,55 @@ def resolve_quant(quant: str | dict[str, str], specs) -> dict[str, QT]:
     return types
 
 
-def make_weights(name: str, ne: tuple[int, ...], kind: str, std: float, seed: int) -> np.ndarray:
-    """float32 array of numpy shape reversed(ne), deterministic in (seed, name)."""
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    x = rng.standard_normal(tuple(reversed(ne)), dtype=np.float64) * std
+def normal_rows(rng: np.random.Generator, n: int, ne0: int, kind: str, std: float) -> np.ndarray:
+    """float32 [n, ne0]: the next n rows of a tensor's stream, N(0, std^2) (+1 for norms).
+    Drawing a tensor in several calls gives the same values as one call (numpy Generator
+    draws are sequential in the bit stream)."""
+    x = rng.standard_normal((n, ne0), dtype=np.float64) * std
     if kind == "norm":
         x += 1.0
     return x.astype(np.float32)
+
+
+def _stream(name: str, seed: int) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def make_weights(name: str, ne: tuple[int, ...], kind: str, std: float, seed: int) -> np.ndarray:
+    """float32 array of numpy shape reversed(ne), deterministic in (seed, name)."""
+    n_rows = math.prod(ne[1:])
+    return normal_rows(_stream(name, seed), n_rows, ne[0], kind, std).reshape(tuple(reversed(ne)))
+
+
+class TensorStream:
+    """rows(r0, r1) -> rows r0..r1-1 of one tensor, encoded as qtype (uint8 [n, row_bytes] or
+    float32/16 [n, ne0]): make_weights' values chunk by chunk. The stream is consumed in
+    order; a call not starting where the last one ended restarts it and skips r0 rows."""
+
+    def __init__(self, spec: tuple[str, tuple[int, ...], str, float], qtype: QT, seed: int):
+        self.spec, self.qtype, self.seed = spec, qtype, seed
+        self._rng, self._next = None, 0
+
+    def __getstate__(self) -> dict:  # pickled for worker processes: from the start
+        return {**self.__dict__, "_rng": None, "_next": 0}
+
+    def __call__(self, r0: int, r1: int) -> np.ndarray:
+        name, ne, kind, std = self.spec
+        if self._rng is None or r0 != self._next:
+            self._rng, self._next = _stream(name, self.seed), 0
+            for a in range(0, r0, 4096):  # skip: draw and drop
+                normal_rows(self._rng, min(4096, r0 - a), ne[0], kind, std)
+        vals = normal_rows(self._rng, r1 - r0, ne[0], kind, std)
+        self._next = r1
+        return encode(name, vals, self.qtype)
+
+
+def plan_tensors(s: Qwen2Shape, quant, seed: int = 0) -> list[TensorPlan]:
+    """Sequential TensorPlans of every tensor (types resolved and checked, nothing drawn)."""
+    specs = tensor_specs(s)
+    types = resolve_quant(quant, specs)
+    return [TensorPlan(sp[0], sp[1], types[sp[0]], TensorStream(sp, types[sp[0]], seed),
+                       sequential=True) for sp in specs]
 
 
 def _add_metadata(w: GGUFWriter, s: Qwen2Shape, seed: int, quant) -> None:
@@ -145,27 +191,21 @@ def _add_vocab(w, n_vocab: int) -> None:
 def write_qwen2(path: str | Path, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int,
                 n_ff: int, n_vocab: int, n_ctx_train: int, quant: str | dict[str, str] = "F32",
                 seed: int = 0, tied: bool = False, rope_freq_base: float = 1_000_000.0,
-                rms_eps: float = 1e-6) -> Path:
+                rms_eps: float = 1e-6, jobs: int = 1, progress: Progress | None = None) -> Path:
     """Write a synthetic qwen2 GGUF to path (parents created) and return the Path.
 
-    Same arguments -> byte-identical file (same numpy and libggml builds). quant: see
-    resolve_quant. Everything is checked before the file is opened, so a ConfigError or
-    UnsupportedError leaves no partial file behind.
+    Same arguments -> byte-identical file (same numpy and libggml builds), whatever `jobs`
+    (worker processes, one tensor each at a time). quant: see resolve_quant. Everything is
+    checked before the file is opened, and the file is written as <path>.part then renamed,
+    so an error leaves no partial file behind. progress(bytes_done, bytes_total, name).
     """
     s = Qwen2Shape(n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab, n_ctx_train,
                    rope_freq_base, rms_eps, tied)
-    specs = tensor_specs(s)
-    types = resolve_quant(quant, specs)
+    plans = plan_tensors(s, quant, seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    w = GGUFWriter(path, ARCH)
-    _add_metadata(w, s, seed, quant)
-    _add_vocab(w, n_vocab)
-    for name, ne, kind, std in specs:
-        data = encode(name, make_weights(name, ne, kind, std, seed), types[name])
-        w.add_tensor(name, data, raw_dtype=None if data.dtype != np.uint8 else types[name])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+
+    def meta(w: GGUFWriter) -> None:
+        _add_metadata(w, s, seed, quant)
+        _add_vocab(w, n_vocab)
+    return write_gguf_streaming(path, ARCH, meta, plans, progress, jobs)

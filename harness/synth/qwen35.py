@@ -246,17 +246,20 @@ def plan_tensors(s: Qwen35Shape, quant, seed: int = 0, method: str = "direct",
 
 def write_qwen35(path: str | Path, shape: Qwen35Shape, quant: str | dict[str, str] = "F32",
                  seed: int = 0, method: str = "direct", progress: Progress | None = None,
-                 style: SynthStyle = SynthStyle()) -> Path:
-    """Write a synthetic qwen35 GGUF (streamed: peak RAM ~ one chunk) and return its Path.
+                 style: SynthStyle = SynthStyle(), jobs: int = 1) -> Path:
+    """Write a synthetic qwen35 GGUF (streamed: peak RAM ~ one chunk per process) and
+    return its Path.
 
-    Same arguments -> the same bytes (same numpy and libggml builds). Raises ConfigError /
-    UnsupportedError before the file is opened; a failure while writing removes the file.
-    progress(bytes_done, bytes_total, tensor_name) is called after every chunk.
+    Same arguments -> the same bytes (same numpy and libggml builds), whatever `jobs`
+    (worker processes, harness.synth.parallel_write). Raises ConfigError / UnsupportedError
+    before the file is opened; a failure while writing removes the file (SynthWorkerError
+    when a worker failed). progress(bytes_done, bytes_total, tensor_name) is called after
+    every chunk.
     """
     plans = plan_tensors(shape, quant, seed, method, style)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     meta = lambda w: _add_metadata(w, shape, seed, quant, method, style)  # noqa: E731
-    return write_gguf_streaming(path, ARCH, meta, plans, progress)
+    return write_gguf_streaming(path, ARCH, meta, plans, progress, jobs)
 
 
 def decode_bytes(plans: list[TensorPlan], shape: Qwen35Shape) -> int:

@@ -102,8 +102,10 @@ def preset_decode_bytes(name: str, quant: str) -> int:
 
 
 def write_qwen35_preset(name: str, path: str | Path, quant: str = "f32", seed: int = 0,
-                        method: str = "direct", progress: Progress | None = None) -> Path:
-    """write_qwen35(path, shape(name), mix_for(quant, n_layer), seed, method, progress)."""
+                        method: str = "direct", progress: Progress | None = None,
+                        jobs: int = 1) -> Path:
+    """write_qwen35(path, shape(name), mix_for(quant, n_layer), seed, method, progress,
+    jobs=jobs): jobs worker processes, same bytes for any jobs."""
     s = shape(name)
     return write_qwen35(path, s, mix_for(quant, s.n_layer), seed=seed, method=method,
-                        progress=progress)
+                        progress=progress, jobs=jobs)
