@@ -108,3 +108,20 @@ def test_module_kernel_builds_iq4_names_with_the_iq4_define(monkeypatch):
     finally:
         module.kernel.cache_clear()
     assert seen == [("gemv.cu", ()), ("gemv.cu", ("GEMV_IQ4",))]
+
+
+def test_v9_takes_only_single_type_kquant_nodes_with_whole_super_blocks():
+    """ops.kv9_kernel: engine v9 (kernels/gemv_kq.cu) gets a node only when every matrix has the
+    same of its four types and K is a multiple of 256; the names exist in the source."""
+    from backends.engine import module, ops
+    src = (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    for t, n in ops.KV9_NAMES.items():
+        for mode in ("store", "add", "swiglu"):
+            name = ops.kv9_kernel(mode, [t, t], 5120)
+            assert name == f"gemvkq_{mode}_{n}"
+            assert f"KQ_MODES(T_{n.upper()}, {n})" in src
+    assert ops.kv9_kernel("store", [12], 5120 + 32) is None      # K not whole super-blocks
+    assert ops.kv9_kernel("swiglu", [13, 14], 5120) is None      # mixed gate/up pair
+    assert ops.kv9_kernel("store", [12, 12, 14], 5120) is None   # mixed QKV
+    assert ops.kv9_kernel("store", [8], 4096) is None            # Q8_0: not a v9 type
+    assert set(ops.KV9_NAMES) == set(ops.KQ_WIDE_TYPES)

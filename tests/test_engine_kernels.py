@@ -279,7 +279,7 @@ def _check_store_and_add(cp, raw, w, t, x, wpr, nw, what, keep, rng):
 WIDE_K = (256, 768, 1280, 1792, 8960)
 
 
-@pytest.mark.parametrize("kq", ["wide", "narrow"])
+@pytest.mark.parametrize("kq", ["wide", "narrow", "v9"])
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
     """Q4_K/Q5_K/Q6_K/IQ4_XS rows on both q16 row loops (ops.GEMV_KQ, kernels/kwide.cuh and
@@ -289,7 +289,9 @@ def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
     super-blocks than the 32 a row's warps cover per round), store, add and gate/up pairs of
     the same format (IQ4_XS: row_dot2_wide_iq4, the 27B's SwiGLU node) and mixed with another
     wide format. Odd super-block counts put IQ4_XS rows at both 16-byte parities (136-byte
-    blocks: the qs runs are 16-byte aligned in every other block)."""
+    blocks: the qs runs are 16-byte aligned in every other block). kq "v9": same-format nodes
+    run kernels/gemv_kq.cu (one warp per row, the block shape arguments do not apply), the
+    mixed pair stays on gemv.cu's wide loop."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
@@ -314,6 +316,44 @@ def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
                 ref = ops.swiglu(w @ _x_seen(x), wu2 @ _x_seen(x))
                 np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
                                            err_msg=f"{what} swiglu with type {tu}")
+
+
+def test_gemv_v9_grid_stride_segments_norm_bias(monkeypatch):
+    """Engine v9 (kernels/gemv_kq.cu, ops.GEMV_KQ = "v9") beyond test_gemv_kquant_wide_and_narrow_loops:
+    more rows than resident warps (the grid-stride row loop: 9001 rows), a 3-segment node of one
+    type with different row counts and biases behind a fused RMSNorm (find_seg per row), the 27B
+    widths K = 5120 and 17408, all four types; NaN-poisoned outputs, the same oracle rule."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("v9 is a q16 kernel")
+    monkeypatch.setattr(eops, "GEMV_KQ", "v9")
+    keep = []
+    for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
+        t = TYPES[name]
+        for rows, K in ((9001, 512), (37, 5120), (5, 17408)):
+            raw, w = _matrix(t, rows, K, seed=rows + K + t)
+            x = np.random.default_rng(K).normal(size=K).astype(np.float32)
+            node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep),
+                                                     out := nan_poisoned(cp, rows))], cp.asarray(x), K)
+            assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("store", [t], K))
+            node.launch()
+            _check_rows(out.get().astype(np.float64), w, x, f"v9 {name} [{rows}x{K}]")
+        K = 1024
+        rng = np.random.default_rng(t)
+        x = rng.normal(size=K).astype(np.float32)
+        nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+        nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
+        xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
+        mats = [_matrix(t, r, K, 50 + r) for r in (19, 3, 40)]
+        outs = [nan_poisoned(cp, r) for r in (19, 3, 40)]
+        biases = [rng.normal(size=r).astype(np.float32) for r in (19, 3, 40)]
+        bdev = [cp.asarray(b) for b in biases]
+        segs = [eops.Seg(device_tensor(cp, f"m{j}", raw, t, (K, raw.shape[0]), keep), o, int(b.data.ptr))
+                for j, ((raw, _), o, b) in enumerate(zip(mats, outs, bdev))]
+        eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6).launch()
+        for (raw, w), o, b in zip(mats, outs, biases):
+            _check_rows(o.get().astype(np.float64) - b, w, xn, f"v9 {name} segment with bias and norm")
 
 
 def test_gemv_every_block_shape():

@@ -67,8 +67,13 @@ GEMV_ARGS = os.environ.get("GGUF_HARNESS_GEMV_ARGS", "value")
 # per lane, kernels/kwide.cuh and kwide_iq4.cuh) or "narrow" (8 weights per lane and group,
 # qdot.cuh qdot8; IQ4_XS through the non-inlined I-quant call), kept for same-run A/B; read by
 # gemv() at call time (set this attribute or the env before building).
+# "v9" (engine v9, experimental, kernels/gemv_kq.cu): nodes whose matrices all have one of these
+# types and K % 256 == 0 run one warp per row in 16-warp blocks (kv9_kernel); other nodes as "wide".
 GEMV_KQ = os.environ.get("GGUF_HARNESS_GEMV_KQ", "wide")
+GEMV_KQ_MODES = ("wide", "narrow", "v9")
 KQ_WIDE_TYPES = (12, 13, 14, 23)  # Q4_K, Q5_K, Q6_K, IQ4_XS
+KV9_NAMES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 23: "iq4_xs"}  # kernels/gemv_kq.cu KQ_MODES
+KV9_WARPS = 16  # kernels/gemv_kq.cu KQ_BLOCK_WARPS
 # Alignment the wide loop's loads need at the weights' start (rows of whole super-blocks keep it):
 # Q4_K/Q5_K 16-byte loads at block starts (144 / 176-byte blocks), IQ4_XS 8-byte loads (136-byte
 # blocks); Q6_K realigns its 2-byte aligned blocks itself.
@@ -107,6 +112,17 @@ def gemv_smem(K: int, impl: str = "q16") -> int:
     adds a float (the block's value sum) per 32 values."""
     kp = -(-K // 256) * 256
     return 2 * kp + 4 * (kp // 8) + 4 * (kp // 32) * (2 if impl == "q8_1" else 1)
+
+
+def kv9_kernel(mode: str, type_ids, K: int) -> str | None:
+    """Name of the engine v9 kernel (kernels/gemv_kq.cu) for a q16 node with matrices of GGML
+    types `type_ids` and input length K, or None when v9 does not take it (mixed types, a type
+    outside Q4_K/Q5_K/Q6_K/IQ4_XS, K not a multiple of 256): such nodes stay on gemv.cu."""
+    types = set(type_ids)
+    if len(types) != 1 or K % 256:
+        return None
+    name = KV9_NAMES.get(types.pop())
+    return f"gemvkq_{mode}_{name}" if name else None
 
 
 def seg_type(type_id: int, narrow: bool = False) -> int:
@@ -166,6 +182,15 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
+    elif impl == "q16" and GEMV_KQ == "v9" and GEMV_ARGS == "value" and \
+            (kname := kv9_kernel(mode, [s.w.type_id for s in segs], K)):
+        for s in segs:
+            a = KQ_WIDE_ALIGN.get(s.w.type_id, 1)
+            if s.w.ptr % a:
+                raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
+        k = module.kernel_in("gemv_kq.cu", kname)
+        wpr, nw = 1, KV9_WARPS
+        smem = gemv_smem(K, impl)
     elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)
         wpr, nw = wpr or dw, nw or dn
@@ -174,10 +199,10 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         prefix = {"value": "gemv", "pointer": "gemvp"}.get(GEMV_ARGS)
         if prefix is None:
             raise ValueError(f"GGUF_HARNESS_GEMV_ARGS={GEMV_ARGS!r}: expected value or pointer")
-        if GEMV_KQ not in ("wide", "narrow"):
-            raise ValueError(f"GGUF_HARNESS_GEMV_KQ={GEMV_KQ!r}: expected wide or narrow")
+        if GEMV_KQ not in GEMV_KQ_MODES:
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ={GEMV_KQ!r}: expected one of {', '.join(GEMV_KQ_MODES)}")
         for s in segs:  # the wide loads (KQ_WIDE_ALIGN; arena.py ALIGN = 256 gives it)
-            a = KQ_WIDE_ALIGN.get(s.w.type_id, 1) if GEMV_KQ == "wide" else 1
+            a = KQ_WIDE_ALIGN.get(s.w.type_id, 1) if GEMV_KQ != "narrow" else 1
             if s.w.ptr % a:
                 raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
         k = module.kernel_in("gemv.cu", *gemv_kernel(prefix, mode, wpr, nw,

@@ -1,0 +1,150 @@
+// Engine v9 GEMV (experimental, GGUF_HARNESS_GEMV_KQ=v9): y[r] = sum_k W[r, k] * x[k] for
+// nodes whose matrices all have ONE of the types Q4_K, Q5_K, Q6_K, IQ4_XS (K a multiple of 256),
+// q16 activations. Same arithmetic per super-block as gemv.cu's wide rows (kwide.cuh,
+// kwide_iq4.cuh: the lane of a warp takes 32 weights of a super-block, 8 lanes per super-block,
+// exact int32 dp2a sums, the scales in fp32), so the results equal gemv.cu's up to the order of
+// the fp32 additions; what changes is everything around that arithmetic.
+//
+// Why (ncu on the H200, docs/perf-notes.md session 7): gemv.cu's Q4_K [10240x5120] node executes
+// 12.6 M warp instructions for 52.4 M weights (7.7 per weight; the dp2a doing the work are 6.5 %)
+// and issues every 1.8 cycles, so it is issue-bound (hot 18.0 us = cold 18.3 us, roofline 8.7):
+//   - 25 %: per-row overhead of 2 warps per row (runtime type dispatch, lane constants
+//     re-derived per row, L2 prefetch addressing, cross-warp combine with two barriers);
+//   - 12 %: stage_xq in each of 528 blocks of 8 warps;
+//   - 53 %: the loop body, 131 instructions per lane per super-block, of which ~36 are dp2a,
+//     nibble masks and shared loads; the rest address and scale arithmetic.
+// Here: one template instance per (type, epilogue), so no dispatch; one warp per row, lane
+// constants computed once per kernel, no cross-warp combine and no barrier after staging;
+// blocks of 16 warps (half the staging work per warp of gemv.cu's 8-warp blocks) in a one-wave
+// grid with a grid-stride row loop; weights walked with a pointer advanced per round; no L2
+// prefetch beyond each warp's first row (PF_AHEAD = 2 made the output head read its bytes
+// 1.9x: the per-round loads of 16 resident warps per SM keep enough bytes in flight).
+// Expected (to be measured on the GPU): ~2x fewer instructions per weight, the >= 50 MB shapes
+// from ~40 % to >= 70 % of the size-aware roofline. Not yet run on a GPU.
+//
+// Arguments as gemv.cu's value convention: (SegTable by value, x, norm, eps, K, total_rows);
+// MODE 0 store (+bias), 1 add, 2 SwiGLU of a gate/up pair (segments 0 and 1, equal rows).
+#include "qdot.cuh"  // (named here: module.py prefixes the I-quant tables to sources that include it)
+#include "xstage.cuh"
+#include "kwide_iq4.cuh"
+#include "segs.cuh"
+
+extern __shared__ int4 smem4[];  // the staged x (xstage.cuh stage_xq layout)
+
+#ifndef KQ_UNROLL
+#define KQ_UNROLL 2  // rounds (4 super-blocks per warp) whose loads are in flight together
+#endif
+constexpr int kKqUnroll = KQ_UNROLL;
+
+// One format's super-block step: lane constants, raw block registers, activations, the dot.
+template <int T> struct KQ {
+    using Lane = WLane;
+    using Blk = WBlk<T>;
+    using X = WX;
+    static constexpr int TS = Fmt<T>::TS;
+    static __device__ __forceinline__ Lane lane(int i) { return wide_lane<T>(i); }
+    static __device__ __forceinline__ void load(const u8* b, int i, Blk& r) { wide_load<T>(b, i, r); }
+    static __device__ __forceinline__ X x(const XS& xa, int sb, int i, const Lane& w) { return wide_x(xa, sb, w); }
+    static __device__ __forceinline__ float dot(const Blk& r, const X& x, int i, const Lane&) {
+        return wide_dot<T>(r, x, i);
+    }
+};
+template <> struct KQ<T_IQ4_XS> {
+    using Lane = WLaneIq4;
+    using Blk = WIq4;
+    using X = WXIq4;
+    static constexpr int TS = Fmt<T_IQ4_XS>::TS;
+    static __device__ __forceinline__ Lane lane(int i) { return wide_lane_iq4(i); }
+    static __device__ __forceinline__ void load(const u8* b, int i, Blk& r) { wide_load_iq4(b, i, r); }
+    static __device__ __forceinline__ X x(const XS& xa, int sb, int i, const Lane& w) {
+        return wide_x_iq4(xa, sb, i, w);
+    }
+    static __device__ __forceinline__ float dot(const Blk& r, const X& x, int, const Lane& w) {
+        return wide_dot_iq4(r, x, w);
+    }
+};
+
+// Lane's partial dot product of one row: super-blocks grp, grp + 4, ... (nsb = K / 256).
+template <int T> __device__ __forceinline__ float kq_row(const u8* row, const XS& xa,
+                                                         const typename KQ<T>::Lane& w, int nsb,
+                                                         int grp, int i) {
+    float acc = 0.f;
+    const u8* p = row + grp * KQ<T>::TS;
+#pragma unroll kKqUnroll
+    for (int sb = grp; sb < nsb; sb += 4, p += 4 * KQ<T>::TS) {
+        typename KQ<T>::Blk r;
+        KQ<T>::load(p, i, r);
+        acc += KQ<T>::dot(r, KQ<T>::x(xa, sb, i, w), i, w);
+    }
+    return acc;
+}
+
+// Gate and up rows: both rows' blocks loaded before any arithmetic, the activations read once.
+template <int T> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
+                                                           const typename KQ<T>::Lane& w, int nsb,
+                                                           int grp, int i) {
+    float a0 = 0.f, a1 = 0.f;
+    const int o = grp * KQ<T>::TS;
+    const u8 *p0 = r0 + o, *p1 = r1 + o;
+#pragma unroll 1
+    for (int sb = grp; sb < nsb; sb += 4, p0 += 4 * KQ<T>::TS, p1 += 4 * KQ<T>::TS) {
+        typename KQ<T>::Blk b0, b1;
+        KQ<T>::load(p0, i, b0);
+        KQ<T>::load(p1, i, b1);
+        const typename KQ<T>::X x = KQ<T>::x(xa, sb, i, w);
+        a0 += KQ<T>::dot(b0, x, i, w);
+        a1 += KQ<T>::dot(b1, x, i, w);
+    }
+    return make_float2(a0, a1);
+}
+
+template <int T, int MODE, int NW>
+__device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const float* norm, float eps,
+                                        int K, int total_rows) {
+    __shared__ float scratch[32];
+    int4* xq = smem4;
+    int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
+    float* xd = (float*)(xs + K / 8);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = blockIdx.x * NW + warp, step = gridDim.x * NW;
+    // Before the PDL wait (weights are constants): the first row's lines to L2, overlapping
+    // the previous kernel's tail.
+    if (first < total_rows) {
+        int r = first;
+        const int si = MODE == 2 ? 0 : find_seg(t, r);
+        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], lane, 32);
+        if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], lane, 32);
+    }
+    pdl_wait();     // x (and the output, for "add") come from the previous kernels
+    pdl_trigger();
+    const float rs = stage_xq(x, norm, eps, K, xq, xs, xd, scratch);  // barriers inside
+    const XS xa = xs_addr(xq, xs, xd);
+    const int grp = lane >> 3, i = lane & 7, nsb = K >> 8;
+    const typename KQ<T>::Lane w = KQ<T>::lane(i);
+    for (int row = first; row < total_rows; row += step) {
+        int r = row, si = 0;
+        float y, up = 0.f;
+        if constexpr (MODE == 2) {
+            const float2 v = kq_row2<T>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
+                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, grp, i);
+            y = warp_sum(v.x) * rs;
+            up = warp_sum(v.y) * rs;
+        } else {
+            si = find_seg(t, r);
+            y = warp_sum(kq_row<T>((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, xa, w, nsb, grp, i)) * rs;
+        }
+        if (lane == 0) store_row<MODE>(t.s[si], r, y, up);
+    }
+}
+
+#define KQ_BLOCK_WARPS 16
+#define KQ_KERNEL(MODE, MNAME, T, TNAME)                                                          \
+    extern "C" __global__ void __launch_bounds__(KQ_BLOCK_WARPS * 32)                             \
+    gemvkq_##MNAME##_##TNAME(const SegTable t, const float* x, const float* norm, float eps, int K, \
+                             int total_rows) {                                                    \
+        kq_body<T, MODE, KQ_BLOCK_WARPS>(t, x, norm, eps, K, total_rows);                         \
+    }
+#define KQ_MODES(T, TNAME) KQ_KERNEL(0, store, T, TNAME) KQ_KERNEL(1, add, T, TNAME) \
+    KQ_KERNEL(2, swiglu, T, TNAME)
+// kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs>
+KQ_MODES(T_Q4_K, q4_k) KQ_MODES(T_Q5_K, q5_k) KQ_MODES(T_Q6_K, q6_k) KQ_MODES(T_IQ4_XS, iq4_xs)

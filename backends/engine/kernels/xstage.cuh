@@ -1,0 +1,133 @@
+// Staging of a GEMV's input vector x in shared memory (stage_xq) and L2 prefetch helpers,
+// shared by the GEMV kernels (gemv.cu: engine v4-v8, any format; gemv_kq.cu: one warp per row
+// for the wide K-quant / IQ4_XS rows). Moved here unchanged from gemv.cu.
+#pragma once
+#include "kwide.cuh"  // xq_slot: the bank swizzle of the staged codes
+
+#ifdef ACT_Q8_1
+// llama.cpp-compatible activation rounding (ops.GEMV_IMPL "q8_1", compiled with -DACT_Q8_1):
+// the codes, scale and block sum of ggml-cuda's quantize_q8_1 (quantize.cu): d = amax / 127,
+// q = roundf(x / d) (0 for an all-zero block), stored as fp16 d and fp16 sum of the block's
+// unquantised values; the legacy formats fold their offset with that sum (gemv.cu legacy_off).
+// Purpose: engine-vs-llama.cpp comparisons that isolate kernel differences from the int8
+// rounding policy (the default q16 is ~2^8 x more accurate: gemv.cu header).
+#define XQ_MAX 127.f
+#else
+#define XQ_MAX 32767.f
+#endif
+#define XQ_FLUSH 1e-30f  // blocks with max |x| below this become zeros (XQ_MAX / amax overflows ~1e-34)
+
+// Shared-memory layout for K values, Kp = K rounded up to 256 (zero codes beyond K):
+//   int4  xq[Kp / 8]   8 int16 codes per entry; entry c (values 8c..8c+7) is stored at slot
+//                      xq_slot(c) (kwide.cuh: a bit swizzle inside each group of 8 entries
+//                      that keeps the wide path's 16-byte loads free of bank conflicts)
+//   int   xs[Kp / 8]   sum of the 8 codes of that entry
+//   float xd[Kp / 32]  scale of each 32-value block (NaN if the block held NaN/Inf)
+//   float xf[Kp / 32]  q8_1 only: a quarter of the block's fp16 sum of values, in code units
+// Bytes: 2.625 Kp, q8_1 2.75 Kp (mirrored by backends/engine/ops.py gemv_smem).
+//
+// One pass over x: with an RMSNorm, the codes are those of y = x * norm_weight and the
+// norm's scalar 1/rms(x) is returned, to be applied to each finished row sum (scaling a
+// block does not change its codes, so this equals quantising the normalised vector up to
+// float rounding at code ties); without a norm it returns 1. The block reduction's
+// barriers also publish the shared-memory codes.
+__device__ __forceinline__ float stage_xq(const float* __restrict__ x, const float* __restrict__ norm,
+                                          float eps, int K, int4* xq, int* xs, float* xd, float* scratch) {
+    const bool vec = (K & 7) == 0;
+    const int nch = ((K + 255) >> 8) * 32;  // multiple of 32: the c < nch test is warp-uniform
+#ifdef ACT_Q8_1
+    float* xf = xd + nch / 4;
+#endif
+    float ss = 0.f;
+#pragma unroll 2
+    for (int c0 = 0; c0 < nch; c0 += blockDim.x) {
+        const int c = c0 + threadIdx.x, i0 = 8 * c;
+        float v[8];
+        if (vec && i0 + 8 <= K) {
+            const float4 a = ((const float4*)x)[2 * c], b = ((const float4*)x)[2 * c + 1];
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+            if (norm) {
+                const float4 na = ((const float4*)norm)[2 * c], nb = ((const float4*)norm)[2 * c + 1];
+                ss += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] + v[6] * v[6] + v[7] * v[7];
+                v[0] *= na.x; v[1] *= na.y; v[2] *= na.z; v[3] *= na.w; v[4] *= nb.x; v[5] *= nb.y; v[6] *= nb.z; v[7] *= nb.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                v[k] = i0 + k < K ? x[i0 + k] : 0.f;
+                if (norm) {
+                    ss += v[k] * v[k];
+                    v[k] = i0 + k < K ? v[k] * norm[i0 + k] : 0.f;
+                }
+            }
+        }
+        float am = 0.f;
+        int bad = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            am = fmaxf(am, fabsf(v[k]));
+            bad |= !finite_f32(v[k]);
+        }
+        // the 4 lanes 4j..4j+3 hold one 32-value block
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+        bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+        bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+#ifdef ACT_Q8_1
+        float bs = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+        bs += __shfl_xor_sync(0xffffffffu, bs, 1);
+        bs += __shfl_xor_sync(0xffffffffu, bs, 2);
+#endif
+        if (c < nch) {
+            int q[8], s = 0;
+#ifdef ACT_Q8_1
+            const float dq = am / XQ_MAX;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                q[k] = am > XQ_FLUSH ? (int)roundf(v[k] / dq) : 0;  // below: d is subnormal or 0
+                s += q[k];
+            }
+            if ((c & 3) == 0) xf[c >> 2] = bs;  // raw block sum; fp16-rounded after the norm
+#else
+            const float id = am > XQ_FLUSH ? XQ_MAX / am : 0.f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                q[k] = __float2int_rn(v[k] * id);
+                s += q[k];
+            }
+#endif
+            xq[xq_slot(c)] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
+                              (q[4] & 0xffff) | (q[5] << 16), (q[6] & 0xffff) | (q[7] << 16));
+            xs[c] = s;
+            // NaN/Inf must survive quantisation so the finite checks can name this node
+            if ((c & 3) == 0) xd[c >> 2] = bad ? __int_as_float(0x7fc00000) : am / XQ_MAX;
+        }
+    }
+    const float tot = block_sum(ss, scratch);  // barriers: codes visible to every warp
+    const float rs = norm ? rsqrtf(tot / (float)K + eps) : 1.f;
+#ifdef ACT_Q8_1
+    // llama.cpp rounds the scale and the sum of the *normalised* block to fp16: ds = fp16(d rs),
+    // sy = fp16(sum rs). The row sums are multiplied by rs at the end, so xd holds ds / rs, and
+    // xf a quarter of sy in code units (sy / (4 ds)): each of the block's 4 lanes adds its share
+    // of the offset term (legacy_off). A block whose ds underflows fp16 contributes nothing.
+    for (int b = threadIdx.x; b < nch / 4; b += blockDim.x) {
+        const float ds = h2f(f2h(xd[b] * rs)), sy = h2f(f2h(xf[b] * rs));
+        xd[b] = ds / rs;  // NaN (a non-finite block) stays NaN
+        xf[b] = ds != 0.f ? 0.25f * sy / ds : 0.f;
+    }
+    __syncthreads();
+#endif
+    return rs;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Ask L2 for the 128-byte lines of `rows` bytes at p; the warps of a row share the lines.
+__device__ __forceinline__ void prefetch_bytes(const u8* p, int nbytes, int first, int step) {
+    const u8* end = p + nbytes;
+    for (const u8* a = (const u8*)((size_t)p & ~(size_t)127) + 128 * first; a < end; a += 128 * step)
+        prefetch_l2(a);
+}
+

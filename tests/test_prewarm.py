@@ -1,0 +1,40 @@
+"""backends.engine.prewarm (CPU): every build names a source and a kernel that source defines
+(a renamed kernel would make the prewarm compile fail on the GPU machine), the defines are
+spelled as the engine passes them, and without a GPU the command says so and exits 2."""
+from __future__ import annotations
+
+import re
+
+from backends.engine import module, ops, prewarm
+
+
+def test_builds_name_existing_kernels_and_engine_define_orders():
+    # macro-instantiated kernels appear in their source as the macro call that makes them
+    made_by = {"gemv_store_w1_b4": "GEMV_MODES(1, 4)", "gemv_store_w1_b4_iq4": "GEMV_MODES(1, 4)",
+               "gemvf_store_w1": "GEMV_KERNEL(gemvf_store_w1,", "attn_gqa_d128": "GQA_KERNEL(128)",
+               "attn_head_d128": "HEAD_KERNEL(128)", "attn_gated_d128": "GATED_KERNEL(128)",
+               "gdn_step_s128_r8": "GDN_STEP_KERNEL(128, 8)", "gemvkq_store_q4_k": "KQ_MODES(T_Q4_K, q4_k)"}
+    for source, defines, name in prewarm.BUILDS:
+        text = (module.KERNEL_DIR / source).read_text()
+        assert (made_by.get(name, "\x00") in text or re.search(rf"\b{re.escape(name)}\(", text)), (source, name)
+        assert set(defines) <= {"GEMV_IQ4", "ACT_Q8_1"}
+    gemv_defs = {d for s, d, _ in prewarm.BUILDS if s == "gemv.cu"}
+    # the engine's own order (ops.gemv_kernel): ACT_Q8_1 first, then GEMV_IQ4
+    for impl in ("q16", "q8_1"):
+        for types in ([12], [23]):
+            assert ops.gemv_kernel("gemv", "store", 1, 4, types, impl)[1] in gemv_defs
+    assert {s for s, _, _ in prewarm.BUILDS} >= set(module.SOURCES)
+
+
+def test_without_a_gpu_it_exits_2(capsys):
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+        has_gpu = True
+    except Exception:
+        has_gpu = False
+    if has_gpu:
+        import pytest
+        pytest.skip("a GPU is present: prewarm would compile")
+    assert prewarm.main([]) == 2
+    assert "needs CuPy and a GPU" in capsys.readouterr().err
