@@ -125,3 +125,18 @@ def test_v9_takes_only_single_type_kquant_nodes_with_whole_super_blocks():
     assert ops.kv9_kernel("store", [12, 12, 14], 5120) is None   # mixed QKV
     assert ops.kv9_kernel("store", [8], 4096) is None            # Q8_0: not a v9 type
     assert set(ops.KV9_NAMES) == set(ops.KQ_WIDE_TYPES)
+
+
+def test_prefetch_distance_rule_matches_the_measured_strides():
+    """ops.pf_ahead on the strides of the H200 A/B (docs/perf-notes.md session 7): blocks x rows
+    per block x row bytes of each measured node, and the distance that measured best."""
+    measured = {  # stride bytes: best PF_AHEAD (cold back to back, same run)
+        660 * 8 * 4200: 0,            # output head [248320x5120] Q6_K, w1_b8: 454.5 -> 369.2 us
+        396 * 8 * (2720 + 2720): 0,   # IQ4_XS gate+up 2x[17408x5120], w1_b8 pair: 51.3 -> 46.2
+        528 * 2 * 14280: 1,           # Q6_K [5120x17408], w4_b8: 45.7 -> 40.0
+        528 * 2 * 11968: 1,           # Q5_K [5120x17408], w4_b8: 38.0 -> 35.0
+        528 * 4 * 2880: 2,            # Q4_K [10240x5120], w2_b8: 18.49 best at 2
+    }
+    for stride, best in measured.items():
+        assert ops.pf_ahead(stride) == best, stride
+    assert ops.pf_ahead(0) == ops.PF_DEFAULT and ops.pf_ahead(1 << 40) == 0

@@ -17,13 +17,17 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
     for source, defines, name in prewarm.BUILDS:
         text = (module.KERNEL_DIR / source).read_text()
         assert (made_by.get(name, "\x00") in text or re.search(rf"\b{re.escape(name)}\(", text)), (source, name)
-        assert set(defines) <= {"GEMV_IQ4", "ACT_Q8_1"}
+        assert set(defines) <= {"GEMV_IQ4", "ACT_Q8_1", "PF_AHEAD=0", "PF_AHEAD=1"}
     gemv_defs = {d for s, d, _ in prewarm.BUILDS if s == "gemv.cu"}
     # the engine's own order (ops.gemv_kernel): ACT_Q8_1 first, then GEMV_IQ4
     for impl in ("q16", "q8_1"):
         for types in ([12], [23]):
             assert ops.gemv_kernel("gemv", "store", 1, 4, types, impl)[1] in gemv_defs
     assert {s for s, _, _ in prewarm.BUILDS} >= set(module.SOURCES)
+    # every prefetch distance ops.pf_ahead can pick other than the default has its builds
+    for pf in {ops.pf_ahead(b) for b in (1, 9 << 20, 17 << 20, 1 << 40)} - {ops.PF_DEFAULT}:
+        for d in ((), ("GEMV_IQ4",)):
+            assert d + (f"PF_AHEAD={pf}",) in gemv_defs
 
 
 def test_without_a_gpu_it_exits_2(capsys):

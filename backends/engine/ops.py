@@ -125,6 +125,22 @@ def kv9_kernel(mode: str, type_ids, K: int) -> str | None:
     return f"gemvkq_{mode}_{name}" if name else None
 
 
+PF_DEFAULT = 2           # kernels/gemv.cu PF_AHEAD when not defined
+PF_BUDGET = 16 << 20     # bytes of rows a q16 GEMV node may have prefetched to L2 ahead of use
+
+
+def pf_ahead(stride_bytes: int) -> int:
+    """Grid-stride iterations a q16 gemv.cu node prefetches ahead (its build's PF_AHEAD): as many
+    as fit PF_BUDGET bytes, at most PF_DEFAULT. stride_bytes = weight bytes one grid-stride
+    iteration reads (blocks x rows per block x row bytes). Measured on the H200 (same run,
+    cold back to back, docs/perf-notes.md session 7): with 44 MB prefetched ahead the output
+    head [248320x5120] Q6_K read 1.9x its bytes from DRAM (evicted before use) and took 454.5 us,
+    369.2 at 0 ahead; strides of 12.6-17 MB (Q5_K/Q6_K [5120x17408], IQ4_XS gate/up
+    2x[17408x5120]) gained 8-12 % at 1 (or 0) ahead; the 6 MB stride of Q4_K [10240x5120] was best
+    at 2. Every model node of the 0.5B/1.5B strides < 8 MB, so those keep 2."""
+    return min(PF_DEFAULT, PF_BUDGET // max(1, stride_bytes))
+
+
 def seg_type(type_id: int, narrow: bool = False) -> int:
     """The segment table's type field: the GGML id, with NARROW_BIT for the q16 per-8 loop."""
     return type_id | NARROW_BIT if narrow and type_id in KQ_WIDE_TYPES else type_id
@@ -205,9 +221,15 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             a = KQ_WIDE_ALIGN.get(s.w.type_id, 1) if GEMV_KQ != "narrow" else 1
             if s.w.ptr % a:
                 raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
-        k = module.kernel_in("gemv.cu", *gemv_kernel(prefix, mode, wpr, nw,
-                                                     (s.w.type_id for s in segs), impl))
+        kname, defines = gemv_kernel(prefix, mode, wpr, nw, [s.w.type_id for s in segs], impl)
+        k = module.kernel_in("gemv.cu", kname, defines)
         smem = gemv_smem(K, impl)
+        if impl == "q16" and not module.GEMV_PF:  # GGUF_HARNESS_GEMV_PF set: that build for all
+            per_row = (sum if mode == "swiglu" else max)(s.w.row_bytes for s in segs)
+            g = min(math.ceil(rows / (nw // wpr)), module.blocks_per_sm(k, nw * 32, smem) * module.sm_count())
+            pf = pf_ahead(g * (nw // wpr) * per_row)
+            if pf != PF_DEFAULT:
+                k = module.kernel_in("gemv.cu", kname, defines + (f"PF_AHEAD={pf}",))
     else:
         raise ValueError(f"GGUF_HARNESS_GEMV={GEMV_IMPL!r}: expected one of {', '.join(GEMV_IMPLS)}")
     module.allow_smem(k, smem)

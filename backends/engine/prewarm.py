@@ -2,9 +2,10 @@
 
 CuPy compiles a RawModule on first use, one after another, and keeps the result in its
 on-disk kernel cache (CUPY_CACHE_DIR, keyed by code string and options: module.py). gemv.cu
-alone takes 60-90 s per build (docs/perf-notes.md) and there are four builds of it (q16 /
-q8_1 x plain / _iq4), so a fresh machine or an edited kernel header costs minutes of
-serial compiles inside the first run or test. Here each build compiles in its own process
+alone takes 60-110 s per build (docs/perf-notes.md) and there are eight builds of it (q16 /
+q8_1 x plain / _iq4, and q16 with a shorter L2 prefetch distance, ops.pf_ahead), so a fresh
+machine or an edited kernel header costs minutes of serial compiles inside the first run or
+test. Here each build compiles in its own process
 (spawned: no CUDA context is shared), so the wall time is about the slowest build; later
 processes find every module in the cache.
 
@@ -28,6 +29,11 @@ BUILDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("gemv.cu", ("GEMV_IQ4",), "gemv_store_w1_b4_iq4"),
     ("gemv.cu", ("ACT_Q8_1",), "gemv_store_w1_b4"),
     ("gemv.cu", ("ACT_Q8_1", "GEMV_IQ4"), "gemv_store_w1_b4_iq4"),
+    # shorter L2 prefetch distances for nodes with large grid strides (ops.pf_ahead)
+    ("gemv.cu", ("PF_AHEAD=0",), "gemv_store_w1_b4"),
+    ("gemv.cu", ("PF_AHEAD=1",), "gemv_store_w1_b4"),
+    ("gemv.cu", ("GEMV_IQ4", "PF_AHEAD=0"), "gemv_store_w1_b4_iq4"),
+    ("gemv.cu", ("GEMV_IQ4", "PF_AHEAD=1"), "gemv_store_w1_b4_iq4"),
     ("gemv_f32.cu", (), "gemvf_store_w1"),
     ("attention.cu", (), "attn_decode"),
     ("attention_gqa.cu", (), "attn_gqa_d128"),
