@@ -1,0 +1,87 @@
+"""harness.ab_kernels: A/B of two `harness bench kernels` results (CPU only)."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from harness import ab_kernels as abk
+
+SWEEPS = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"
+
+
+def _row(name, us, noise=0.005, n=40, ok=True, spec=None):
+    return {"name": name, "spec": spec or f"{name}:Q4_K", "label": name, "status": "ok",
+            "check": {"ok": ok}, "same_after_timing": True, "roofline_check": True,
+            "modes": {"cold_b2b": {"kernel": {"us": us, "noise": noise, "n": n}},
+                      "hot": {"kernel": {"us": us * 0.9, "noise": noise, "n": n}}}}
+
+
+def _doc(rows, **settings):
+    return {"schema": abk.KERNELS_SCHEMA, "settings": {"gemv_kq": "wide", **settings},
+            "device": {"sm_count": 132}, "rows": rows}
+
+
+def test_verdicts_follow_threshold_and_noise():
+    a = _doc([_row("a", 10.0), _row("b", 10.0), _row("c", 10.0, noise=0.08), _row("d", 10.0)])
+    b = _doc([_row("a", 10.1), _row("b", 9.0), _row("c", 10.6, noise=0.01), _row("d", 11.0)])
+    res = abk.compare_kernels(a, b, threshold=0.02)
+    v = {(p.shape, p.mode): p.verdict for p in res.perf}
+    assert v[("a", "cold_b2b")] == "SAME"          # +1 % < 2 %
+    assert v[("b", "cold_b2b")] == "FASTER"        # -10 %
+    assert v[("c", "cold_b2b")] == "SAME"          # +6 % inside A's 8 % noise
+    assert v[("d", "cold_b2b")] == "SLOWER"        # +10 %
+    assert res.failures == 0
+    assert abk.exit_code(res) == 0 and abk.exit_code(res, fail_on_slower=True) == 1
+
+
+def test_correctness_changes_fail_whatever_the_speed():
+    a = _doc([_row("a", 10.0), _row("b", 10.0), _row("c", 10.0)])
+    b = _doc([_row("a", 5.0, ok=False), _row("c", 10.0)])
+    b["rows"][1]["same_after_timing"] = False
+    b["rows"].append(_row("new", 1.0))
+    res = abk.compare_kernels(a, b)
+    states = {(c.shape, c.what): c.state for c in res.checks}
+    assert states[("a", "oracle check")] == "FAILURE"
+    assert states[("b", "shape")] == "FAILURE"                       # missing in B
+    assert states[("c", "output after timing = checked")] == "FAILURE"
+    assert states[("new", "shape")] == "new"
+    assert res.failures == 3 and abk.exit_code(res) == 1
+    # a check fixed in B is not a failure
+    res2 = abk.compare_kernels(b, a)
+    assert {(c.shape, c.what): c.state for c in res2.checks}[("a", "oracle check")] == "fixed"
+
+
+def test_unknown_on_few_samples_or_a_changed_spec():
+    a = _doc([_row("a", 10.0, n=2), _row("b", 10.0)])
+    b = _doc([_row("a", 10.0), _row("b", 10.0, spec="b:Q6_K")])
+    res = abk.compare_kernels(a, b)
+    assert {p.verdict for p in res.perf} == {"UNKNOWN"}
+
+
+def test_settings_difference_is_noted_not_refused():
+    res = abk.compare_kernels(_doc([_row("a", 10.0)]), _doc([_row("a", 8.0)], gemv_kq="v9"))
+    assert any("gemv_kq" in n for n in res.notes) and res.perf[0].verdict == "FASTER"
+    with pytest.raises(ValueError):
+        abk.compare_kernels({"schema": "gguf-harness/run/1"}, _doc([]))
+
+
+def test_h200_same_code_runs_are_same_and_the_prefetch_ab_is_seen():
+    """Real results (docs/results/sweeps, H200, session 7): two runs of the same code (PF_AHEAD 2,
+    before and after the PF 1 / PF 0 runs) compare SAME on every row; PF 0 against PF 2 is
+    FASTER on the output head (454.5 -> 369.2 us) and SLOWER on Q4_K [10240x5120] (18.5 -> 19.9)."""
+    load = lambda n: json.loads((SWEEPS / f"2026-11-29-h200-kernels-v8-{n}.json").read_text())
+    same = abk.compare_kernels(load("pf2-a"), load("pf2-b"))
+    assert same.perf and {p.verdict for p in same.perf} == {"SAME"} and same.failures == 0
+    pf0 = abk.compare_kernels(load("pf2-a"), load("pf0"))
+    v = {p.shape: p.verdict for p in pf0.perf}
+    assert v["output"] == "FASTER" and v["attn_qkv"] == "SLOWER" and pf0.failures == 0
+
+
+def test_input_not_modified():
+    a = _doc([_row("a", 10.0)])
+    a0 = copy.deepcopy(a)
+    abk.compare_kernels(a, copy.deepcopy(a))
+    assert a == a0
