@@ -10,7 +10,8 @@
 # Stages, in order: setup gpu-tests verify synth-27b bench report gate. A failing stage does
 # not stop the later ones (except setup: without an environment nothing else can run); the
 # script exits 1 at the end if any stage or gate comparison failed, 2 on bad arguments.
-# Records: OUT/ci/<UTC time>/ (stages.json, gate.tsv, one log per stage); runs: OUT/runs/.
+# Records: OUT/ci/<UTC time>/ (stages.json, gate.tsv, git-status-*.txt, one log per stage);
+# runs: OUT/runs/.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."   # relative paths below (OUT, VENV, ...) are from the repository root
@@ -21,6 +22,10 @@ OUT=${OUT:-out}
 VENV=${VENV:-.venv-gpu}
 CUDA_ARCH=${CUDA_ARCH:-90}
 GATE_THRESHOLD=${GATE_THRESHOLD:-0.05}
+# whose SLOWER tok/s fails the gate: the code under test; llama.cpp and the oracle are
+# references whose build does not change between commits (ci/README.md: their speed moved
+# -7.7 % / +9.7 % between two runs of the same code on the H200); `all` = every backend
+GATE_SLOWER_BACKENDS=${GATE_SLOWER_BACKENDS:-engine}
 MODELS=${MODELS:-qwen2.5-coder-0.5b-q4_k_m qwen2.5-coder-1.5b-q4_k_m}
 EXTRAS=${EXTRAS:-gpu,qwen05b,qwen15b}
 WORK=${WORK:-${RUNNER_TEMP:-${TMPDIR:-/tmp}}/gguf-harness-nightly}
@@ -34,7 +39,8 @@ export PYTHONUNBUFFERED=1
 usage() {
     echo "usage: ci/gpu-nightly.sh [--dry-run] [--skip STAGE[,STAGE]] [--only STAGE[,STAGE]]"
     echo "stages: ${STAGES[*]}"
-    echo "env: OUT VENV CUDA_ARCH GATE_THRESHOLD MODELS EXTRAS WORK KEEP_SYNTH MAKE HARNESS (ci/README.md)"
+    echo "env: OUT VENV CUDA_ARCH GATE_THRESHOLD GATE_SLOWER_BACKENDS MODELS EXTRAS WORK KEEP_SYNTH"
+    echo "     MAKE HARNESS (ci/README.md)"
 }
 
 die_usage() {
@@ -77,6 +83,8 @@ for list in "$SKIP" "$ONLY"; do
 done
 [[ $GATE_THRESHOLD =~ ^([0-9]+(\.[0-9]*)?|\.[0-9]+)$ ]] \
     || die_usage "GATE_THRESHOLD must be a non-negative number (a fraction: 0.05 = 5 %), got '$GATE_THRESHOLD'"
+[[ $GATE_SLOWER_BACKENDS =~ ^(all|[a-z0-9_]+(,[a-z0-9_]+)*)$ ]] \
+    || die_usage "GATE_SLOWER_BACKENDS must be 'all' or comma-separated backend names (engine,llamacpp,oracle), got '$GATE_SLOWER_BACKENDS'"
 [[ $CUDA_ARCH =~ ^[0-9a-z\;-]+$ ]] \
     || die_usage "CUDA_ARCH must look like 90, 90a or 80;90 (CMAKE_CUDA_ARCHITECTURES), got '$CUDA_ARCH'"
 read -r -a MODEL_LIST <<< "${MODELS//,/ }"
@@ -232,7 +240,7 @@ stage_gate() {
     fi
     if ((DRY)); then
         show "$VPY" ci/gate_pairs.py "$OUT/runs" "${mode[@]}"
-        show "$HARNESS" ab PREV NEW --threshold "$GATE_THRESHOLD" --fail-on-slower
+        show "$HARNESS" ab PREV NEW --threshold "$GATE_THRESHOLD" --fail-on-slower "$GATE_SLOWER_BACKENDS"
         echo "(once per new result.json with an earlier run of the same model + settings;" \
              "plus --out $CI_DIR/ab for ab.json + ab.html when 'harness ab --help' shows --out)"
         return 0
@@ -258,8 +266,8 @@ stage_gate() {
             '!') outcome=unreadable; code=2
                echo "gate: $new: not a readable run result" ;;
             *) code=0
-               run "$HARNESS" ab "$prev" "$new" --threshold "$GATE_THRESHOLD" --fail-on-slower \
-                   "${ab_out[@]}" < /dev/null || code=$?
+               run "$HARNESS" ab "$prev" "$new" --threshold "$GATE_THRESHOLD" \
+                   --fail-on-slower "$GATE_SLOWER_BACKENDS" "${ab_out[@]}" < /dev/null || code=$?
                n_cmp=$((n_cmp + 1))
                case $code in
                    0) outcome=pass ;;
@@ -274,7 +282,8 @@ stage_gate() {
         fi
         printf '%s\t%s\t%s\t%s\n' "$outcome" "$code" "$prev" "$new" >> "$CI_DIR/gate.tsv"
     done 3<<< "$pairs"
-    echo "gate: $n_cmp comparison(s), $n_fail failed (threshold $GATE_THRESHOLD); $CI_DIR/gate.tsv"
+    echo "gate: $n_cmp comparison(s), $n_fail failed (threshold $GATE_THRESHOLD, SLOWER fails" \
+         "for: $GATE_SLOWER_BACKENDS); $CI_DIR/gate.tsv"
     return "$rc"
 }
 
@@ -291,8 +300,10 @@ write_stages() {  # OUT/ci/<time>/stages.json, rewritten atomically after every 
     tmp=$(mktemp "$CI_DIR/.stages.json.XXXXXX")
     {
         printf '{\n "schema": "gguf-harness/ci-stages/1",\n "started": "%s",\n' "$STARTED"
-        printf ' "git_sha": "%s",\n "gate_threshold": %s,\n "cuda_arch": "%s",\n "stages": [' \
-            "$GIT_SHA" "$GATE_THRESHOLD" "$CUDA_ARCH"
+        printf ' "git_sha": "%s",\n "git_dirty": %s,\n "gate_threshold": %s,\n' \
+            "$GIT_SHA" "$GIT_DIRTY" "$GATE_THRESHOLD"
+        printf ' "gate_slower_backends": "%s",\n "cuda_arch": "%s",\n "stages": [' \
+            "$GATE_SLOWER_BACKENDS" "$CUDA_ARCH"
         for i in "${!REC_NAME[@]}"; do
             printf '%s\n  {"name": "%s", "status": "%s", "seconds": %s, "rc": %s}' \
                 "$sep" "${REC_NAME[i]}" "${REC_STATUS[i]}" "${REC_SECONDS[i]}" "${REC_RC[i]}"
@@ -338,9 +349,23 @@ run_stage() {
     record "$name" "$status" "$secs" "$rc"
 }
 
+git_status() {  # git_status FILE: the checkout's `git status --porcelain` (untracked too) into FILE
+    git status --porcelain --untracked-files=all > "$1" 2> /dev/null || : > "$1"
+}
+
+check_checkout() {  # after the stages: did anything write into the checkout? (ci/README.md)
+    git_status "$CI_DIR/git-status-end.txt"
+    if ! cmp -s "$CI_DIR/git-status-start.txt" "$CI_DIR/git-status-end.txt"; then
+        echo "gpu-nightly: note: the checkout changed during this run (files written into it that" \
+             "git does not ignore, or edited meanwhile); git status before / after:"
+        diff "$CI_DIR/git-status-start.txt" "$CI_DIR/git-status-end.txt" || true
+    fi
+}
+
 if ((DRY)); then
     echo "dry run: commands are shown, not run; OUT=$OUT VENV=$VENV CUDA_ARCH=$CUDA_ARCH" \
-         "GATE_THRESHOLD=$GATE_THRESHOLD MODELS='${MODEL_LIST[*]}'"
+         "GATE_THRESHOLD=$GATE_THRESHOLD GATE_SLOWER_BACKENDS=$GATE_SLOWER_BACKENDS" \
+         "MODELS='${MODEL_LIST[*]}'"
 else
     mkdir -p "$OUT/ci"
     # two nightlies at once would time each other: hold a lock for the whole run
@@ -357,6 +382,15 @@ else
     STARTED=$(date -u +%Y-%m-%dT%H:%M:%S+00:00)
     GIT_SHA=$(git rev-parse HEAD 2> /dev/null || true)
     [[ $GIT_SHA =~ ^[0-9a-f]*$ ]] || GIT_SHA=""
+    # results record "dirty" for changed tracked files (harness.machine.git_info): say which
+    git_status "$CI_DIR/git-status-start.txt"
+    GIT_DIRTY=false
+    if grep -qv '^??' "$CI_DIR/git-status-start.txt"; then
+        GIT_DIRTY=true
+        echo "gpu-nightly: note: uncommitted changes to tracked files; results will say" \
+             "git ${GIT_SHA:0:10} dirty:"
+        grep -v '^??' "$CI_DIR/git-status-start.txt" | head -n 20 || true
+    fi
     # the results that exist now are "earlier runs" for the gate; later ones are this run's
     if [[ -d $OUT/runs ]]; then
         find "$OUT/runs" -mindepth 2 -maxdepth 2 -name result.json -type f > "$CI_DIR/before.txt"
@@ -391,6 +425,7 @@ if ((DRY)); then
     echo "gpu-nightly: dry run: nothing was run"
     exit 0
 fi
+check_checkout
 if ((${#FAILED[@]})); then
     echo "gpu-nightly: FAILED stage(s): ${FAILED[*]} (records: $CI_DIR)" >&2
     exit 1

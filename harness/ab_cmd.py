@@ -1,18 +1,20 @@
 """`harness ab A.json B.json`: compare result B against result A (harness.ab).
 
-    harness ab PREV.json NEW.json [--threshold 0.02] [--fail-on-slower] [--force]
+    harness ab PREV.json NEW.json [--threshold 0.02] [--fail-on-slower [BACKENDS]] [--force]
                [--format table|md|json] [--out DIR]
 
 Prints the comparison to stdout (a rich table by default; Markdown or JSON on request);
 with --out writes ab.json + ab.html into a new folder under DIR (never an existing one).
 Exit code: 0 without correctness failures (with --fail-on-slower: and without SLOWER
-verdicts), 1 otherwise, 2 for bad input (unreadable or non-result files, results of
-different models/prompts without --force).
+verdicts of the gated backends: every backend when bare or `all`, else the comma-separated
+list, e.g. `--fail-on-slower engine`; rule and reason in harness/ab.py), 1 otherwise, 2 for
+bad input (unreadable or non-result files, results of different models/prompts without
+--force, an unknown backend name).
 """
 from __future__ import annotations
 
+import argparse
 import html
-
 import json
 import sys
 from datetime import UTC, datetime
@@ -41,14 +43,37 @@ def add_ab_parser(sub) -> None:
     p.add_argument("--threshold", type=float, default=ab.DEFAULT_THRESHOLD,
                    help="smallest relative tok/s change that counts when the runs' spread is "
                    f"smaller (default {ab.DEFAULT_THRESHOLD})")
-    p.add_argument("--fail-on-slower", action="store_true",
-                   help="exit 1 also when any metric is SLOWER")
+    p.add_argument("--fail-on-slower", nargs="?", const=(ab.ALL_BACKENDS,), default=None,
+                   type=_slower_arg, metavar="BACKENDS",
+                   help="exit 1 also when a metric is SLOWER: of any backend (bare, or "
+                   "'all'), or only of these comma-separated backends (e.g. 'engine'); "
+                   "SLOWER rows of other backends are shown, not gated")
     p.add_argument("--force", action="store_true",
                    help="compare results of different models/prompts (SHAs not compared)")
     p.add_argument("--format", choices=["table", "md", "json"], default="table",
                    help="stdout format (default table)")
     p.add_argument("--out", type=Path, default=None,
                    help="also write ab.json + ab.html into a new folder under this one")
+
+
+def _slower_arg(text: str) -> tuple[str, ...]:
+    """argparse type of --fail-on-slower BACKENDS (harness.ab.parse_slower_backends)."""
+    try:
+        return ab.parse_slower_backends(text)
+    except ConfigError as e:
+        hint = (" (a result file? put --fail-on-slower after A and B, or write "
+                "--fail-on-slower=all)" if text.endswith(".json") or "/" in text else "")
+        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+
+
+def slower_label(doc: dict) -> str:
+    """"--fail-on-slower engine" (or bare for every backend), "" when not given."""
+    gated = doc.get("fail_on_slower_backends")
+    if not doc.get("fail_on_slower"):
+        return ""
+    if not gated or ab.ALL_BACKENDS in gated:
+        return "--fail-on-slower"
+    return "--fail-on-slower " + ",".join(gated)
 
 
 def _pct(x: float | None, sign: bool = True) -> str:
@@ -64,10 +89,14 @@ def _short(s: str | None) -> str:
 
 
 def perf_cells(p: dict) -> list[str]:
-    """Text cells of one performance row (a PerfRow as dict)."""
+    """Text cells of one performance row (a PerfRow as dict); a SLOWER row that does not set
+    the exit code under --fail-on-slower BACKENDS (p["gating"] False) says "not gated"."""
+    note = p["note"]
+    if p.get("gating") is False:
+        note = "; ".join(x for x in (note, "not gated") if x)
     return [METRIC_LABEL.get(p["metric"], p["metric"]), str(p["backend"]), str(p["n_ctx"]),
             _val(p["a_median"]), _val(p["b_median"]), _pct(p["delta"]),
-            _pct(p["noise"], sign=False), f"{p['a_n']}/{p['b_n']}", p["verdict"], p["note"]]
+            _pct(p["noise"], sign=False), f"{p['a_n']}/{p['b_n']}", p["verdict"], note]
 
 
 def check_cells(c: dict) -> list[str]:
@@ -77,12 +106,15 @@ def check_cells(c: dict) -> list[str]:
 
 
 def summary_line(doc: dict) -> str:
-    """One line: failure count, verdict counts, threshold and the exit code."""
+    """One line: failure count, verdict counts (SLOWER: how many gate), threshold, the
+    --fail-on-slower setting and the exit code."""
     n = doc["counts"]
+    flag = slower_label(doc)
+    gating = sum(bool(p.get("gating")) for p in doc.get("perf") or [])
+    slower = f"{n['SLOWER']} SLOWER" + (f" ({gating} gating)" if flag and n["SLOWER"] else "")
     return (f"correctness failures: {doc['failures']}; performance: {n['FASTER']} FASTER, "
-            f"{n['SLOWER']} SLOWER, {n['SAME']} SAME, {n['UNKNOWN']} UNKNOWN "
-            f"(threshold {doc['threshold']:g}"
-            f"{', --fail-on-slower' if doc.get('fail_on_slower') else ''}); "
+            f"{slower}, {n['SAME']} SAME, {n['UNKNOWN']} UNKNOWN "
+            f"(threshold {doc['threshold']:g}{', ' + flag if flag else ''}); "
             f"exit {doc.get('exit_code')}")
 
 
@@ -144,10 +176,16 @@ def build_doc(args) -> tuple[dict, int]:
     """(ab.json document, exit code) for the parsed arguments; ConfigError on bad input."""
     a, b = ab.load_result(args.a), ab.load_result(args.b)
     res = ab.compare(a, b, threshold=args.threshold, force=args.force)
-    code = ab.exit_code(res, fail_on_slower=args.fail_on_slower)
+    slower = args.fail_on_slower  # None, or backend names / ("all",)
+    code = ab.exit_code(res, fail_on_slower=slower or False)
     doc = {**res.to_dict(), "created": datetime.now(UTC).isoformat(timespec="seconds"),
-           "fail_on_slower": args.fail_on_slower, "exit_code": code,
-           "a": ab.side_info(a, args.a), "b": ab.side_info(b, args.b)}
+           "fail_on_slower": slower is not None,
+           "fail_on_slower_backends": list(slower) if slower is not None else None,
+           "exit_code": code, "a": ab.side_info(a, args.a), "b": ab.side_info(b, args.b)}
+    for row, p in zip(res.perf, doc["perf"]):
+        # True: this SLOWER row sets the exit code; False: SLOWER, backend not gated
+        p["gating"] = (ab.gates(row, slower) if slower is not None and row.verdict == "SLOWER"
+                       else None)
     return doc, code
 
 

@@ -409,3 +409,120 @@ def test_machine_records_engine_switches_only(monkeypatch):
     monkeypatch.setenv("GGUF_HARNESS_CACHE", "/some/path")  # a path, not a switch
     monkeypatch.setenv("GGUF_HARNESS_GEMVV", "typo")
     assert machine.machine_info()["switches"] == {"GGUF_HARNESS_GEMV": "q8_1"}
+
+
+# ---- --fail-on-slower BACKENDS: which backends' SLOWER sets the exit code -----------------
+
+def two_backends(engine_s: list[float], llamacpp_s: list[float]) -> dict:
+    """result() with a llama.cpp run pair, PASS verdict and bench row next to the engine's."""
+    res = result(engine_s)
+    res["runs"] += [run("llamacpp", "greedy", 512, ids_sha="55" * 32),
+                    run("llamacpp", "teacher_forced", 512, ids_sha="55" * 32)]
+    res["verdicts"].append({"backend": "llamacpp", "n_ctx": 512, "verdict": "PASS",
+                            "reason": "ok"})
+    res["bench"]["rows"].append(bench_row("llamacpp", 512, llamacpp_s))
+    return res
+
+
+SLOW = [0.250, 0.2501, 0.2502]  # 20 % slower than TIGHT, noise ~0.1 %
+
+
+def test_fail_on_slower_per_backend():
+    res = ab.compare(two_backends(TIGHT, TIGHT), two_backends(TIGHT, SLOW), threshold=0.05)
+    v = {p.backend: p.verdict for p in res.perf if p.metric == "decode_tok_s"}
+    assert v == {"engine": "SAME", "llamacpp": "SLOWER"} and res.failures == 0
+    assert ab.exit_code(res) == 0
+    assert ab.exit_code(res, fail_on_slower=True) == 1           # bare: any backend
+    assert ab.exit_code(res, fail_on_slower="all") == 1
+    assert ab.exit_code(res, fail_on_slower=("all",)) == 1
+    assert ab.exit_code(res, fail_on_slower=["engine"]) == 0     # the reference's SLOWER: shown only
+    assert ab.exit_code(res, fail_on_slower="engine") == 0
+    assert ab.exit_code(res, fail_on_slower="engine,llamacpp") == 1
+    assert ab.exit_code(res, fail_on_slower=["oracle", "llamacpp"]) == 1
+    assert ab.exit_code(res, fail_on_slower=()) == 0 and ab.exit_code(res, None) == 0
+    assert res.count("SLOWER") == 1  # still counted
+    res = ab.compare(two_backends(TIGHT, TIGHT), two_backends(SLOW, TIGHT), threshold=0.05)
+    assert ab.exit_code(res, fail_on_slower=["engine"]) == 1     # the code under test: gates
+    assert ab.exit_code(res, fail_on_slower=["llamacpp"]) == 0
+
+
+def test_reference_correctness_fails_whatever_the_speed_gate():
+    b = two_backends(TIGHT, TIGHT)
+    b["runs"][2]["summary"]["ids_sha256"] = "99" * 32  # llama.cpp's greedy ids changed
+    res = ab.compare(two_backends(TIGHT, TIGHT), b)
+    assert failures(res) == [("ids_sha256", "changed")]
+    assert ab.exit_code(res, fail_on_slower=["engine"]) == 1 and ab.exit_code(res) == 1
+    b = two_backends(TIGHT, TIGHT)
+    b["verdicts"][1]["verdict"] = "FAIL"
+    assert ab.exit_code(ab.compare(two_backends(TIGHT, TIGHT), b), ["engine"]) == 1
+    b = two_backends(TIGHT, TIGHT)
+    b["bench"]["rows"].pop()  # llama.cpp crashed while timed
+    b["bench"]["errors"] = [{"backend": "llamacpp", "n_ctx": 512, "error": "BackendCrash"}]
+    assert ab.exit_code(ab.compare(two_backends(TIGHT, TIGHT), b), ["engine"]) == 1
+
+
+@pytest.mark.parametrize("text,want", [
+    ("engine", ("engine",)), ("engine,llamacpp", ("engine", "llamacpp")),
+    (" llamacpp , engine,llamacpp", ("llamacpp", "engine")), ("all", ("all",)),
+    ("oracle", ("oracle",)),
+])
+def test_parse_slower_backends(text, want):
+    assert ab.parse_slower_backends(text) == want
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("engnie", "unknown backend 'engnie'"), ("", "empty"), ("engine,", "empty"),
+    ("all,engine", "stands alone"), ("a.json", "unknown backend"),
+])
+def test_parse_slower_backends_refuses(text, msg):
+    with pytest.raises(ConfigError, match=msg):
+        ab.parse_slower_backends(text)
+
+
+def test_cli_fail_on_slower_backends(tmp_path, capsys):
+    a = _write(tmp_path, "a.json", two_backends(TIGHT, TIGHT))
+    b = _write(tmp_path, "b.json", two_backends(TIGHT, SLOW))
+    code, out, _ = _cli(capsys, a, b, "--threshold", "0.05", "--fail-on-slower", "engine")
+    assert code == 0 and "not gated" in out
+    assert "1 SLOWER (0 gating)" in out and "--fail-on-slower engine); exit 0" in out
+    code, out, _ = _cli(capsys, a, b, "--threshold", "0.05", "--fail-on-slower")
+    assert code == 1 and "not gated" not in out and "1 SLOWER (1 gating)" in out
+    assert "--fail-on-slower); exit 1" in out
+    assert _cli(capsys, a, b, "--fail-on-slower=all")[0] == 1
+    assert _cli(capsys, a, b, "--fail-on-slower=engine,llamacpp")[0] == 1
+    assert _cli(capsys, a, b, "--fail-on-slower", "llamacpp", "--threshold", "0.05")[0] == 1
+    code, out, _ = _cli(capsys, a, b, "--fail-on-slower", "engine", "--format", "json")
+    doc = json.loads(out)
+    assert code == 0 and doc["fail_on_slower"] is True
+    assert doc["fail_on_slower_backends"] == ["engine"] and doc["counts"]["SLOWER"] == 1
+    gating = {(p["backend"], p["metric"]): p["gating"] for p in doc["perf"]}
+    assert gating[("llamacpp", "decode_tok_s")] is False
+    assert gating[("engine", "decode_tok_s")] is None  # not SLOWER
+    doc = json.loads(_cli(capsys, a, b, "--format", "json")[1])
+    assert doc["fail_on_slower"] is False and doc["fail_on_slower_backends"] is None
+    assert all(p["gating"] is None for p in doc["perf"])
+    code, out, _ = _cli(capsys, a, b, "--fail-on-slower", "engine", "--format", "md")
+    assert code == 0 and "| SLOWER | not gated |" in out
+
+
+def test_cli_fail_on_slower_bad_names(tmp_path, capsys):
+    a = _write(tmp_path, "a.json", two_backends(TIGHT, TIGHT))
+    with pytest.raises(SystemExit) as e:
+        main(["ab", str(a), str(a), "--fail-on-slower", "engnie"])
+    assert e.value.code == 2 and "unknown backend 'engnie'" in capsys.readouterr().err
+    # the option before the two files would swallow A as its value: refused with a hint
+    with pytest.raises(SystemExit) as e:
+        main(["ab", "--fail-on-slower", str(a), str(a)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "put --fail-on-slower after A and B" in err
+
+
+def test_html_names_the_gated_backends(tmp_path, capsys):
+    a = _write(tmp_path, "a.json", two_backends(TIGHT, TIGHT))
+    b = _write(tmp_path, "b.json", two_backends(TIGHT, SLOW))
+    assert _cli(capsys, a, b, "--threshold", "0.05", "--fail-on-slower", "engine",
+                "--out", tmp_path / "ab")[0] == 0
+    (folder,) = (tmp_path / "ab").iterdir()
+    html = (folder / "ab.html").read_text()
+    assert "only SLOWER verdicts of engine fail the comparison" in html
+    assert "not gated" in html and 'class="badge PASS"' in html
