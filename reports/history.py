@@ -1,11 +1,14 @@
 """History pages: OUT/reports/<commit>/index.html per commit and OUT/reports/index.html.
 
-`harness report --history [OUT]` reads OUT/runs/*/result.json (reports.history_runs),
-groups the runs by git commit (dirty runs apart, as "<sha>-dirty"), and writes
+`harness report --history [OUT]` reads OUT/runs/*/result.json (harness run/verify) and
+OUT/runs/*/kernels.json (harness bench kernels) (reports.history_runs), groups the runs by
+git commit (dirty runs apart, as "<sha>-dirty"), and writes
   OUT/reports/<key>/index.html  that commit's runs: verdicts per backend, bench and error
-                                tables, links to each run's own report.html,
+                                tables, kernel tables, links to each run's own report.html
+                                (kernels.html) and JSON,
   OUT/reports/index.html        the commits in time order and trend plots
-                                (reports.history_trends).
+                                (reports.history_trends): decode tok/s, KL, max-abs, and
+                                kernel GB/s (cold_b2b) per format.
 Both are derived views, rebuilt (and replaced atomically) on every call; run folders and
 their report.html are only read. Pages are self-contained (inline CSS, PNG data URIs, no
 JavaScript) and rendered with autoescape on: model names, paths and reasons are untrusted.
@@ -26,7 +29,7 @@ from harness.progress import Progress
 from harness.results import write_atomic
 
 from . import history_trends as trends
-from .history_runs import Commit, RunRecord, collect_runs, group_commits, result_files
+from .history_runs import KERNEL_MODE, Commit, RunRecord, collect_runs, group_commits, run_files
 from .html import _env
 from .plots import data_uri
 from .view import VERDICT_CLASS
@@ -80,9 +83,12 @@ def _run_context(run: RunRecord, page_dir: Path) -> dict:
             "device": run.device, "reference": run.reference, "overall": run.overall,
             "overall_cls": VERDICT_CLASS.get(run.overall, "unknown"),
             "backends": _backend_verdicts(run), "bench": run.bench, "errors": run.errors,
-            "kernels": run.kernels,
+            "kernels": run.kernels, "kind": run.kind, "variant": run.variant,
+            "kernel_mode": KERNEL_MODE,
+            "report_name": report.name if report else None,
             "report_href": _href(report, page_dir) if report else None,
-            "result_href": _href(run.dir / "result.json", page_dir)}
+            "result_name": run.json_file.name,
+            "result_href": _href(run.json_file, page_dir)}
 
 
 def _commit_context(c: Commit, page_dir: Path) -> dict:
@@ -105,8 +111,8 @@ def _trend_plots(commits: list[Commit]) -> list[dict]:
          "max-abs", True, "no completed teacher-forced run"),
     ]
     for fmt, series in trends.kernel_series(commits).items():
-        specs.append((series, f"kernel GB/s: {fmt} (median of the commit's runs)", "GB/s",
-                      False, "no values"))
+        specs.append((series, f"kernel GB/s: {fmt} ({KERNEL_MODE}, median of the commit's "
+                      "runs)", "GB/s", False, "no values"))
     out = []
     for series, title, ylabel, log, empty in specs:
         png = trends.trend_plot(x, series, title, ylabel, log=log)
@@ -116,15 +122,15 @@ def _trend_plots(commits: list[Commit]) -> list[dict]:
 
 
 def build_history(out_root: Path, console: Console | None = None) -> HistoryPages:
-    """Read OUT/runs/*/result.json, write the per-commit pages and the index.
+    """Read OUT/runs/*/result.json and kernels.json, write the per-commit pages and the index.
 
     Unreadable or non-result JSON files are skipped with a warning (listed on the index).
-    Raises ConfigError when OUT/runs holds no result.json at all (wrong folder)."""
+    Raises ConfigError when OUT/runs holds neither (wrong folder)."""
     out_root = Path(out_root)
-    files = result_files(out_root)
+    files = run_files(out_root)
     if not files:
         raise ConfigError(f"no run results under {out_root / 'runs'} (expected "
-                          f"{out_root / 'runs' / '<run>' / 'result.json'})")
+                          f"{out_root / 'runs' / '<run>' / 'result.json'} or kernels.json)")
     reports = out_root / "reports"
     with (Progress(console) if console is not None else Progress.quiet()) as prog:
         def warn(path: Path, msg: str) -> None:

@@ -70,13 +70,22 @@ def error_series(commits: Sequence[Commit], key: str) -> Series:
         for e in r.errors if e["status"] == "ok"), max)
 
 
+def _kernel_label(r: RunRecord, k: dict) -> str:
+    # engine switches (GGUF_HARNESS_GEMV_KQ=...) select other kernels: never one line
+    return " · ".join(x for x in (k["shape"] or "?", r.device, r.variant) if x)
+
+
 def kernel_series(commits: Sequence[Commit]) -> dict[str, Series]:
-    """{format: series of GB/s per (shape, device)}, median of a commit's runs; empty when
-    no result carries a `kernels` table."""
-    formats = sorted({k["format"] for c in commits for r in c.runs for k in r.kernels})
+    """{format: series of GB/s per (shape, device, engine switches)}, median of a commit's
+    runs. Kernel rows come from `harness bench kernels` runs (kernels.json: the cold_b2b
+    figure, reports.history_runs.bench_kernel_rows) and from a `kernels` table inside a
+    result; a row without GB/s (check failed, not timed) gives no point. Empty when no run
+    has a kernel row with GB/s."""
+    formats = sorted({k["format"] for c in commits for r in c.runs for k in r.kernels
+                      if k["gb_s"] is not None})
     return {f: _collect(commits, lambda r, m, f=f: (
-        (f"{k['shape'] or '?'} · {r.device}", k["gb_s"]) for k in r.kernels
-        if k["format"] == f), _median) for f in formats}
+        (_kernel_label(r, k), k["gb_s"]) for k in r.kernels
+        if k["format"] == f and k["gb_s"] is not None), _median) for f in formats}
 
 
 def trend_plot(x_labels: Sequence[str], series: Series, title: str, ylabel: str,
