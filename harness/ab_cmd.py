@@ -3,7 +3,9 @@
     harness ab PREV.json NEW.json [--threshold 0.02] [--fail-on-slower [BACKENDS]] [--force]
                [--format table|md|json] [--out DIR]
 
-Prints the comparison to stdout (a rich table by default; Markdown or JSON on request);
+Two `harness bench kernels` results (kernels.json) are compared per shape and timing mode
+instead (harness/ab_kernels.py). Prints the comparison to stdout (a rich table by default;
+Markdown or JSON on request);
 with --out writes ab.json + ab.html into a new folder under DIR (never an existing one).
 Exit code: 0 without correctness failures (with --fail-on-slower: and without SLOWER
 verdicts of the gated backends: every backend when bare or `all`, else the comma-separated
@@ -189,24 +191,48 @@ def build_doc(args) -> tuple[dict, int]:
     return doc, code
 
 
+def new_folder(root: Path) -> Path:
+    """A new folder under root (harness.results.new_run_dir naming); ConfigError when root
+    cannot hold one."""
+    from .machine import git_info
+    from .results import new_run_dir
+    try:
+        return new_run_dir(root, git_info().get("sha"))
+    except (OSError, RuntimeError) as e:  # root is a file, not writable, 1000 folders taken
+        raise ConfigError(f"cannot create a folder under {root}: {e}") from None
+
+
 def write_out(doc: dict, root: Path) -> Path:
     """ab.json + ab.html in a new folder under root (harness.results.new_run_dir naming);
     both written atomically. Raises ConfigError when root cannot hold a new folder."""
     from reports.ab_html import render_ab
 
-    from .machine import git_info
-    from .results import new_run_dir, write_json
-    try:
-        folder = new_run_dir(root, git_info().get("sha"))
-    except (OSError, RuntimeError) as e:  # root is a file, not writable, 1000 folders taken
-        raise ConfigError(f"cannot create a folder under {root}: {e}") from None
+    from .results import write_json
+    folder = new_folder(root)
     write_json(folder / "ab.json", doc)
     render_ab(doc, folder / "ab.html")
     return folder
 
 
+def _peek(path: Path) -> dict:
+    """The JSON document at path (ConfigError when unreadable): its schema picks the comparison."""
+    from .results import read_json
+    try:
+        return read_json(Path(path))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read result {path}: {e}") from None
+
+
 def run_ab(args, console: Console) -> int:
-    """The `harness ab` command; returns the exit code (ConfigError for bad input)."""
+    """The `harness ab` command; returns the exit code (ConfigError for bad input). Two
+    `harness bench kernels` results go to harness/ab_kernels_cmd.py."""
+    from . import ab_kernels
+    kinds = [_peek(p) for p in (args.a, args.b)]
+    if all(ab_kernels.is_kernels_result(k) for k in kinds):
+        from . import ab_kernels_cmd
+        return ab_kernels_cmd.run(args, kinds[0], kinds[1], console)
+    if any(ab_kernels.is_kernels_result(k) for k in kinds):
+        raise ConfigError("cannot compare a bench kernels result with a run result")
     doc, code = build_doc(args)
     if args.format == "json":
         print(json.dumps(doc, indent=1))

@@ -85,3 +85,44 @@ def test_input_not_modified():
     a0 = copy.deepcopy(a)
     abk.compare_kernels(a, copy.deepcopy(a))
     assert a == a0
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "nightly-2026-11-29-h200-s7"
+
+
+def _cli(argv):
+    from harness.cli import main
+    return main(argv)
+
+
+def test_cli_on_two_h200_nightly_bench_runs_is_same_everywhere(tmp_path, capsys):
+    """`harness ab` on the kernels.json of the two H200 nightly invocations (same code, all
+    10 shapes x 3 modes): every row SAME, exit 0, ab.json + a self-contained ab.html written."""
+    a, b = RESULTS / "kernels-inv1-897e202.json", RESULTS / "kernels-inv2-e783cc3.json"
+    code = _cli(["ab", str(a), str(b), "--format", "json", "--out", str(tmp_path)])
+    doc = json.loads(capsys.readouterr().out.split("\nwrote ")[0])
+    assert code == 0 and doc["counts"] == {"FASTER": 0, "SLOWER": 0, "SAME": 30, "UNKNOWN": 0}
+    (folder,) = tmp_path.iterdir()
+    assert json.loads((folder / "ab.json").read_text())["exit_code"] == 0
+    page = (folder / "ab.html").read_text()
+    assert "data:image/png;base64," in page and "PASS" in page
+
+
+def test_cli_escapes_file_strings_and_fails_on_a_broken_check(tmp_path, capsys):
+    a = _doc([_row("<script>alert(1)</script>", 10.0)])
+    b = _doc([_row("<script>alert(1)</script>", 10.0, ok=False)])
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    assert _cli(["ab", str(pa), str(pb), "--out", str(tmp_path / "o")]) == 1
+    (folder,) = (tmp_path / "o").iterdir()
+    page = (folder / "ab.html").read_text()
+    assert "<script>alert" not in page and "&lt;script&gt;" in page and "FAIL" in page
+
+
+def test_cli_refuses_a_kernels_result_against_a_run_result(tmp_path, capsys):
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(_doc([_row("a", 1.0)])))
+    pb.write_text(json.dumps({"schema": "gguf-harness/run/1"}))
+    assert _cli(["ab", str(pa), str(pb)]) == 2
+    assert "bench kernels result with a run result" in capsys.readouterr().err

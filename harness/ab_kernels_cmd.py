@@ -1,0 +1,125 @@
+"""`harness ab A.json B.json` when both files are `harness bench kernels` results (schema
+gguf-harness/kernels/1): the table, Markdown or JSON of harness.ab_kernels' comparison, and
+with --out ab.json + ab.html (reports/ab_kernels_html.py) in a new folder. Called by
+harness/ab_cmd.py, which owns the arguments; exit code as there (1 on a correctness failure,
+or with --fail-on-slower on a SLOWER row: kernel results have no backends to choose from, so
+any backend list means "every row")."""
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from . import ab_kernels as abk
+
+DASH = "–"
+PERF_HEAD = ("shape", "mode", "A us", "B us", "Δ", "noise", "verdict", "note")
+CHECK_HEAD = ("shape", "check", "A", "B", "state")
+VERDICT_STYLE = {"FASTER": "bold green", "SLOWER": "bold red", "SAME": "", "UNKNOWN": "yellow"}
+
+
+def _pct(x, sign=True) -> str:
+    return DASH if x is None else (f"{100 * x:+.2f} %" if sign else f"±{100 * x:.2f} %")
+
+
+def _us(x) -> str:
+    return DASH if x is None else f"{x:.2f}"
+
+
+def perf_cells(p: dict) -> list[str]:
+    return [str(p["label"]), str(p["mode"]), _us(p["a_us"]), _us(p["b_us"]), _pct(p["delta"]),
+            _pct(p["noise"], sign=False), p["verdict"], str(p["note"])]
+
+
+def check_cells(c: dict) -> list[str]:
+    return [str(c["shape"]), str(c["what"]), str(c["a"]), str(c["b"]), str(c["state"])]
+
+
+def summary_line(doc: dict) -> str:
+    n = doc["counts"]
+    return (f"correctness failures: {doc['failures']}; kernels: {n['FASTER']} FASTER, "
+            f"{n['SLOWER']} SLOWER, {n['SAME']} SAME, {n['UNKNOWN']} UNKNOWN "
+            f"(threshold {doc['threshold']:g}{', --fail-on-slower' if doc['fail_on_slower'] else ''}); "
+            f"exit {doc['exit_code']}")
+
+
+def _side(path: Path, d: dict) -> dict:
+    m = d.get("machine") or {}
+    git = m.get("git") or {}
+    gpu = m.get("gpu") or {}
+    return {"path": str(path), "created": d.get("created"), "git": git.get("sha"),
+            "dirty": git.get("dirty"), "gpu": gpu.get("name") if isinstance(gpu, dict) else None,
+            "settings": {k: (d.get("settings") or {}).get(k)
+                         for k in ("gemv_impl", "gemv_args", "gemv_kq", "pdl")}}
+
+
+def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:
+    res = abk.compare_kernels(a, b, threshold=args.threshold)
+    slower = args.fail_on_slower is not None
+    code = abk.exit_code(res, fail_on_slower=slower)
+    doc = {**res.to_dict(), "schema": "gguf-harness/ab-kernels/1",
+           "created": datetime.now(UTC).isoformat(timespec="seconds"),
+           "threshold": args.threshold, "fail_on_slower": slower, "exit_code": code,
+           "a": _side(args.a, a), "b": _side(args.b, b)}
+    return doc, code
+
+
+def print_table(doc: dict, out: Console) -> None:
+    """Rich tables; every cell a Text (values come from the files: no markup)."""
+    for k in ("a", "b"):
+        s = doc[k]
+        out.print(Text(f"{k.upper()}: {s['path']}  git {s['git']}{' dirty' if s['dirty'] else ''}, "
+                       f"{s['gpu']}, created {s['created']}, {s['settings']}"))
+    for n in doc["notes"]:
+        out.print(Text(f"note: {n}"))
+    t = Table(title="kernels (B vs A, time per kernel)", title_justify="left")
+    for h in PERF_HEAD:
+        t.add_column(h, justify="right" if h in ("A us", "B us", "Δ", "noise") else "left")
+    for p in doc["perf"]:
+        style = VERDICT_STYLE.get(p["verdict"], "")
+        t.add_row(*[Text(c, style=style if h == "verdict" else "") for h, c in zip(PERF_HEAD, perf_cells(p))])
+    out.print(t)
+    t = Table(title="correctness", title_justify="left")
+    for h in CHECK_HEAD:
+        t.add_column(h)
+    for c in doc["checks"]:
+        t.add_row(*[Text(x, style="bold red" if c["state"] == "FAILURE" else "") for x in check_cells(c)])
+    out.print(t)
+    out.print(Text(summary_line(doc), style="bold red" if doc["exit_code"] else "bold green"))
+
+
+def markdown(doc: dict) -> str:
+    from .ab_cmd import _md_row
+    lines = ["# Kernel A/B comparison", ""]
+    lines += [f"- {k.upper()}: {doc[k]['path']} (git {doc[k]['git']}, {doc[k]['gpu']})" for k in ("a", "b")]
+    lines += [f"- note: {n}" for n in doc["notes"]]
+    lines += ["", _md_row(list(PERF_HEAD)), _md_row(["---"] * len(PERF_HEAD))]
+    lines += [_md_row(perf_cells(p)) for p in doc["perf"]]
+    lines += ["", _md_row(list(CHECK_HEAD)), _md_row(["---"] * len(CHECK_HEAD))]
+    lines += [_md_row(check_cells(c)) for c in doc["checks"]]
+    return "\n".join(lines + ["", summary_line(doc), ""])
+
+
+def run(args, a: dict, b: dict, console: Console) -> int:
+    doc, code = build_doc(args, a, b)
+    if args.format == "json":
+        print(json.dumps(doc, indent=1))
+    elif args.format == "md":
+        print(markdown(doc), end="")
+    else:
+        print_table(doc, Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160))
+    if args.out is not None:
+        from reports.ab_kernels_html import render_ab_kernels
+
+        from .ab_cmd import new_folder
+        from .results import write_json
+        folder = new_folder(args.out)
+        write_json(folder / "ab.json", doc)
+        render_ab_kernels(doc, folder / "ab.html")
+        console.print(Text(f"wrote {folder / 'ab.json'} and {folder / 'ab.html'}"))
+    return code
