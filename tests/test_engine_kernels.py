@@ -322,7 +322,9 @@ def test_gemv_v9_grid_stride_segments_norm_bias(monkeypatch):
     """Engine v9 (kernels/gemv_kq.cu, ops.GEMV_KQ = "v9") beyond test_gemv_kquant_wide_and_narrow_loops:
     more rows than resident warps (the grid-stride row loop: 9001 rows), a 3-segment node of one
     type with different row counts and biases behind a fused RMSNorm (find_seg per row), the 27B
-    widths K = 5120 and 17408, all four types; NaN-poisoned outputs, the same oracle rule."""
+    widths K = 5120 and 17408, all four types, add over two segments, SwiGLU pairs at K = 5120
+    and over 9001 rows; each node asserted to run the gemv_kq kernel; NaN-poisoned outputs, the
+    same oracle rule."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
@@ -354,6 +356,28 @@ def test_gemv_v9_grid_stride_segments_norm_bias(monkeypatch):
         eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6).launch()
         for (raw, w), o, b in zip(mats, outs, biases):
             _check_rows(o.get().astype(np.float64) - b, w, xn, f"v9 {name} segment with bias and norm")
+        # add onto random values over two segments (the residual stream; find_seg per row)
+        bases = [rng.normal(size=r).astype(np.float32) for r in (19, 3)]
+        accs = [cp.asarray(b) for b in bases]
+        node = eops.gemv("o", "add", [eops.Seg(device_tensor(cp, f"a{j}", raw, t, (K, raw.shape[0]), keep), a)
+                                      for j, ((raw, _), a) in enumerate(zip(mats[:2], accs))], cp.asarray(x), K)
+        assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("add", [t], K))
+        node.launch()
+        for (raw, w), a, b in zip(mats[:2], accs, bases):
+            _check_rows(a.get().astype(np.float64) - b, w, x, f"v9 {name} add, two segments")
+        # SwiGLU pairs: the 27B width (K = 5120) and more rows than resident warps (grid stride)
+        for rows, K2 in ((23, 5120), (9001, 256)):
+            (rg, wg), (ru, wu) = _matrix(t, rows, K2, seed=rows + 1), _matrix(t, rows, K2, seed=rows + 2)
+            x2 = rng.normal(size=K2).astype(np.float32)
+            h = nan_poisoned(cp, rows)
+            node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K2, rows), keep), h),
+                                             eops.Seg(device_tensor(cp, "u", ru, t, (K2, rows), keep), h)],
+                             cp.asarray(x2), K2)
+            assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("swiglu", [t, t], K2))
+            node.launch()
+            ref = ops.swiglu(wg @ _x_seen(x2), wu @ _x_seen(x2))
+            np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
+                                       err_msg=f"v9 {name} swiglu [{rows}x{K2}]")
 
 
 def test_gemv_every_block_shape():

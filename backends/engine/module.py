@@ -25,8 +25,10 @@ SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory above this needs an opt-in
 GEMV_PF = os.environ.get("GGUF_HARNESS_GEMV_PF", "")
 
 
-def gemv_pf_defines(value: str = GEMV_PF) -> tuple[str, ...]:
-    """("PF_AHEAD=N",) for GGUF_HARNESS_GEMV_PF=N (0..4), () when unset; ValueError else."""
+def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
+    """("PF_AHEAD=N",) for GGUF_HARNESS_GEMV_PF=N (0..4) (value None: this module's GEMV_PF,
+    read at call time), () when unset; ValueError else."""
+    value = GEMV_PF if value is None else value
     if value == "":
         return ()
     if not (value.isdigit() and 0 <= int(value) <= 4):
@@ -35,8 +37,8 @@ def gemv_pf_defines(value: str = GEMV_PF) -> tuple[str, ...]:
 
 
 def _module(source: str, defines: tuple[str, ...] = ()):
-    if source == "gemv.cu":
-        defines = tuple(defines) + gemv_pf_defines()
+    if source == "gemv.cu" and not any(d.startswith("PF_AHEAD=") for d in defines):
+        defines = tuple(defines) + gemv_pf_defines()  # ops.pf_ahead's own choice wins
     return _module_for(source, tuple(defines))  # one cache key per (source, defines)
 
 
