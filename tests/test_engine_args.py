@@ -117,9 +117,13 @@ def test_v9_takes_only_single_type_kquant_nodes_with_whole_super_blocks():
     src = (module.KERNEL_DIR / "gemv_kq.cu").read_text()
     for t, n in ops.KV9_NAMES.items():
         for mode in ("store", "add", "swiglu"):
+            l4 = t in (12, 13)  # Q4_K, Q5_K: 4 lanes per super-block, two rows per warp
             name = ops.kv9_kernel(mode, [t, t], 5120)
-            assert name == f"gemvkq_{mode}_{n}"
+            assert name == (f"gemvkq4_{mode}_{n}" if l4 else f"gemvkq_{mode}_{n}")
+            assert ops.kv9_rows_per_warp(name) == (2 if l4 else 1)
+            assert ops.kv9_kernel(mode, [t], 5120, lanes4=False) == f"gemvkq_{mode}_{n}"
             assert f"KQ_MODES(T_{n.upper()}, {n})" in src
+            assert (f"KQ4_MODES(T_{n.upper()}, {n})" in src) == l4
     assert ops.kv9_kernel("store", [12], 5120 + 32) is None      # K not whole super-blocks
     assert ops.kv9_kernel("swiglu", [13, 14], 5120) is None      # mixed gate/up pair
     assert ops.kv9_kernel("store", [12, 12, 14], 5120) is None   # mixed QKV

@@ -279,7 +279,7 @@ def _check_store_and_add(cp, raw, w, t, x, wpr, nw, what, keep, rng):
 WIDE_K = (256, 768, 1280, 1792, 8960)
 
 
-@pytest.mark.parametrize("kq", ["wide", "narrow", "v9"])
+@pytest.mark.parametrize("kq", ["wide", "narrow", "v9", "v9l8"])
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
     """Q4_K/Q5_K/Q6_K/IQ4_XS rows on both q16 row loops (ops.GEMV_KQ, kernels/kwide.cuh and
@@ -290,8 +290,9 @@ def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
     the same format (IQ4_XS: row_dot2_wide_iq4, the 27B's SwiGLU node) and mixed with another
     wide format. Odd super-block counts put IQ4_XS rows at both 16-byte parities (136-byte
     blocks: the qs runs are 16-byte aligned in every other block). kq "v9": same-format nodes
-    run kernels/gemv_kq.cu (one warp per row, the block shape arguments do not apply), the
-    mixed pair stays on gemv.cu's wide loop."""
+    run kernels/gemv_kq.cu (Q4_K/Q5_K with 4 lanes per super-block, two rows per warp; "v9l8":
+    all with 8 lanes, one row per warp; the block shape arguments do not apply), the mixed pair
+    stays on gemv.cu's wide loop."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
@@ -318,7 +319,8 @@ def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
                                            err_msg=f"{what} swiglu with type {tu}")
 
 
-def test_gemv_v9_grid_stride_segments_norm_bias(monkeypatch):
+@pytest.mark.parametrize("kq", ["v9", "v9l8"])
+def test_gemv_v9_grid_stride_segments_norm_bias(kq, monkeypatch):
     """Engine v9 (kernels/gemv_kq.cu, ops.GEMV_KQ = "v9") beyond test_gemv_kquant_wide_and_narrow_loops:
     more rows than resident warps (the grid-stride row loop: 9001 rows), a 3-segment node of one
     type with different row counts and biases behind a fused RMSNorm (find_seg per row), the 27B
@@ -329,7 +331,8 @@ def test_gemv_v9_grid_stride_segments_norm_bias(monkeypatch):
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
         pytest.skip("v9 is a q16 kernel")
-    monkeypatch.setattr(eops, "GEMV_KQ", "v9")
+    monkeypatch.setattr(eops, "GEMV_KQ", kq)
+    l4 = kq == "v9"
     keep = []
     for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
         t = TYPES[name]
@@ -338,7 +341,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(monkeypatch):
             x = np.random.default_rng(K).normal(size=K).astype(np.float32)
             node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep),
                                                      out := nan_poisoned(cp, rows))], cp.asarray(x), K)
-            assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("store", [t], K))
+            assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("store", [t], K, lanes4=l4))
             node.launch()
             _check_rows(out.get().astype(np.float64), w, x, f"v9 {name} [{rows}x{K}]")
         K = 1024
@@ -361,7 +364,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(monkeypatch):
         accs = [cp.asarray(b) for b in bases]
         node = eops.gemv("o", "add", [eops.Seg(device_tensor(cp, f"a{j}", raw, t, (K, raw.shape[0]), keep), a)
                                       for j, ((raw, _), a) in enumerate(zip(mats[:2], accs))], cp.asarray(x), K)
-        assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("add", [t], K))
+        assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("add", [t], K, lanes4=l4))
         node.launch()
         for (raw, w), a, b in zip(mats[:2], accs, bases):
             _check_rows(a.get().astype(np.float64) - b, w, x, f"v9 {name} add, two segments")
@@ -373,7 +376,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(monkeypatch):
             node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K2, rows), keep), h),
                                              eops.Seg(device_tensor(cp, "u", ru, t, (K2, rows), keep), h)],
                              cp.asarray(x2), K2)
-            assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("swiglu", [t, t], K2))
+            assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("swiglu", [t, t], K2, lanes4=l4))
             node.launch()
             ref = ops.swiglu(wg @ _x_seen(x2), wu @ _x_seen(x2))
             np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),

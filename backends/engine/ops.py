@@ -68,9 +68,12 @@ GEMV_ARGS = os.environ.get("GGUF_HARNESS_GEMV_ARGS", "value")
 # qdot.cuh qdot8; IQ4_XS through the non-inlined I-quant call), kept for same-run A/B; read by
 # gemv() at call time (set this attribute or the env before building).
 # "v9" (engine v9, experimental, kernels/gemv_kq.cu): nodes whose matrices all have one of these
-# types and K % 256 == 0 run one warp per row in 16-warp blocks (kv9_kernel); other nodes as "wide".
+# types and K % 256 == 0 run in 16-warp blocks (kv9_kernel): Q4_K/Q5_K with 4 lanes per super-block
+# and two rows per warp (kwide4.cuh), Q6_K/IQ4_XS one warp per row with kwide.cuh's 8 lanes;
+# "v9l8": every v9 type on the 8-lane rows (A/B of the 4-lane path); other nodes as "wide".
 GEMV_KQ = os.environ.get("GGUF_HARNESS_GEMV_KQ", "wide")
-GEMV_KQ_MODES = ("wide", "narrow", "v9")
+GEMV_KQ_MODES = ("wide", "narrow", "v9", "v9l8")
+KV9_L4_TYPES = (12, 13)  # Q4_K, Q5_K: the gemvkq4_ kernels (2 rows per warp)
 KQ_WIDE_TYPES = (12, 13, 14, 23)  # Q4_K, Q5_K, Q6_K, IQ4_XS
 KV9_NAMES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 23: "iq4_xs"}  # kernels/gemv_kq.cu KQ_MODES
 KV9_WARPS = 16  # kernels/gemv_kq.cu KQ_BLOCK_WARPS
@@ -114,15 +117,24 @@ def gemv_smem(K: int, impl: str = "q16") -> int:
     return 2 * kp + 4 * (kp // 8) + 4 * (kp // 32) * (2 if impl == "q8_1" else 1)
 
 
-def kv9_kernel(mode: str, type_ids, K: int) -> str | None:
+def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True) -> str | None:
     """Name of the engine v9 kernel (kernels/gemv_kq.cu) for a q16 node with matrices of GGML
     types `type_ids` and input length K, or None when v9 does not take it (mixed types, a type
-    outside Q4_K/Q5_K/Q6_K/IQ4_XS, K not a multiple of 256): such nodes stay on gemv.cu."""
+    outside Q4_K/Q5_K/Q6_K/IQ4_XS, K not a multiple of 256): such nodes stay on gemv.cu.
+    lanes4: Q4_K/Q5_K take the 4-lanes-per-super-block kernels (gemvkq4_, two rows per warp)."""
     types = set(type_ids)
     if len(types) != 1 or K % 256:
         return None
-    name = KV9_NAMES.get(types.pop())
-    return f"gemvkq_{mode}_{name}" if name else None
+    t = types.pop()
+    name = KV9_NAMES.get(t)
+    if name is None:
+        return None
+    return f"gemvkq4_{mode}_{name}" if lanes4 and t in KV9_L4_TYPES else f"gemvkq_{mode}_{name}"
+
+
+def kv9_rows_per_warp(kernel_name: str) -> int:
+    """Rows one warp takes at a time: 2 for the gemvkq4_ kernels, else 1."""
+    return 2 if kernel_name.startswith("gemvkq4_") else 1
 
 
 PF_DEFAULT = 2           # kernels/gemv.cu PF_AHEAD when not defined
@@ -194,12 +206,13 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     impl = GEMV_IMPL
     if impl == "q8_1" and any(s.w.type_id in FLOAT_TYPES for s in segs):
         impl = "f32"  # llama.cpp: float weights see x unrounded (no q8_1)
+    v9_rows = 1  # rows a warp takes at a time (2 for the gemvkq4_ kernels)
     if impl == "f32":
         wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
-    elif impl == "q16" and GEMV_KQ == "v9" and GEMV_ARGS == "value" and \
-            (kname := kv9_kernel(mode, [s.w.type_id for s in segs], K)):
+    elif impl == "q16" and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value" and \
+            (kname := kv9_kernel(mode, [s.w.type_id for s in segs], K, lanes4=GEMV_KQ == "v9")):
         for s in segs:
             a = KQ_WIDE_ALIGN.get(s.w.type_id, 1)
             if s.w.ptr % a:
@@ -207,6 +220,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         k = module.kernel_in("gemv_kq.cu", kname)
         wpr, nw = 1, KV9_WARPS
         smem = gemv_smem(K, impl)
+        v9_rows = kv9_rows_per_warp(kname)
     elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)
         wpr, nw = wpr or dw, nw or dn
@@ -240,7 +254,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
     # one wave: at most as many blocks as can be resident; a block then walks its rows with
     # a grid-stride loop that prefetches the next iteration's rows (kernels/gemv.cu)
-    grid = min(math.ceil(rows / (nw // wpr)), module.blocks_per_sm(k, nw * 32, smem) * module.sm_count())
+    rows_per_block = (nw // wpr) * v9_rows
+    grid = min(math.ceil(rows / rows_per_block), module.blocks_per_sm(k, nw * 32, smem) * module.sm_count())
     return Node(name, "gemv", k, (grid,), (nw * 32,),
                 (table, x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
                  np.int32(rows)), smem=smem, bytes=wbytes + act,

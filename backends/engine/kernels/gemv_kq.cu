@@ -22,11 +22,15 @@
 // Expected (to be measured on the GPU): ~2x fewer instructions per weight, the >= 50 MB shapes
 // from ~40 % to >= 70 % of the size-aware roofline. Not yet run on a GPU.
 //
+// Q4_K/Q5_K nodes take the gemvkq4_ kernels below instead (kwide4.cuh: 4 lanes per super-block,
+// 64 weights per lane, two rows per warp; ops.kv9_kernel; GGUF_HARNESS_GEMV_KQ=v9l8 keeps them
+// on the 8-lane gemvkq_ kernels for A/B).
 // Arguments as gemv.cu's value convention: (SegTable by value, x, norm, eps, K, total_rows);
 // MODE 0 store (+bias), 1 add, 2 SwiGLU of a gate/up pair (segments 0 and 1, equal rows).
 #include "qdot.cuh"  // (named here: module.py prefixes the I-quant tables to sources that include it)
 #include "xstage.cuh"
 #include "kwide_iq4.cuh"
+#include "kwide4.cuh"
 #include "segs.cuh"
 
 extern __shared__ int4 smem4[];  // the staged x (xstage.cuh stage_xq layout)
@@ -137,6 +141,85 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     }
 }
 
+// ---- Q4_K / Q5_K: 4 lanes per super-block, two rows per warp (kwide4.cuh) ----
+// Half h of the warp (16 lanes) takes row 2 w + h of the warp's pair; lane (g, j) = ((L >> 2)
+// & 3, L & 3) takes super-blocks g, g + 4, ... of that row. x is staged with xq_slot4.
+template <int T> __device__ __forceinline__ float kq4_row(const u8* row, const XS& xa, int nsb, int g, int j) {
+    float acc = 0.f;
+    const u8* p = row + g * Fmt<T>::TS;
+#pragma unroll kKqUnroll
+    for (int sb = g; sb < nsb; sb += 4, p += 4 * Fmt<T>::TS) {
+        W4Blk<T> r;
+        wide4_load<T>(p, j, r);
+        acc += wide4_dot<T>(r, xa, sb, j);
+    }
+    return acc;
+}
+
+template <int T> __device__ __forceinline__ float2 kq4_row2(const u8* r0, const u8* r1, const XS& xa, int nsb,
+                                                            int g, int j) {
+    float a0 = 0.f, a1 = 0.f;
+    const int o = g * Fmt<T>::TS;
+    const u8 *p0 = r0 + o, *p1 = r1 + o;
+#pragma unroll 1
+    for (int sb = g; sb < nsb; sb += 4, p0 += 4 * Fmt<T>::TS, p1 += 4 * Fmt<T>::TS) {
+        W4Blk<T> b0, b1;
+        wide4_load<T>(p0, j, b0);
+        wide4_load<T>(p1, j, b1);
+        a0 += wide4_dot<T>(b0, xa, sb, j);
+        a1 += wide4_dot<T>(b1, xa, sb, j);
+    }
+    return make_float2(a0, a1);
+}
+
+// Sum over the 16 lanes of a half warp (both halves at once; every lane gets its half's sum).
+__device__ __forceinline__ float half_sum(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <int T, int MODE, int NW>
+__device__ __forceinline__ void kq4_body(const SegTable& t, const float* x, const float* norm, float eps,
+                                         int K, int total_rows) {
+    __shared__ float scratch[32];
+    int4* xq = smem4;
+    int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py)
+    float* xd = (float*)(xs + K / 8);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = lane >> 4;
+    // rows 2 w + h of warp w (grid-stride over row pairs)
+    const int first = 2 * (blockIdx.x * NW + warp) + h, step = 2 * gridDim.x * NW;
+    if (first < total_rows) {  // before the PDL wait: the first row's lines to L2
+        int r = first;
+        const int si = MODE == 2 ? 0 : find_seg(t, r);
+        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], lane & 15, 16);
+        if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], lane & 15, 16);
+    }
+    pdl_wait();
+    pdl_trigger();
+    const float rs = stage_xq<true>(x, norm, eps, K, xq, xs, xd, scratch);
+    const XS xa = xs_addr(xq, xs, xd);
+    const int g = (lane >> 2) & 3, j = lane & 3, nsb = K >> 8;
+    // the loop bound is warp-uniform (both halves iterate while either has a row), so every
+    // lane reaches the shuffles; a half without a row computes on row 0 and stores nothing
+    for (int base = first - h; base < total_rows; base += step) {
+        const int row = base + h;
+        const bool live = row < total_rows;
+        int r = live ? row : 0, si = 0;
+        float y, up = 0.f;
+        if constexpr (MODE == 2) {
+            const float2 v = kq4_row2<T>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
+                                         (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, nsb, g, j);
+            y = half_sum(v.x) * rs;
+            up = half_sum(v.y) * rs;
+        } else {
+            si = find_seg(t, r);
+            y = half_sum(kq4_row<T>((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, xa, nsb, g, j)) * rs;
+        }
+        if (live && (lane & 15) == 0) store_row<MODE>(t.s[si], r, y, up);
+    }
+}
+
 #define KQ_BLOCK_WARPS 16
 #define KQ_KERNEL(MODE, MNAME, T, TNAME)                                                          \
     extern "C" __global__ void __launch_bounds__(KQ_BLOCK_WARPS * 32)                             \
@@ -148,3 +231,17 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     KQ_KERNEL(2, swiglu, T, TNAME)
 // kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs>
 KQ_MODES(T_Q4_K, q4_k) KQ_MODES(T_Q5_K, q5_k) KQ_MODES(T_Q6_K, q6_k) KQ_MODES(T_IQ4_XS, iq4_xs)
+
+// minBlocks per type: Q4_K 2 (56-64 registers either way); Q5_K 1, since ptxas held the
+// store/add instances at 64 registers with a 28-byte spill otherwise (NVRTC 13.0, sm_90).
+template <int T> constexpr int kKq4MinBlocks = T == T_Q5_K ? 1 : 2;
+#define KQ4_KERNEL(MODE, MNAME, T, TNAME)                                                         \
+    extern "C" __global__ void __launch_bounds__(KQ_BLOCK_WARPS * 32, kKq4MinBlocks<T>)           \
+    gemvkq4_##MNAME##_##TNAME(const SegTable t, const float* x, const float* norm, float eps, int K, \
+                              int total_rows) {                                                   \
+        kq4_body<T, MODE, KQ_BLOCK_WARPS>(t, x, norm, eps, K, total_rows);                        \
+    }
+#define KQ4_MODES(T, TNAME) KQ4_KERNEL(0, store, T, TNAME) KQ4_KERNEL(1, add, T, TNAME) \
+    KQ4_KERNEL(2, swiglu, T, TNAME)
+// kernel names: gemvkq4_<store|add|swiglu>_<q4_k|q5_k> (4 lanes per super-block, 2 rows per warp)
+KQ4_MODES(T_Q4_K, q4_k) KQ4_MODES(T_Q5_K, q5_k)

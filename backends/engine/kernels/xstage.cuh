@@ -2,7 +2,7 @@
 // shared by the GEMV kernels (gemv.cu: engine v4-v8, any format; gemv_kq.cu: one warp per row
 // for the wide K-quant / IQ4_XS rows). Moved here unchanged from gemv.cu.
 #pragma once
-#include "kwide.cuh"  // xq_slot: the bank swizzle of the staged codes
+#include "kwide4.cuh"  // xq_slot, xq_slot4: the bank swizzles of the staged codes (kwide.cuh, kwide4.cuh)
 
 #ifdef ACT_Q8_1
 // llama.cpp-compatible activation rounding (ops.GEMV_IMPL "q8_1", compiled with -DACT_Q8_1):
@@ -31,6 +31,8 @@
 // block does not change its codes, so this equals quantising the normalised vector up to
 // float rounding at code ties); without a norm it returns 1. The block reduction's
 // barriers also publish the shared-memory codes.
+// SW4: entries at xq_slot4 (the 4-lanes-per-super-block rows of kwide4.cuh) instead of xq_slot.
+template <bool SW4 = false>
 __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const float* __restrict__ norm,
                                           float eps, int K, int4* xq, int* xs, float* xd, float* scratch) {
     const bool vec = (K & 7) == 0;
@@ -96,7 +98,7 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
                 s += q[k];
             }
 #endif
-            xq[xq_slot(c)] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
+            xq[SW4 ? xq_slot4(c) : xq_slot(c)] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
                               (q[4] & 0xffff) | (q[5] << 16), (q[6] & 0xffff) | (q[7] << 16));
             xs[c] = s;
             // NaN/Inf must survive quantisation so the finite checks can name this node
