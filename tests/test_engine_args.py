@@ -129,6 +129,11 @@ def test_v9_takes_only_single_type_kquant_nodes_with_whole_super_blocks():
     assert ops.kv9_kernel("store", [12, 12, 14], 5120) is None   # mixed QKV
     assert ops.kv9_kernel("store", [8], 4096) is None            # Q8_0: not a v9 type
     assert set(ops.KV9_NAMES) == set(ops.KQ_WIDE_TYPES)
+    # F32 rows ride along in store/add (qwen35's ssm_in: Q5_K q/k/v + gate, F32 beta/alpha)
+    assert ops.kv9_kernel("store", [13, 13, 0, 0], 5120) == "gemvkq4_store_q5_k"
+    assert ops.kv9_kernel("add", [14, 0], 5120) == "gemvkq_add_q6_k"
+    assert ops.kv9_kernel("store", [0, 0], 5120) is None          # no K-quant at all
+    assert ops.kv9_kernel("swiglu", [13, 0], 5120) is None        # not in a gate/up pair
 
 
 def test_prefetch_distance_rule_matches_the_measured_strides():

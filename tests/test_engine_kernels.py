@@ -359,6 +359,23 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, monkeypatch):
         eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6).launch()
         for (raw, w), o, b in zip(mats, outs, biases):
             _check_rows(o.get().astype(np.float64) - b, w, xn, f"v9 {name} segment with bias and norm")
+        # qwen35's ssm_in shape of node: two matrices of the type and two F32 ones (beta, alpha;
+        # gemv_kq.cu f32_row), odd row counts so the halves of a 2-row warp straddle segments
+        f32s = [(rng.normal(size=(r, K)) * 0.05).astype(np.float32) for r in (5, 7)]
+        fouts = [nan_poisoned(cp, r) for r in (5, 7)]
+        segs = [eops.Seg(device_tensor(cp, f"k{j}", raw, t, (K, raw.shape[0]), keep), o)
+                for j, ((raw, _), o) in enumerate(zip(mats[:2], outs[:2]))]
+        segs += [eops.Seg(device_tensor(cp, f"f{j}", f.view(np.uint8), 0, (K, f.shape[0]), keep), o)
+                 for j, (f, o) in enumerate(zip(f32s, fouts))]
+        for o in outs[:2]:
+            o.fill(np.nan)
+        node = eops.gemv("ssm_in", "store", segs, cp.asarray(x), K, nw_dev, 1e-6)
+        assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("store", [t, t, 0, 0], K, lanes4=l4))
+        node.launch()
+        for (raw, w), o in zip(mats[:2], outs[:2]):
+            _check_rows(o.get().astype(np.float64), w, xn, f"v9 {name} ssm_in-like K-quant segment")
+        for f, o in zip(f32s, fouts):
+            _check_rows(o.get().astype(np.float64), f.astype(np.float64), xn, f"v9 {name} ssm_in-like F32 segment")
         # add onto random values over two segments (the residual stream; find_seg per row)
         bases = [rng.normal(size=r).astype(np.float32) for r in (19, 3)]
         accs = [cp.asarray(b) for b in bases]

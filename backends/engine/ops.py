@@ -120,9 +120,13 @@ def gemv_smem(K: int, impl: str = "q16") -> int:
 def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True) -> str | None:
     """Name of the engine v9 kernel (kernels/gemv_kq.cu) for a q16 node with matrices of GGML
     types `type_ids` and input length K, or None when v9 does not take it (mixed types, a type
-    outside Q4_K/Q5_K/Q6_K/IQ4_XS, K not a multiple of 256): such nodes stay on gemv.cu.
-    lanes4: Q4_K/Q5_K take the 4-lanes-per-super-block kernels (gemvkq4_, two rows per warp)."""
-    types = set(type_ids)
+    outside Q4_K/Q5_K/Q6_K/IQ4_XS, K not a multiple of 256; F32 segments beside one such type
+    are taken in store/add nodes): such nodes stay on gemv.cu. lanes4: Q4_K/Q5_K take the
+    4-lanes-per-super-block kernels (gemvkq4_, two rows per warp)."""
+    type_ids = list(type_ids)
+    # F32 segments may ride along in store/add nodes (qwen35's ssm_in: Q5_K q/k/v and gate with
+    # F32 beta/alpha rows; kernels/gemv_kq.cu f32_row), not in a gate/up pair
+    types = set(type_ids) - {0} if mode != "swiglu" else set(type_ids)
     if len(types) != 1 or K % 256:
         return None
     t = types.pop()
@@ -213,8 +217,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
     elif impl == "q16" and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value" and \
             (kname := kv9_kernel(mode, [s.w.type_id for s in segs], K, lanes4=GEMV_KQ == "v9")):
-        for s in segs:
-            a = KQ_WIDE_ALIGN.get(s.w.type_id, 1)
+        for s in segs:  # F32 rows: 16-byte loads (gemv_kq.cu f32_row)
+            a = 16 if s.w.type_id == 0 else KQ_WIDE_ALIGN.get(s.w.type_id, 1)
             if s.w.ptr % a:
                 raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
         k = module.kernel_in("gemv_kq.cu", kname)

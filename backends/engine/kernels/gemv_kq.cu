@@ -68,6 +68,28 @@ template <> struct KQ<T_IQ4_XS> {
     }
 };
 
+// F32 rows riding in a node of type T (qwen35's ssm_in: Q5_K q/k/v and gate with the F32 beta and
+// alpha rows, ops.kv9_kernel): lane l of nl lanes per row takes 8-value entries l, l + nl, ...
+// against the staged codes (swizzle of the kernel's staging) and their block scales, as
+// gemv.cu's per-8 float loop (fdot8) does. Rows are 16-byte aligned (K % 256 == 0, arena.py).
+template <bool SW4> __device__ __forceinline__ float f32_row(const u8* row, const XS& xa, int K, int l, int nl) {
+    float acc = 0.f;
+    for (int c = l; c < K / 8; c += nl) {
+        const float4 a = ((const float4*)row)[2 * c], b = ((const float4*)row)[2 * c + 1];
+        const int4 q = lds128(xa.q + 16 * (SW4 ? xq_slot4(c) : xq_slot(c)));
+        float d = a.x * (float)(short)(q.x & 0xffff);
+        d = fmaf(a.y, (float)(q.x >> 16), d);
+        d = fmaf(a.z, (float)(short)(q.y & 0xffff), d);
+        d = fmaf(a.w, (float)(q.y >> 16), d);
+        d = fmaf(b.x, (float)(short)(q.z & 0xffff), d);
+        d = fmaf(b.y, (float)(q.z >> 16), d);
+        d = fmaf(b.z, (float)(short)(q.w & 0xffff), d);
+        d = fmaf(b.w, (float)(q.w >> 16), d);
+        acc = fmaf(d, lds32f(xa.d + 4 * (c >> 2)), acc);
+    }
+    return acc;
+}
+
 // Lane's partial dot product of one row: super-blocks grp, grp + 4, ... (nsb = K / 256).
 template <int T> __device__ __forceinline__ float kq_row(const u8* row, const XS& xa,
                                                          const typename KQ<T>::Lane& w, int nsb,
@@ -135,7 +157,9 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             up = warp_sum(v.y) * rs;
         } else {
             si = find_seg(t, r);
-            y = warp_sum(kq_row<T>((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, xa, w, nsb, grp, i)) * rs;
+            const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
+            y = warp_sum(t.s[si].type == T ? kq_row<T>(rp, xa, w, nsb, grp, i)
+                                           : f32_row<false>(rp, xa, K, lane, 32)) * rs;
         }
         if (lane == 0) store_row<MODE>(t.s[si], r, y, up);
     }
@@ -214,7 +238,10 @@ __device__ __forceinline__ void kq4_body(const SegTable& t, const float* x, cons
             up = half_sum(v.y) * rs;
         } else {
             si = find_seg(t, r);
-            y = half_sum(kq4_row<T>((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, xa, nsb, g, j)) * rs;
+            const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
+            // the halves may sit in different segments: they reconverge before the shuffles
+            y = half_sum(t.s[si].type == T ? kq4_row<T>(rp, xa, nsb, g, j)
+                                           : f32_row<true>(rp, xa, K, lane & 15, 16)) * rs;
         }
         if (live && (lane & 15) == 0) store_row<MODE>(t.s[si], r, y, up);
     }
