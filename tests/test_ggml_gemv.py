@@ -34,7 +34,9 @@ from oracles import actquant, ops
 from oracles.dequant import dequantize
 from oracles.ggml_gemv_check import check_store, check_swiglu, q8_error_bound
 
-FAST = bs.StopRule(min_samples=3, min_time_s=0.0, max_noise=1.0, max_time_s=0.2)
+# max_time_s: a cap, not a target (max_noise 1.0 stops at 3 samples); 0.2 s gave 2 samples of a
+# 40 ms CPU graph on a loaded 2-core machine and failed the n >= 3 check below
+FAST = bs.StopRule(min_samples=3, min_time_s=0.0, max_noise=1.0, max_time_s=5.0)
 
 
 def _cpu_lib_or_skip():
