@@ -125,5 +125,12 @@ def plain(v) -> str:
     return str(v)
 
 
+def no_math(text) -> str:
+    """Text for a matplotlib label drawn as is: a '$' from a file (a model named after its
+    file, a backend name in a result) would start mathtext, and a bad formula makes drawing
+    raise."""
+    return str(text).replace("$", r"\$")
+
+
 FILTERS = {"sci": sci, "num": num, "fixed": fixed, "pct": pct, "nbytes": nbytes,
            "short": short, "visible": visible, "plain": plain}

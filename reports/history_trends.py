@@ -18,6 +18,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .fmt import no_math
 from .history_runs import Commit, RunRecord
 
 Series = dict[str, dict[int, float]]
@@ -109,7 +110,7 @@ def trend_plot(x_labels: Sequence[str], series: Series, title: str, ylabel: str,
         note = f" ({hidden} ≤ 0 not shown)" if hidden else ""
         # the colour cycle has 10 entries: the marker tells series 1 and 11 apart
         ax.plot(x[ok], y[ok], marker=_MARKERS[n // 10 % len(_MARKERS)], markersize=4,
-                linewidth=1, label=label + note)
+                linewidth=1, label=no_math(label) + note)
         drawn += 1
     if not drawn:
         return None
@@ -117,9 +118,10 @@ def trend_plot(x_labels: Sequence[str], series: Series, title: str, ylabel: str,
     step = max(1, math.ceil(n / 40))  # at most ~40 tick labels
     ticks = list(range(0, n, step))
     ax.set_xticks(ticks)
-    ax.set_xticklabels([x_labels[i] for i in ticks], rotation=30, ha="right", fontsize=7)
+    ax.set_xticklabels([no_math(x_labels[i]) for i in ticks], rotation=30, ha="right",
+                       fontsize=7)
     ax.set_xlim(-0.5, n - 0.5)  # one commit: a single marker in the middle
-    ax.set_title(title, fontsize=10)
+    ax.set_title(no_math(title), fontsize=10)
     ax.set_xlabel("commit (oldest run first)", fontsize=9)
     ax.set_ylabel(ylabel, fontsize=9)
     ax.grid(True, which="major", alpha=0.3)

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from matplotlib.transforms import blended_transform_factory
 
-from .fmt import to_float
+from .fmt import no_math, to_float
 
 # y positions (axes fraction) of the markers for values a log axis cannot show
 _TOP, _BOTTOM = 0.97, 0.03
@@ -44,7 +44,7 @@ def _draw_series(ax, label: str, x: np.ndarray, y: np.ndarray) -> tuple[bool, bo
     if not (ok.any() or inf.any() or low.any()):
         return False, False
     notes = [f"{int(inf.sum())} inf"] * bool(inf.any()) + [f"{int(low.sum())} ≤ 0"] * bool(low.any())
-    full = label + (f" ({', '.join(notes)})" if notes else "")
+    full = no_math(label) + (f" ({', '.join(notes)})" if notes else "")
     yy = np.where(ok, y, np.nan)  # gaps where the value cannot be shown
     (line,) = ax.plot(x, yy, marker=".", markersize=3, linewidth=1, label=full)
     tr = blended_transform_factory(ax.transData, ax.transAxes)
@@ -71,7 +71,7 @@ def step_plot(series: Sequence[tuple[str, Sequence[dict]]], key: str, title: str
         return None
     if not any(p for _, p in drawn):
         ax.set_ylim(1e-12, 1.0)  # only markers: give the log axis a sane range
-    ax.set_title(title, fontsize=10)
+    ax.set_title(no_math(title), fontsize=10)
     ax.set_xlabel("generated token position", fontsize=9)
     ax.set_ylabel(ylabel, fontsize=9)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # positions are token indices

@@ -217,6 +217,18 @@ def test_single_commit_still_plots():
     assert trend_plot(["abc1234"], {}, "t", "y") is None
 
 
+def test_dollar_in_model_name_is_drawn_as_text(tmp_path):
+    """A model named after its file ('m$\\frac$x.gguf' -> m$\\frac$x): '$' would start
+    matplotlib mathtext, and a bad formula made the whole history build raise."""
+    name = r"m$\frac$x"
+    png = trend_plot([f"abc{name}"], {f"{name} · engine c=512 · CPU": {0: 5.0}}, name, "y")
+    assert png is not None and png.startswith(b"\x89PNG")
+    out = tmp_path / "out"
+    _write(out, "r1", _result(SHA_A, created="2026-01-01T10:00:00+00:00", model=name))
+    pages = build_history(out, Console(file=io.StringIO()))
+    assert len(_pngs(pages.index.read_text())) >= 2
+
+
 def _docs_out(tmp_path) -> Path:
     """docs/results/*.json laid out as OUT/runs/<name>/result.json."""
     files = sorted(DOCS.glob("*.json"))

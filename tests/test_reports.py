@@ -296,3 +296,11 @@ def test_step_plot_handles_odd_values_and_nothing():
     assert plots.step_plot([("b", only_bad)], "kl", "t", "KL")[:4] == b"\x89PNG"
     assert plots.step_plot([("c", [{"i": 0}, {"i": 1, "kl": None}])], "kl", "t", "KL") is None
     assert plots.step_plot([], "kl", "t", "KL") is None
+
+
+def test_step_plot_draws_dollar_as_text():
+    """Labels come from result files ('$' would start matplotlib mathtext; a bad formula
+    made `harness report RESULT.json` fail)."""
+    steps = [{"i": 0, "kl": 1e-3}, {"i": 1, "kl": 2e-3}]
+    png = plots.step_plot([(r"ll$\frac$ c=512", steps)], "kl", r"t$\frac$", "KL")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
