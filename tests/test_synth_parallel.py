@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import pytest
@@ -156,6 +157,29 @@ def test_dead_worker_is_reported_and_leaves_no_file(tmp_path):
     plans = plan_tensors(TINY35, "F32")
     p = plans[2]
     plans[2] = TensorPlan(p.name, p.ne, p.qtype, _Die())
+    with pytest.raises(pw.SynthWorkerError, match="worker process died"):
+        write_gguf_streaming(tmp_path / "x.gguf", "qwen35", lambda w: None, plans, jobs=2)
+    assert not list(tmp_path.iterdir())
+
+
+class _BrokenPool:
+    """A ProcessPoolExecutor whose worker died before a unit was queued: submit() raises
+    BrokenProcessPool (the race test_dead_worker_is_reported_and_leaves_no_file can hit
+    when the dying worker is faster than the queue filling)."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def submit(self, *a, **k):
+        raise BrokenProcessPool("A child process terminated abruptly")
+
+    def shutdown(self, *a, **k):
+        pass
+
+
+def test_pool_broken_at_submit_is_reported_and_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(pw, "ProcessPoolExecutor", _BrokenPool)
+    plans = plan_tensors(TINY35, "F32")
     with pytest.raises(pw.SynthWorkerError, match="worker process died"):
         write_gguf_streaming(tmp_path / "x.gguf", "qwen35", lambda w: None, plans, jobs=2)
     assert not list(tmp_path.iterdir())

@@ -104,7 +104,11 @@ def write_data(path: os.PathLike, blob: bytes, plans: Sequence[TensorPlan],
     try:
         while True:
             while len(pending) < QUEUE_PER_WORKER * n_workers and (u := next(todo, None)):
-                pending[ex.submit(_run, *u)] = u
+                try:
+                    pending[ex.submit(_run, *u)] = u
+                except BrokenProcessPool as e:  # a worker died before this unit was queued
+                    i, r0, r1, _ = next(iter(pending.values()), u)  # the oldest unfinished
+                    raise _died(plans[i].name, r0, r1) from e
             if not pending:
                 break
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -117,13 +121,18 @@ def write_data(path: os.PathLike, blob: bytes, plans: Sequence[TensorPlan],
         ex.shutdown(wait=True, cancel_futures=True)
 
 
+def _died(name: str, r0: int, r1: int) -> SynthWorkerError:
+    return SynthWorkerError(f"a synth worker process died (killed, or out of memory?) with "
+                            f"chunks unfinished (first: tensor {name!r} rows {r0}:{r1}); no "
+                            f"file was written")
+
+
 def _result(fut, name: str, r0: int, r1: int) -> int:
     where = f"tensor {name!r} rows {r0}:{r1}"
     try:
         return fut.result()
     except BrokenProcessPool as e:
-        raise SynthWorkerError(f"a synth worker process died (killed, or out of memory?) with "
-                               f"chunks unfinished (first: {where}); no file was written") from e
+        raise _died(name, r0, r1) from e
     except Exception as e:
         raise SynthWorkerError(f"synth worker failed on {where}: {type(e).__name__}: {e} "
                                f"(no file was written; --jobs 1 runs it in one process "
