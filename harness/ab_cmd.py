@@ -28,6 +28,7 @@ from rich.text import Text
 
 from . import ab
 from .errors import ConfigError
+from .results import SCHEMA
 
 DASH = "–"
 METRIC_LABEL = {"decode_tok_s": "decode tok/s", "prefill_tok_s": "prefill tok/s"}
@@ -232,7 +233,10 @@ def run_ab(args, console: Console) -> int:
         from . import ab_kernels_cmd
         return ab_kernels_cmd.run(args, kinds[0], kinds[1], console)
     if any(ab_kernels.is_kernels_result(k) for k in kinds):
-        raise ConfigError("cannot compare a bench kernels result with a run result")
+        other = next(k for k in kinds if not ab_kernels.is_kernels_result(k)).get("schema")
+        what = "a run result" if other == SCHEMA else f"a {other} document"
+        raise ConfigError(f"cannot compare a bench kernels result with {what}: give two "
+                          "kernels.json or two result.json files")
     doc, code = build_doc(args)
     if args.format == "json":
         print(json.dumps(doc, indent=1))

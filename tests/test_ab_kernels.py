@@ -126,3 +126,14 @@ def test_cli_refuses_a_kernels_result_against_a_run_result(tmp_path, capsys):
     pb.write_text(json.dumps({"schema": "gguf-harness/run/1"}))
     assert _cli(["ab", str(pa), str(pb)]) == 2
     assert "bench kernels result with a run result" in capsys.readouterr().err
+
+
+def test_cli_names_the_other_kind_of_document(tmp_path, capsys):
+    """A kernels.json against a `harness bench nodes` result (or any other gguf-harness
+    document): the message names what the other file is, not "a run result"."""
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(_doc([_row("a", 1.0)])))
+    pb.write_text(json.dumps({"schema": "gguf-harness/nodes/1"}))
+    assert _cli(["ab", str(pa), str(pb)]) == 2
+    err = capsys.readouterr().err
+    assert "gguf-harness/nodes/1" in err and "run result" not in err
