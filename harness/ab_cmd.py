@@ -135,6 +135,11 @@ def _sides(doc: dict) -> list[str]:
     return lines
 
 
+# in place of an empty performance table (a CPU `harness run` times no bench by default)
+NO_PERF = ("performance: not compared, no bench rows in A or B (harness run/verify --bench; "
+           "on by default with a GPU)")
+
+
 def print_table(doc: dict, out: Console) -> None:
     """Rich tables on `out`; every cell is a Text (no markup: values come from the files)."""
     for line in _sides(doc) + [f"not comparable: {m}" for m in doc["mismatches"]]:
@@ -146,7 +151,7 @@ def print_table(doc: dict, out: Console) -> None:
         style = VERDICT_STYLE.get(p["verdict"], "")
         t.add_row(*[Text(c, style=style if h == "verdict" else "")
                     for h, c in zip(PERF_HEAD, perf_cells(p))])
-    out.print(t)
+    out.print(t if doc["perf"] else Text(NO_PERF))
     t = Table(title="correctness", title_justify="left")
     for h in CHECK_HEAD:
         t.add_column(h)
@@ -166,9 +171,12 @@ def markdown(doc: dict) -> str:
     """The comparison as Markdown (two pipe tables and a summary line)."""
     lines = ["# A/B comparison", ""] + [f"- {s}" for s in _sides(doc)]
     lines += [f"- not comparable: {m}" for m in doc["mismatches"]]
-    lines += ["", "## Performance", "", _md_row(list(PERF_HEAD)),
-              _md_row(["---"] * len(PERF_HEAD))]
-    lines += [_md_row(perf_cells(p)) for p in doc["perf"]]
+    lines += ["", "## Performance", ""]
+    if doc["perf"]:
+        lines += [_md_row(list(PERF_HEAD)), _md_row(["---"] * len(PERF_HEAD))]
+        lines += [_md_row(perf_cells(p)) for p in doc["perf"]]
+    else:
+        lines.append(NO_PERF)
     lines += ["", "## Correctness", "", _md_row(list(CHECK_HEAD)),
               _md_row(["---"] * len(CHECK_HEAD))]
     lines += [_md_row(check_cells(c)) for c in doc["checks"]]

@@ -320,6 +320,17 @@ def test_cli_formats(tmp_path, capsys):
     assert "| decode tok/s | engine | 512 |" in out and "FASTER" in out
 
 
+def test_cli_says_why_there_is_no_performance_table(tmp_path, capsys):
+    """Two results without bench rows (a CPU `harness run`): a line saying speed was not
+    compared, not an empty table."""
+    a = _write(tmp_path, "a.json", result())
+    b = _write(tmp_path, "b.json", result())
+    for fmt in ("table", "md"):
+        code, out, _ = _cli(capsys, a, b, "--format", fmt)
+        assert code == 0 and "no bench rows" in out, fmt
+        assert "metric" not in out, fmt  # no header of an empty performance table
+
+
 class _Tags(HTMLParser):
     def __init__(self):
         super().__init__()
