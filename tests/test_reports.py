@@ -239,6 +239,15 @@ def test_summary_hashes_errors_and_machine(full):
     assert f"{DIV} / {N}" in html  # match prefix of the flipped run
 
 
+def test_summary_tok_s_are_labelled_as_loop_rates(full):
+    """The summary's tok/s are the comparison loop's (host round trips and metrics included),
+    as the console's "loop tok/s" column says; not throughput (that is --bench's table)."""
+    head = [th.all_text() for th in next(_section_table(Tree(full[2]), "summary").find("tr"))
+            .find("th")]
+    assert head[-3:] == ["loop prefill tok/s", "loop decode tok/s", "loop ms/token"]
+    assert "not a throughput figure" in full[2]
+
+
 def test_reference_only_result_renders(tmp_path):
     res = _result(["oracle"])
     assert res["runs"] == [] and res["verdicts"] == []
