@@ -35,8 +35,11 @@ class StopRule:
     def __post_init__(self) -> None:
         if not (1 <= self.min_samples <= self.max_samples):
             raise ConfigError(f"need 1 <= min samples <= {self.max_samples}, got {self.min_samples}")
-        if self.min_time_s < 0 or self.max_noise <= 0 or self.max_time_s <= 0:
-            raise ConfigError("need min time >= 0, max noise > 0 and max time > 0")
+        finite = np.isfinite([self.min_time_s, self.max_noise, self.max_time_s]).all()
+        if not finite or self.min_time_s < 0 or self.max_noise <= 0 or self.max_time_s <= 0:
+            raise ConfigError(f"need finite --min-time >= 0, --max-noise > 0 and --max-time > 0; "
+                              f"got {self.min_time_s:g}, {self.max_noise:g} and "
+                              f"{self.max_time_s:g}")
 
     def verdict(self, samples: list[float], wall_s: float) -> str | None:
         """CONVERGED, CAPPED, or None to draw another sample."""

@@ -6,6 +6,7 @@ unsupported formats, CLI errors; the whole command on one small shape on a GPU (
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import numpy as np
@@ -176,6 +177,12 @@ def test_stop_rule_caps_on_samples_and_validates():
     assert len(samples) == 7 and verdict == bs.CAPPED
     for bad in (dict(min_samples=0), dict(max_noise=0), dict(max_time_s=0), dict(min_time_s=-1)):
         with pytest.raises(ConfigError):
+            bs.StopRule(**bad)
+    # the message names the flag and the value given (harness bench kernels --max-noise -1)
+    with pytest.raises(ConfigError, match=r"--max-noise > 0.*got 0\.05, -1 and 3"):
+        bs.StopRule(max_noise=-1)
+    for bad in (dict(max_noise=math.nan), dict(min_time_s=math.nan), dict(max_time_s=math.inf)):
+        with pytest.raises(ConfigError):  # nan passed every comparison; no stop rule then
             bs.StopRule(**bad)
 
 
