@@ -49,6 +49,7 @@ def run_bench(args, console: Console) -> int:
     no_gpu = registry.available_backends().get("engine")
     if no_gpu:  # before the model is assembled and tokenised: the engine cannot load here
         raise ConfigError(f"harness bench nodes needs the engine backend: {no_gpu}")
+    results.check_out_root(args.out)  # an --out file fails now, not after the benchmark
     from .gguf_file import open_gguf
     from .machine import machine_info
     from .main_job import model_meta, tokenize_prompt

@@ -73,6 +73,7 @@ def run_kernels_cmd(args, console: Console) -> int:
         gpu.require_cupy()
     except UnsupportedError as e:
         raise ConfigError(f"harness bench kernels needs a GPU: {e}") from None
+    results.check_out_root(args.out)  # an --out file fails now, not after the benchmark
     with Progress(console) as prog:
         advance = prog.task("kernels", len(shapes))
         res = run_kernels(shapes, cfg, log=lambda m: console.print(m, markup=False), advance=advance,

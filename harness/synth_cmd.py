@@ -15,6 +15,7 @@ Prints size, decode bytes (every tensor but MTP blocks), write time, MB/s and pe
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
@@ -63,6 +64,8 @@ def _list(console: Console) -> int:
 
 def _bar(console: Console):
     """(context manager, progress callback) showing bytes written."""
+    if not console.is_terminal:  # a transient bar shows nothing there but leaves an empty line
+        return contextlib.nullcontext(), lambda done, total, name: None
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
     bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                    TimeElapsedColumn(), console=console, transient=True)

@@ -94,6 +94,38 @@ def test_error_after_a_model_lookup_is_one_line(tmp_path, capsys):
     one_error_line(capsys.readouterr().err)
 
 
+def test_synth_error_is_one_line(tmp_path, capsys):
+    # the transient bytes bar of `harness synth` left an empty line before `error:` off a
+    # terminal (an unknown preset is only found once the writer starts)
+    assert main(["synth", "--preset", "nope", "--out", str(tmp_path / "x.gguf")]) == 2
+    assert "nope" in one_error_line(capsys.readouterr().err)
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_out_that_is_a_file_fails_before_the_benchmark(tmp_path, monkeypatch, capsys):
+    """--out FILE used to surface after the whole GPU benchmark, as a FileExistsError
+    traceback from new_run_dir, with the measurements lost."""
+    import backends.registry
+    import harness.bench_kernels
+    import harness.gpu
+    import harness.models
+    out = tmp_path / "out"
+    out.write_text("an earlier file")
+
+    def boom(*a, **k):
+        raise AssertionError("the benchmark started before --out was checked")
+    monkeypatch.setattr(harness.gpu, "require_cupy", lambda: None)
+    monkeypatch.setattr(harness.bench_kernels, "run_kernels", boom)
+    assert main(["bench", "kernels", "--shapes", "attn_k", "--out", str(out)]) == 2
+    assert "not a folder" in one_error_line(capsys.readouterr().err)
+    monkeypatch.setattr(backends.registry, "available_backends",
+                        lambda: {"llamacpp": None, "oracle": None, "engine": None})
+    monkeypatch.setattr(harness.models, "resolve", boom)
+    assert main(["bench", "nodes", "--out", str(out)]) == 2
+    assert "not a folder" in one_error_line(capsys.readouterr().err)
+    assert out.read_text() == "an earlier file"
+
+
 def test_result_json_is_still_read(capsys):
     # guard for the fixes above: a real result still gives a table
     assert main(["bench-table", str(V4), "--format", "json"]) == 0
