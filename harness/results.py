@@ -18,6 +18,8 @@ def check_out_root(out: str | Path) -> Path:
     """The --out folder, with its runs/ subfolder created; ConfigError (before any work) when
     it is a file or cannot be created."""
     from .errors import ConfigError
+    if not str(out).strip():  # --out "$OUT" with OUT unset: Path("") would be the cwd
+        raise ConfigError("--out is empty; give a folder (default: out)")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a folder")

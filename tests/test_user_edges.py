@@ -126,6 +126,20 @@ def test_bench_out_that_is_a_file_fails_before_the_benchmark(tmp_path, monkeypat
     assert out.read_text() == "an earlier file"
 
 
+@pytest.mark.parametrize("cmd", [["verify", "--n-predict", "2", "--contexts", "128"],
+                                 ["layerdiff"]])
+def test_empty_out_is_bad_input(cmd, tmp_path, monkeypatch, capsys):
+    # --out "$OUT" with OUT unset: Path("") is ".", so runs/ went into the working folder
+    from harness.synth.presets import write_preset
+    model = write_preset("qwen2-tiny", tmp_path / "m" / "tiny.gguf")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert main([*cmd, "--model", str(model), "--out", ""]) == 2
+    assert "--out" in one_error_line(capsys.readouterr().err)
+    assert not list(cwd.iterdir())
+
+
 def test_result_json_is_still_read(capsys):
     # guard for the fixes above: a real result still gives a table
     assert main(["bench-table", str(V4), "--format", "json"]) == 0
