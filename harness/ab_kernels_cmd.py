@@ -54,8 +54,8 @@ def _side(path: Path, d: dict) -> dict:
     gpu = m.get("gpu") or {}
     return {"path": str(path), "created": d.get("created"), "git": git.get("sha"),
             "dirty": git.get("dirty"), "gpu": gpu.get("name") if isinstance(gpu, dict) else None,
-            "settings": {k: (d.get("settings") or {}).get(k)
-                         for k in ("gemv_impl", "gemv_args", "gemv_kq", "pdl")}}
+            "settings": " ".join(f"{k}={(d.get('settings') or {}).get(k)}"
+                                 for k in ("gemv_impl", "gemv_args", "gemv_kq", "pdl"))}
 
 
 def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:

@@ -17,6 +17,7 @@ from matplotlib.patches import Patch
 from harness.ab_cmd import CHECK_HEAD, PERF_HEAD, check_cells, perf_cells, summary_line
 from harness.results import write_atomic
 
+from .fmt import no_math
 from .html import _env
 from .plots import data_uri
 
@@ -26,19 +27,14 @@ METRIC_LABEL = {"decode_tok_s": "decode", "prefill_tok_s": "prefill"}
 
 
 def _label(p: dict) -> str:
-    # "$" would start matplotlib mathtext in a name read from the file
-    name = f"{p.get('backend')} {METRIC_LABEL.get(p.get('metric'), p.get('metric'))} " \
-           f"c={p.get('n_ctx')}"
-    return name.replace("$", r"\$")
+    return f"{p.get('backend')} {METRIC_LABEL.get(p.get('metric'), p.get('metric'))} c={p.get('n_ctx')}"
 
 
-def change_chart(perf: list[dict]) -> bytes | None:
-    """PNG: one horizontal bar per performance row with a delta, its relative change of the
-    median tok/s in %, over a shaded band of ±tolerance (max(threshold, noise): inside it the
-    verdict is SAME). Bars coloured by verdict. None when no row has a delta."""
-    rows = [p for p in perf if isinstance(p, dict) and p.get("delta") is not None]
-    if not rows:
-        return None
+def delta_bars(rows: list[dict], labels: list[str], xlabel: str) -> bytes:
+    """PNG: one horizontal bar per row, its relative change row["delta"] in %, over a shaded band
+    of ±row["tolerance"] (max(threshold, noise): inside it the verdict is SAME), coloured by
+    row["verdict"]; labels drawn as text (a "$" in a name is no mathtext). Shared by the run and
+    the kernel A/B pages."""
     fig = Figure(figsize=(8.0, 0.5 + 0.35 * len(rows)), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -52,16 +48,25 @@ def change_chart(perf: list[dict]) -> bytes | None:
     seen = dict.fromkeys(p.get("verdict") for p in rows)
     ax.legend(handles=[Patch(color=COLORS.get(v, "#9e9e9e"), label=str(v)) for v in seen],
               fontsize=7, loc="best")
-    ax.set_yticks(range(len(rows)), [_label(p) for p in rows], fontsize=8)
+    ax.set_yticks(range(len(rows)), [no_math(x) for x in labels], fontsize=8)
     ax.invert_yaxis()  # first row at the top, as in the table
-    ax.set_xlabel("B vs A: median tok/s change [%]   (grey: ±max(threshold, noise))",
-                  fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", metadata={"Software": None})  # no version: stable bytes
     return buf.getvalue()
+
+
+def change_chart(perf: list[dict]) -> bytes | None:
+    """PNG: delta_bars of the performance rows with a delta (median tok/s change); None when
+    no row has one."""
+    rows = [p for p in perf if isinstance(p, dict) and p.get("delta") is not None]
+    if not rows:
+        return None
+    return delta_bars(rows, [_label(p) for p in rows],
+                      "B vs A: median tok/s change [%]   (grey: ±max(threshold, noise))")
 
 
 def render_ab_html(doc: dict) -> str:
