@@ -90,36 +90,36 @@ template <bool SW4> __device__ __forceinline__ float f32_row(const u8* row, cons
     return acc;
 }
 
-// Lane's partial dot product of one row: super-blocks grp, grp + 4, ... (nsb = K / 256).
-template <int T> __device__ __forceinline__ float kq_row(const u8* row, const XS& xa,
-                                                         const typename KQ<T>::Lane& w, int nsb,
-                                                         int grp, int i) {
+// Lane's partial dot product of one row: super-blocks grp, grp + 4, ... (nsb = K / 256). Q: the
+// format's trait (KQ<T>: 8 lanes per super-block, grp = lane >> 3, i = lane & 7; KQ4<T>: 4 lanes,
+// grp = (lane >> 2) & 3, i = lane & 3).
+template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const XS& xa, const typename Q::Lane& w,
+                                                           int nsb, int grp, int i) {
     float acc = 0.f;
-    const u8* p = row + grp * KQ<T>::TS;
+    const u8* p = row + grp * Q::TS;
 #pragma unroll kKqUnroll
-    for (int sb = grp; sb < nsb; sb += 4, p += 4 * KQ<T>::TS) {
-        typename KQ<T>::Blk r;
-        KQ<T>::load(p, i, r);
-        acc += KQ<T>::dot(r, KQ<T>::x(xa, sb, i, w), i, w);
+    for (int sb = grp; sb < nsb; sb += 4, p += 4 * Q::TS) {
+        typename Q::Blk r;
+        Q::load(p, i, r);
+        acc += Q::dot(r, Q::x(xa, sb, i, w), i, w);
     }
     return acc;
 }
 
 // Gate and up rows: both rows' blocks loaded before any arithmetic, the activations read once.
-template <int T> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
-                                                           const typename KQ<T>::Lane& w, int nsb,
-                                                           int grp, int i) {
+template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
+                                                             const typename Q::Lane& w, int nsb, int grp, int i) {
     float a0 = 0.f, a1 = 0.f;
-    const int o = grp * KQ<T>::TS;
+    const int o = grp * Q::TS;
     const u8 *p0 = r0 + o, *p1 = r1 + o;
 #pragma unroll 1
-    for (int sb = grp; sb < nsb; sb += 4, p0 += 4 * KQ<T>::TS, p1 += 4 * KQ<T>::TS) {
-        typename KQ<T>::Blk b0, b1;
-        KQ<T>::load(p0, i, b0);
-        KQ<T>::load(p1, i, b1);
-        const typename KQ<T>::X x = KQ<T>::x(xa, sb, i, w);
-        a0 += KQ<T>::dot(b0, x, i, w);
-        a1 += KQ<T>::dot(b1, x, i, w);
+    for (int sb = grp; sb < nsb; sb += 4, p0 += 4 * Q::TS, p1 += 4 * Q::TS) {
+        typename Q::Blk b0, b1;
+        Q::load(p0, i, b0);
+        Q::load(p1, i, b1);
+        const typename Q::X x = Q::x(xa, sb, i, w);
+        a0 += Q::dot(b0, x, i, w);
+        a1 += Q::dot(b1, x, i, w);
     }
     return make_float2(a0, a1);
 }
@@ -151,14 +151,14 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         int r = row, si = 0;
         float y, up = 0.f;
         if constexpr (MODE == 2) {
-            const float2 v = kq_row2<T>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
+            const float2 v = kq_row2<KQ<T>>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
                                         (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, grp, i);
             y = warp_sum(v.x) * rs;
             up = warp_sum(v.y) * rs;
         } else {
             si = find_seg(t, r);
             const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
-            y = warp_sum(t.s[si].type == T ? kq_row<T>(rp, xa, w, nsb, grp, i)
+            y = warp_sum(t.s[si].type == T ? kq_row<KQ<T>>(rp, xa, w, nsb, grp, i)
                                            : f32_row<false>(rp, xa, K, lane, 32)) * rs;
         }
         if (lane == 0) store_row<MODE>(t.s[si], r, y, up);
@@ -168,33 +168,20 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 // ---- Q4_K / Q5_K: 4 lanes per super-block, two rows per warp (kwide4.cuh) ----
 // Half h of the warp (16 lanes) takes row 2 w + h of the warp's pair; lane (g, j) = ((L >> 2)
 // & 3, L & 3) takes super-blocks g, g + 4, ... of that row. x is staged with xq_slot4.
-template <int T> __device__ __forceinline__ float kq4_row(const u8* row, const XS& xa, int nsb, int g, int j) {
-    float acc = 0.f;
-    const u8* p = row + g * Fmt<T>::TS;
-#pragma unroll kKqUnroll
-    for (int sb = g; sb < nsb; sb += 4, p += 4 * Fmt<T>::TS) {
-        W4Blk<T> r;
-        wide4_load<T>(p, j, r);
-        acc += wide4_dot<T>(r, xa, sb, j);
+// The 4-lane rows as a KQ-style trait (kq_row / kq_row2 above): the lane constant is j, and the
+// "activations" are just where to find them (wide4_dot reads its 8 entries itself).
+struct X4 { XS xa; int sb; };
+template <int T> struct KQ4 {
+    using Lane = int;
+    using Blk = W4Blk<T>;
+    using X = X4;
+    static constexpr int TS = Fmt<T>::TS;
+    static __device__ __forceinline__ void load(const u8* b, int j, Blk& r) { wide4_load<T>(b, j, r); }
+    static __device__ __forceinline__ X x(const XS& xa, int sb, int, const Lane&) { return X4{xa, sb}; }
+    static __device__ __forceinline__ float dot(const Blk& r, const X& x, int j, const Lane&) {
+        return wide4_dot<T>(r, x.xa, x.sb, j);
     }
-    return acc;
-}
-
-template <int T> __device__ __forceinline__ float2 kq4_row2(const u8* r0, const u8* r1, const XS& xa, int nsb,
-                                                            int g, int j) {
-    float a0 = 0.f, a1 = 0.f;
-    const int o = g * Fmt<T>::TS;
-    const u8 *p0 = r0 + o, *p1 = r1 + o;
-#pragma unroll 1
-    for (int sb = g; sb < nsb; sb += 4, p0 += 4 * Fmt<T>::TS, p1 += 4 * Fmt<T>::TS) {
-        W4Blk<T> b0, b1;
-        wide4_load<T>(p0, j, b0);
-        wide4_load<T>(p1, j, b1);
-        a0 += wide4_dot<T>(b0, xa, sb, j);
-        a1 += wide4_dot<T>(b1, xa, sb, j);
-    }
-    return make_float2(a0, a1);
-}
+};
 
 // Sum over the 16 lanes of a half warp (both halves at once; every lane gets its half's sum).
 __device__ __forceinline__ float half_sum(float v) {
@@ -232,15 +219,15 @@ __device__ __forceinline__ void kq4_body(const SegTable& t, const float* x, cons
         int r = live ? row : 0, si = 0;
         float y, up = 0.f;
         if constexpr (MODE == 2) {
-            const float2 v = kq4_row2<T>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
-                                         (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, nsb, g, j);
+            const float2 v = kq_row2<KQ4<T>>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
+                                             (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, j, nsb, g, j);
             y = half_sum(v.x) * rs;
             up = half_sum(v.y) * rs;
         } else {
             si = find_seg(t, r);
             const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
             // the halves may sit in different segments: they reconverge before the shuffles
-            y = half_sum(t.s[si].type == T ? kq4_row<T>(rp, xa, nsb, g, j)
+            y = half_sum(t.s[si].type == T ? kq_row<KQ4<T>>(rp, xa, j, nsb, g, j)
                                            : f32_row<true>(rp, xa, K, lane & 15, 16)) * rs;
         }
         if (live && (lane & 15) == 0) store_row<MODE>(t.s[si], r, y, up);
