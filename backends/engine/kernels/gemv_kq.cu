@@ -40,8 +40,25 @@ extern __shared__ int4 smem4[];  // the staged x (xstage.cuh stage_xq layout)
 #endif
 constexpr int kKqUnroll = KQ_UNROLL;
 
+// Lane mappings of a warp: 8 lanes per super-block, one row per warp (kwide.cuh's rows), or 4
+// lanes per super-block, two rows per warp (16 lanes each; kwide4.cuh, x staged with xq_slot4).
+// grp: the lane's super-block of a round (4 per round and row), idx: its place in that block.
+struct Lanes8 {
+    static constexpr int R = 1;
+    static constexpr bool SW4 = false;
+    static __device__ __forceinline__ int grp(int lane) { return lane >> 3; }
+    static __device__ __forceinline__ int idx(int lane) { return lane & 7; }
+};
+struct Lanes4 {
+    static constexpr int R = 2;
+    static constexpr bool SW4 = true;
+    static __device__ __forceinline__ int grp(int lane) { return (lane >> 2) & 3; }
+    static __device__ __forceinline__ int idx(int lane) { return lane & 3; }
+};
+
 // One format's super-block step: lane constants, raw block registers, activations, the dot.
-template <int T> struct KQ {
+template <int T> struct KQ : Lanes8 {
+    static constexpr int TYPE = T;
     using Lane = WLane;
     using Blk = WBlk<T>;
     using X = WX;
@@ -53,7 +70,8 @@ template <int T> struct KQ {
         return wide_dot<T>(r, x, i);
     }
 };
-template <> struct KQ<T_IQ4_XS> {
+template <> struct KQ<T_IQ4_XS> : Lanes8 {
+    static constexpr int TYPE = T_IQ4_XS;
     using Lane = WLaneIq4;
     using Blk = WIq4;
     using X = WXIq4;
@@ -124,55 +142,16 @@ template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const
     return make_float2(a0, a1);
 }
 
-template <int T, int MODE, int NW>
-__device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const float* norm, float eps,
-                                        int K, int total_rows) {
-    __shared__ float scratch[32];
-    int4* xq = smem4;
-    int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
-    float* xd = (float*)(xs + K / 8);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int first = blockIdx.x * NW + warp, step = gridDim.x * NW;
-    // Before the PDL wait (weights are constants): the first row's lines to L2, overlapping
-    // the previous kernel's tail.
-    if (first < total_rows) {
-        int r = first;
-        const int si = MODE == 2 ? 0 : find_seg(t, r);
-        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], lane, 32);
-        if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], lane, 32);
-    }
-    pdl_wait();     // x (and the output, for "add") come from the previous kernels
-    pdl_trigger();
-    const float rs = stage_xq(x, norm, eps, K, xq, xs, xd, scratch);  // barriers inside
-    const XS xa = xs_addr(xq, xs, xd);
-    const int grp = lane >> 3, i = lane & 7, nsb = K >> 8;
-    const typename KQ<T>::Lane w = KQ<T>::lane(i);
-    for (int row = first; row < total_rows; row += step) {
-        int r = row, si = 0;
-        float y, up = 0.f;
-        if constexpr (MODE == 2) {
-            const float2 v = kq_row2<KQ<T>>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
-                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, grp, i);
-            y = warp_sum(v.x) * rs;
-            up = warp_sum(v.y) * rs;
-        } else {
-            si = find_seg(t, r);
-            const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
-            y = warp_sum(t.s[si].type == T ? kq_row<KQ<T>>(rp, xa, w, nsb, grp, i)
-                                           : f32_row<false>(rp, xa, K, lane, 32)) * rs;
-        }
-        if (lane == 0) store_row<MODE>(t.s[si], r, y, up);
-    }
-}
-
 // ---- Q4_K / Q5_K: 4 lanes per super-block, two rows per warp (kwide4.cuh) ----
 // Half h of the warp (16 lanes) takes row 2 w + h of the warp's pair; lane (g, j) = ((L >> 2)
 // & 3, L & 3) takes super-blocks g, g + 4, ... of that row. x is staged with xq_slot4.
 // The 4-lane rows as a KQ-style trait (kq_row / kq_row2 above): the lane constant is j, and the
 // "activations" are just where to find them (wide4_dot reads its 8 entries itself).
 struct X4 { XS xa; int sb; };
-template <int T> struct KQ4 {
+template <int T> struct KQ4 : Lanes4 {
+    static constexpr int TYPE = T;
     using Lane = int;
+    static __device__ __forceinline__ Lane lane(int j) { return j; }
     using Blk = W4Blk<T>;
     using X = X4;
     static constexpr int TS = Fmt<T>::TS;
@@ -183,54 +162,60 @@ template <int T> struct KQ4 {
     }
 };
 
-// Sum over the 16 lanes of a half warp (both halves at once; every lane gets its half's sum).
-__device__ __forceinline__ float half_sum(float v) {
+// Sum over the N lanes of each aligned group (every lane gets its group's sum; N = 32: warp_sum).
+template <int N> __device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = N / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
-template <int T, int MODE, int NW>
-__device__ __forceinline__ void kq4_body(const SegTable& t, const float* x, const float* norm, float eps,
-                                         int K, int total_rows) {
+// The kernel body for format trait Q (KQ<T> or KQ4<T>): warp w takes rows R w + h (h < Q::R, the
+// row of its lane group of 32 / R lanes) of every grid stride.
+template <class Q, int MODE, int NW>
+__device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const float* norm, float eps,
+                                        int K, int total_rows) {
+    constexpr int LPR = 32 / Q::R;  // lanes per row
     __shared__ float scratch[32];
     int4* xq = smem4;
-    int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py)
+    int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
     float* xd = (float*)(xs + K / 8);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = lane >> 4;
-    // rows 2 w + h of warp w (grid-stride over row pairs)
-    const int first = 2 * (blockIdx.x * NW + warp) + h, step = 2 * gridDim.x * NW;
-    if (first < total_rows) {  // before the PDL wait: the first row's lines to L2
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = lane / LPR, l = lane % LPR;
+    const int first = Q::R * (blockIdx.x * NW + warp) + h, step = Q::R * gridDim.x * NW;
+    // Before the PDL wait (weights are constants): the first row's lines to L2, overlapping
+    // the previous kernel's tail.
+    if (first < total_rows) {
         int r = first;
         const int si = MODE == 2 ? 0 : find_seg(t, r);
-        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], lane & 15, 16);
-        if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], lane & 15, 16);
+        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], l, LPR);
+        if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], l, LPR);
     }
-    pdl_wait();
+    pdl_wait();     // x (and the output, for "add") come from the previous kernels
     pdl_trigger();
-    const float rs = stage_xq<true>(x, norm, eps, K, xq, xs, xd, scratch);
+    const float rs = stage_xq<Q::SW4>(x, norm, eps, K, xq, xs, xd, scratch);  // barriers inside
     const XS xa = xs_addr(xq, xs, xd);
-    const int g = (lane >> 2) & 3, j = lane & 3, nsb = K >> 8;
-    // the loop bound is warp-uniform (both halves iterate while either has a row), so every
-    // lane reaches the shuffles; a half without a row computes on row 0 and stores nothing
+    const int grp = Q::grp(lane), i = Q::idx(lane), nsb = K >> 8;
+    const typename Q::Lane w = Q::lane(i);
+    // The loop bound is warp-uniform (the lane groups iterate while any has a row), so every lane
+    // reaches the shuffles; a group without a row computes on row 0 and stores nothing.
     for (int base = first - h; base < total_rows; base += step) {
         const int row = base + h;
         const bool live = row < total_rows;
         int r = live ? row : 0, si = 0;
         float y, up = 0.f;
         if constexpr (MODE == 2) {
-            const float2 v = kq_row2<KQ4<T>>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
-                                             (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, j, nsb, g, j);
-            y = half_sum(v.x) * rs;
-            up = half_sum(v.y) * rs;
+            const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
+                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, grp, i);
+            y = group_sum<LPR>(v.x) * rs;
+            up = group_sum<LPR>(v.y) * rs;
         } else {
             si = find_seg(t, r);
             const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
-            // the halves may sit in different segments: they reconverge before the shuffles
-            y = half_sum(t.s[si].type == T ? kq_row<KQ4<T>>(rp, xa, j, nsb, g, j)
-                                           : f32_row<true>(rp, xa, K, lane & 15, 16)) * rs;
+            // with two rows per warp the groups may sit in different segments: they reconverge
+            // before the shuffles
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, grp, i)
+                                                       : f32_row<Q::SW4>(rp, xa, K, l, LPR)) * rs;
         }
-        if (live && (lane & 15) == 0) store_row<MODE>(t.s[si], r, y, up);
+        if (live && l == 0) store_row<MODE>(t.s[si], r, y, up);
     }
 }
 
@@ -239,7 +224,7 @@ __device__ __forceinline__ void kq4_body(const SegTable& t, const float* x, cons
     extern "C" __global__ void __launch_bounds__(KQ_BLOCK_WARPS * 32)                             \
     gemvkq_##MNAME##_##TNAME(const SegTable t, const float* x, const float* norm, float eps, int K, \
                              int total_rows) {                                                    \
-        kq_body<T, MODE, KQ_BLOCK_WARPS>(t, x, norm, eps, K, total_rows);                         \
+        kq_body<KQ<T>, MODE, KQ_BLOCK_WARPS>(t, x, norm, eps, K, total_rows);                         \
     }
 #define KQ_MODES(T, TNAME) KQ_KERNEL(0, store, T, TNAME) KQ_KERNEL(1, add, T, TNAME) \
     KQ_KERNEL(2, swiglu, T, TNAME)
@@ -253,7 +238,7 @@ template <int T> constexpr int kKq4MinBlocks = T == T_Q5_K ? 1 : 2;
     extern "C" __global__ void __launch_bounds__(KQ_BLOCK_WARPS * 32, kKq4MinBlocks<T>)           \
     gemvkq4_##MNAME##_##TNAME(const SegTable t, const float* x, const float* norm, float eps, int K, \
                               int total_rows) {                                                   \
-        kq4_body<T, MODE, KQ_BLOCK_WARPS>(t, x, norm, eps, K, total_rows);                        \
+        kq_body<KQ4<T>, MODE, KQ_BLOCK_WARPS>(t, x, norm, eps, K, total_rows);                        \
     }
 #define KQ4_MODES(T, TNAME) KQ4_KERNEL(0, store, T, TNAME) KQ4_KERNEL(1, add, T, TNAME) \
     KQ4_KERNEL(2, swiglu, T, TNAME)
