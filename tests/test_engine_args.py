@@ -6,6 +6,7 @@ import struct
 from types import SimpleNamespace as NS
 
 import numpy as np
+import pytest
 
 from backends.engine import ops
 
@@ -134,6 +135,41 @@ def test_v9_takes_only_single_type_kquant_nodes_with_whole_super_blocks():
     assert ops.kv9_kernel("add", [14, 0], 5120) == "gemvkq_add_q6_k"
     assert ops.kv9_kernel("store", [0, 0], 5120) is None          # no K-quant at all
     assert ops.kv9_kernel("swiglu", [13, 0], 5120) is None        # not in a gate/up pair
+
+
+def test_v9_split_names_and_choice():
+    """Engine v9 row groups of S warps (kernels/gemv_kq.cu KQ_SPLITS): the _s2 / _s4 names exist
+    in the source, another S is refused, and ops.kv9_split picks by passes x super-blocks per
+    warp. Hand counts with 264 block slots (2 blocks of 16 warps on 132 SMs):
+    [5120 x 17408] (68 super-blocks), one row per warp: S 1: 320 blocks, 2 passes x 17 = 34;
+    S 2: 640 blocks, 3 x 9 = 27; S 4: 1280 blocks, 5 x 5 = 25 -> 4. [5120 x 6144] (24): S 1:
+    2 x 6 = 12; S 2: 3 x 3 = 9; S 4: 5 x 2 = 10 -> 2. [10240 x 5120] (20): S 1: 640 blocks,
+    3 x 5 = 15; S 2: 1280, 5 x 3 = 15 (tie: the smaller S); S 4: 10 x 2 = 20 -> 1. The output
+    head [248320 x 5120]: S 1: 15520 blocks, 59 x 5 = 295; S 2: 118 x 3 = 354 -> 1."""
+    from backends.engine import module, ops
+    src = (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    assert "KQ_KERNEL(MODE, MNAME, T, TNAME, 2, _s2) KQ_KERNEL(MODE, MNAME, T, TNAME, 4, _s4)" in src
+    assert "KQ4_KERNEL(MODE, MNAME, T, TNAME, 2, _s2) KQ4_KERNEL(MODE, MNAME, T, TNAME, 4, _s4)" in src
+    assert ops.kv9_kernel("store", [14], 5120, split=4) == "gemvkq_store_q6_k_s4"
+    assert ops.kv9_kernel("swiglu", [12, 12], 5120, split=2) == "gemvkq4_swiglu_q4_k_s2"
+    assert ops.kv9_kernel("add", [12], 5120, lanes4=False, split=1) == "gemvkq_add_q4_k"
+    assert ops.kv9_rows_per_warp("gemvkq4_store_q5_k_s4") == 2
+    with pytest.raises(ValueError, match="split"):
+        ops.kv9_kernel("store", [14], 5120, split=3)
+    slots = lambda s: 264
+    assert ops.kv9_split(5120, 17408, 1, slots) == 4
+    assert ops.kv9_split(5120, 6144, 1, slots) == 2
+    assert ops.kv9_split(10240, 5120, 1, slots) == 1
+    assert ops.kv9_split(248320, 5120, 1, slots) == 1
+    assert [ops.kv9_split_cost(5120, 17408, 1, s, 264) for s in (1, 2, 4)] == [34, 27, 25]
+    assert [ops.kv9_split_cost(248320, 5120, 1, s, 264) for s in (1, 2)] == [295, 354]
+    # two rows per warp (gemvkq4_) at 132 slots (one block per SM): [5120 x 17408] S 1: 160
+    # blocks, 2 passes x 2 x 17 = 68; S 2: 320, 3 x 2 x 9 = 54; S 4: 640, 5 x 2 x 5 = 50 -> 4
+    assert ops.kv9_split(5120, 17408, 2, lambda s: 132) == 4
+    # a kernel with fewer slots at S > 1 (more registers) changes the choice: [5120 x 6144]
+    # with S 2 / 4 at one block per SM: S 2: 640 blocks, 5 x 3 = 15 > 12 of S 1; S 4: 1280
+    # blocks / 132 = 10 x 2 = 20
+    assert ops.kv9_split(5120, 6144, 1, lambda s: 264 if s == 1 else 132) == 1
 
 
 def test_prefetch_distance_rule_matches_the_measured_strides():

@@ -18,6 +18,7 @@ see x unrounded.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -319,21 +320,32 @@ def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
                                            err_msg=f"{what} swiglu with type {tu}")
 
 
+@pytest.mark.parametrize("split", ["auto", "1", "2", "4"])
 @pytest.mark.parametrize("kq", ["v9", "v9l8"])
-def test_gemv_v9_grid_stride_segments_norm_bias(kq, monkeypatch):
+def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
     """Engine v9 (kernels/gemv_kq.cu, ops.GEMV_KQ = "v9") beyond test_gemv_kquant_wide_and_narrow_loops:
     more rows than resident warps (the grid-stride row loop: 9001 rows), a 3-segment node of one
     type with different row counts and biases behind a fused RMSNorm (find_seg per row), the 27B
     widths K = 5120 and 17408, all four types, add over two segments, SwiGLU pairs at K = 5120
     and over 9001 rows; each node asserted to run the gemv_kq kernel; NaN-poisoned outputs, the
-    same oracle rule."""
+    same oracle rule. split: row groups of S warps forced (1, 2, 4: K = 512 leaves most parts of
+    S = 4 without a super-block) or chosen by ops.kv9_split ("auto")."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
         pytest.skip("v9 is a q16 kernel")
     monkeypatch.setattr(eops, "GEMV_KQ", kq)
+    monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
     l4 = kq == "v9"
     keep = []
+
+    def kv9_name(mode, types, K):  # the kernel of a forced split; "auto": any split of that kernel
+        return eops.kv9_kernel(mode, types, K, lanes4=l4, split=1 if split == "auto" else int(split))
+
+    def ran(node, mode, types, K):
+        name = node.kernel.name
+        want = kv9_name(mode, types, K)
+        return name == want if split != "auto" else re.sub(r"_s[24]$", "", name) == want
     for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
         t = TYPES[name]
         for rows, K in ((9001, 512), (37, 5120), (5, 17408)):
@@ -341,7 +353,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, monkeypatch):
             x = np.random.default_rng(K).normal(size=K).astype(np.float32)
             node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep),
                                                      out := nan_poisoned(cp, rows))], cp.asarray(x), K)
-            assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("store", [t], K, lanes4=l4))
+            assert ran(node, "store", [t], K), node.kernel.name
             node.launch()
             _check_rows(out.get().astype(np.float64), w, x, f"v9 {name} [{rows}x{K}]")
         K = 1024
@@ -370,7 +382,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, monkeypatch):
         for o in outs[:2]:
             o.fill(np.nan)
         node = eops.gemv("ssm_in", "store", segs, cp.asarray(x), K, nw_dev, 1e-6)
-        assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("store", [t, t, 0, 0], K, lanes4=l4))
+        assert ran(node, "store", [t, t, 0, 0], K), node.kernel.name
         node.launch()
         for (raw, w), o in zip(mats[:2], outs[:2]):
             _check_rows(o.get().astype(np.float64), w, xn, f"v9 {name} ssm_in-like K-quant segment")
@@ -381,7 +393,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, monkeypatch):
         accs = [cp.asarray(b) for b in bases]
         node = eops.gemv("o", "add", [eops.Seg(device_tensor(cp, f"a{j}", raw, t, (K, raw.shape[0]), keep), a)
                                       for j, ((raw, _), a) in enumerate(zip(mats[:2], accs))], cp.asarray(x), K)
-        assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("add", [t], K, lanes4=l4))
+        assert ran(node, "add", [t], K), node.kernel.name
         node.launch()
         for (raw, w), a, b in zip(mats[:2], accs, bases):
             _check_rows(a.get().astype(np.float64) - b, w, x, f"v9 {name} add, two segments")
@@ -393,7 +405,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, monkeypatch):
             node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K2, rows), keep), h),
                                              eops.Seg(device_tensor(cp, "u", ru, t, (K2, rows), keep), h)],
                              cp.asarray(x2), K2)
-            assert node.kernel is eops.module.kernel_in("gemv_kq.cu", eops.kv9_kernel("swiglu", [t, t], K2, lanes4=l4))
+            assert ran(node, "swiglu", [t, t], K2), node.kernel.name
             node.launch()
             ref = ops.swiglu(wg @ _x_seen(x2), wu @ _x_seen(x2))
             np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),

@@ -77,6 +77,10 @@ KV9_L4_TYPES = (12, 13)  # Q4_K, Q5_K: the gemvkq4_ kernels (2 rows per warp)
 KQ_WIDE_TYPES = (12, 13, 14, 23)  # Q4_K, Q5_K, Q6_K, IQ4_XS
 KV9_NAMES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 23: "iq4_xs"}  # kernels/gemv_kq.cu KQ_MODES
 KV9_WARPS = 16  # kernels/gemv_kq.cu KQ_BLOCK_WARPS
+# v9 warps per row group (kernels/gemv_kq.cu S, the kernel name's _s2 / _s4): "auto" (kv9_split)
+# or a forced 1, 2 or 4 for every v9 node (same-run A/B); read by gemv() at call time.
+GEMV_KQ_SPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_SPLIT", "auto")
+KV9_SPLITS = (1, 2, 4)
 # Alignment the wide loop's loads need at the weights' start (rows of whole super-blocks keep it):
 # Q4_K/Q5_K 16-byte loads at block starts (144 / 176-byte blocks), IQ4_XS 8-byte loads (136-byte
 # blocks); Q6_K realigns its 2-byte aligned blocks itself.
@@ -117,12 +121,15 @@ def gemv_smem(K: int, impl: str = "q16") -> int:
     return 2 * kp + 4 * (kp // 8) + 4 * (kp // 32) * (2 if impl == "q8_1" else 1)
 
 
-def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True) -> str | None:
+def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1) -> str | None:
     """Name of the engine v9 kernel (kernels/gemv_kq.cu) for a q16 node with matrices of GGML
     types `type_ids` and input length K, or None when v9 does not take it (mixed types, a type
     outside Q4_K/Q5_K/Q6_K/IQ4_XS, K not a multiple of 256; F32 segments beside one such type
     are taken in store/add nodes): such nodes stay on gemv.cu. lanes4: Q4_K/Q5_K take the
-    4-lanes-per-super-block kernels (gemvkq4_, two rows per warp)."""
+    4-lanes-per-super-block kernels (gemvkq4_, two rows per warp). split: S warps share each row
+    group (1, 2 or 4; the name's _s2 / _s4, kv9_split). Raises ValueError on another split."""
+    if split not in KV9_SPLITS:
+        raise ValueError(f"v9 split {split!r}: expected one of {KV9_SPLITS}")
     type_ids = list(type_ids)
     # F32 segments may ride along in store/add nodes (qwen35's ssm_in: Q5_K q/k/v and gate with
     # F32 beta/alpha rows; kernels/gemv_kq.cu f32_row), not in a gate/up pair
@@ -133,7 +140,28 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True) -> str | None:
     name = KV9_NAMES.get(t)
     if name is None:
         return None
-    return f"gemvkq4_{mode}_{name}" if lanes4 and t in KV9_L4_TYPES else f"gemvkq_{mode}_{name}"
+    sfx = "" if split == 1 else f"_s{split}"
+    return (f"gemvkq4_{mode}_{name}" if lanes4 and t in KV9_L4_TYPES else f"gemvkq_{mode}_{name}") + sfx
+
+
+def kv9_split_cost(rows: int, K: int, rows_per_warp: int, split: int, block_slots: int) -> int:
+    """Relative time of a v9 node (kernels/gemv_kq.cu) with `split` warps per row group, in
+    super-blocks one warp reads: grid-stride passes x super-blocks per warp and pass. A pass
+    covers block_slots resident blocks (blocks per SM x SMs) of KV9_WARPS / split row groups;
+    a row group reads 4 super-blocks per row and round (R = rows_per_warp rows), split over
+    `split` warps. Why: a [5120 x K] node with one row per warp is 1.2 passes of 264 blocks of 16
+    warps, so 2, with the second at 21 % of the machine (Q6_K [5120x17408] 46.0 us against
+    gemv.cu's 39.9, session 8); a memory-bound kernel's tail pass costs about a full one."""
+    rpb = rows_per_warp * (KV9_WARPS // split)
+    blocks = -(-rows // rpb)
+    passes = -(-blocks // max(1, min(blocks, block_slots)))
+    return passes * rows_per_warp * -(-(K // 256) // (4 * split))
+
+
+def kv9_split(rows: int, K: int, rows_per_warp: int, block_slots) -> int:
+    """S of a v9 node: the least kv9_split_cost over KV9_SPLITS (ties: the smaller S, which adds
+    no barrier). block_slots: S -> resident blocks of that kernel (registers differ per S)."""
+    return min(KV9_SPLITS, key=lambda s: (kv9_split_cost(rows, K, rows_per_warp, s, block_slots(s)), s))
 
 
 def kv9_rows_per_warp(kernel_name: str) -> int:
@@ -221,10 +249,20 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             a = 16 if s.w.type_id == 0 else KQ_WIDE_ALIGN.get(s.w.type_id, 1)
             if s.w.ptr % a:
                 raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
-        k = module.kernel_in("gemv_kq.cu", kname)
-        wpr, nw = 1, KV9_WARPS
         smem = gemv_smem(K, impl)
         v9_rows = kv9_rows_per_warp(kname)
+        types = [s.w.type_id for s in segs]
+        if GEMV_KQ_SPLIT == "auto":
+            def slots(sp: int) -> int:
+                kk = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", sp))
+                return module.blocks_per_sm(kk, KV9_WARPS * 32, smem) * module.sm_count()
+            split = kv9_split(rows, K, v9_rows, slots)
+        elif GEMV_KQ_SPLIT in ("1", "2", "4"):
+            split = int(GEMV_KQ_SPLIT)
+        else:
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_SPLIT={GEMV_KQ_SPLIT!r}: expected auto, 1, 2 or 4")
+        k = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", split))
+        wpr, nw = split, KV9_WARPS  # a row group of `split` warps takes v9_rows rows
     elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)
         wpr, nw = wpr or dw, nw or dn

@@ -26,6 +26,7 @@
 // 64 weights per lane, two rows per warp; ops.kv9_kernel; GGUF_HARNESS_GEMV_KQ=v9l8 keeps them
 // on the 8-lane gemvkq_ kernels for A/B).
 // Arguments as gemv.cu's value convention: (SegTable by value, x, norm, eps, K, total_rows);
+// S (warps per row group: 1, 2 or 4) is in the kernel's name (ops.kv9_split);
 // MODE 0 store (+bias), 1 add, 2 SwiGLU of a gate/up pair (segments 0 and 1, equal rows).
 #include "qdot.cuh"  // (named here: module.py prefixes the I-quant tables to sources that include it)
 #include "xstage.cuh"
@@ -108,15 +109,17 @@ template <bool SW4> __device__ __forceinline__ float f32_row(const u8* row, cons
     return acc;
 }
 
-// Lane's partial dot product of one row: super-blocks grp, grp + 4, ... (nsb = K / 256). Q: the
-// format's trait (KQ<T>: 8 lanes per super-block, grp = lane >> 3, i = lane & 7; KQ4<T>: 4 lanes,
-// grp = (lane >> 2) & 3, i = lane & 3).
+// Lane's partial dot product of one row: super-blocks sb0, sb0 + st, ... (nsb = K / 256;
+// sb0 = grp + 4 ws, st = 4 S for split part ws of S, kq_body). Q: the format's trait (KQ<T>: 8
+// lanes per super-block, grp = lane >> 3, i = lane & 7; KQ4<T>: 4 lanes, grp = (lane >> 2) & 3,
+// i = lane & 3).
 template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const XS& xa, const typename Q::Lane& w,
-                                                           int nsb, int grp, int i) {
+                                                           int nsb, int sb0, int st, int i) {
     float acc = 0.f;
-    const u8* p = row + grp * Q::TS;
+    const u8* p = row + sb0 * Q::TS;
+    const int pst = st * Q::TS;
 #pragma unroll kKqUnroll
-    for (int sb = grp; sb < nsb; sb += 4, p += 4 * Q::TS) {
+    for (int sb = sb0; sb < nsb; sb += st, p += pst) {
         typename Q::Blk r;
         Q::load(p, i, r);
         acc += Q::dot(r, Q::x(xa, sb, i, w), i, w);
@@ -126,12 +129,13 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 
 // Gate and up rows: both rows' blocks loaded before any arithmetic, the activations read once.
 template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
-                                                             const typename Q::Lane& w, int nsb, int grp, int i) {
+                                                             const typename Q::Lane& w, int nsb, int sb0, int st,
+                                                             int i) {
     float a0 = 0.f, a1 = 0.f;
-    const int o = grp * Q::TS;
+    const int o = sb0 * Q::TS, pst = st * Q::TS;
     const u8 *p0 = r0 + o, *p1 = r1 + o;
 #pragma unroll 1
-    for (int sb = grp; sb < nsb; sb += 4, p0 += 4 * Q::TS, p1 += 4 * Q::TS) {
+    for (int sb = sb0; sb < nsb; sb += st, p0 += pst, p1 += pst) {
         typename Q::Blk b0, b1;
         Q::load(p0, i, b0);
         Q::load(p1, i, b1);
@@ -169,78 +173,115 @@ template <int N> __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
-// The kernel body for format trait Q (KQ<T> or KQ4<T>): warp w takes rows R w + h (h < Q::R, the
-// row of its lane group of 32 / R lanes) of every grid stride.
-template <class Q, int MODE, int NW>
+// The kernel body for format trait Q (KQ<T> or KQ4<T>). S (1, 2 or 4; ops.kv9_split) warps
+// share a row group: warp w is part ws = w % S of group g = w / S, which takes rows R g + h
+// (h < Q::R, the row of its lane group of 32 / R lanes) of every block round; part ws takes the
+// super-blocks grp + 4 ws, grp + 4 ws + 4 S, ... of those rows, and part 0 adds the parts
+// (shared memory, one barrier per round) and stores. Why S > 1: a row per warp leaves the
+// [5120 x K] nodes 1.2 waves of warps at 2 blocks of 16 warps per SM (measured session 8:
+// Q6_K [5120x17408] 46.0 us against gemv.cu's 39.9 with 4 warps per row).
+template <class Q, int MODE, int NW, int S>
 __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const float* norm, float eps,
                                         int K, int total_rows) {
+    static_assert(NW % S == 0, "S divides the block's warps");
     constexpr int LPR = 32 / Q::R;  // lanes per row
     __shared__ float scratch[32];
+    __shared__ float part[S > 1 ? 2 : 1][S > 1 ? NW : 1][2 * Q::R];  // [round & 1][warp][(y, up) per row]
     int4* xq = smem4;
     int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
     float* xd = (float*)(xs + K / 8);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = lane / LPR, l = lane % LPR;
-    const int first = Q::R * (blockIdx.x * NW + warp) + h, step = Q::R * gridDim.x * NW;
+    const int G = NW / S, g = warp / S, ws = warp - g * S;  // row groups per block, this warp's
+    const int rpb = Q::R * G, first = rpb * blockIdx.x + Q::R * g + h, step = rpb * gridDim.x;
     // Before the PDL wait (weights are constants): the first row's lines to L2, overlapping
-    // the previous kernel's tail.
+    // the previous kernel's tail (each of the S parts a share of the lines).
     if (first < total_rows) {
         int r = first;
         const int si = MODE == 2 ? 0 : find_seg(t, r);
-        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], l, LPR);
-        if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], l, LPR);
+        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], l + LPR * ws, LPR * S);
+        if (MODE == 2)
+            prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], l + LPR * ws, LPR * S);
     }
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
     pdl_trigger();
     const float rs = stage_xq<Q::SW4>(x, norm, eps, K, xq, xs, xd, scratch);  // barriers inside
     const XS xa = xs_addr(xq, xs, xd);
     const int grp = Q::grp(lane), i = Q::idx(lane), nsb = K >> 8;
+    const int sb0 = grp + 4 * ws, st = 4 * S;
     const typename Q::Lane w = Q::lane(i);
-    // The loop bound is warp-uniform (the lane groups iterate while any has a row), so every lane
-    // reaches the shuffles; a group without a row computes on row 0 and stores nothing.
-    for (int base = first - h; base < total_rows; base += step) {
+    // The loop bound is block-uniform when S > 1 (every warp reaches each round's barrier) and
+    // warp-uniform otherwise (the lane groups iterate while any has a row), so every lane reaches
+    // the shuffles; a group without a row computes on row 0 and stores nothing.
+    int round = 0;
+    for (int base = first - h; (S > 1 ? base - Q::R * g : base) < total_rows; base += step, ++round) {
         const int row = base + h;
         const bool live = row < total_rows;
         int r = live ? row : 0, si = 0;
         float y, up = 0.f;
         if constexpr (MODE == 2) {
             const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
-                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, grp, i);
-            y = group_sum<LPR>(v.x) * rs;
-            up = group_sum<LPR>(v.y) * rs;
+                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, sb0, st, i);
+            y = group_sum<LPR>(v.x);
+            up = group_sum<LPR>(v.y);
         } else {
             si = find_seg(t, r);
             const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
-            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, grp, i)
-                                                       : f32_row<Q::SW4>(rp, xa, K, l, LPR)) * rs;
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, sb0, st, i)
+                                                       : f32_row<Q::SW4>(rp, xa, K, l + LPR * ws, LPR * S));
         }
-        if (live && l == 0) store_row<MODE>(t.s[si], r, y, up);
+        if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes
+                      // the next round's barrier, so the round after that may overwrite it
+            float* pp = part[round & 1][warp];
+            if (l == 0) {
+                pp[2 * h] = y;
+                if (MODE == 2) pp[2 * h + 1] = up;
+            }
+            __syncthreads();
+            if (ws == 0)
+                for (int s = 1; s < S; ++s) {
+                    y += part[round & 1][warp + s][2 * h];
+                    if (MODE == 2) up += part[round & 1][warp + s][2 * h + 1];
+                }
+        }
+        if (live && l == 0 && ws == 0) store_row<MODE>(t.s[si], r, y * rs, up * rs);
     }
 }
 
 #define KQ_BLOCK_WARPS 16
-#define KQ_KERNEL(MODE, MNAME, T, TNAME)                                                          \
-    extern "C" __global__ void __launch_bounds__(KQ_BLOCK_WARPS * 32)                             \
-    gemvkq_##MNAME##_##TNAME(const SegTable t, const float* x, const float* norm, float eps, int K, \
-                             int total_rows) {                                                    \
-        kq_body<KQ<T>, MODE, KQ_BLOCK_WARPS>(t, x, norm, eps, K, total_rows);                         \
+// Launch bounds: S > 1 takes minBlocks 2 (64 registers): without, ptxas gave the Q6_K S > 1
+// instances 83 registers, so 1 block of 16 warps per SM (NVRTC 13.0, sm_90). S = 1 keeps no
+// minBlocks, as measured (an explicit 1 let ptxas take 88-94 registers).
+#define KQ_LB_1 __launch_bounds__(KQ_BLOCK_WARPS * 32)
+#define KQ_LB_2 __launch_bounds__(KQ_BLOCK_WARPS * 32, 2)
+#define KQ_LB_4 KQ_LB_2
+#define KQ_KERNEL(MODE, MNAME, T, TNAME, S, SNAME)                                                \
+    extern "C" __global__ void KQ_LB_##S                                                          \
+    gemvkq_##MNAME##_##TNAME##SNAME(const SegTable t, const float* x, const float* norm, float eps, \
+                                    int K, int total_rows) {                                      \
+        kq_body<KQ<T>, MODE, KQ_BLOCK_WARPS, S>(t, x, norm, eps, K, total_rows);                  \
     }
-#define KQ_MODES(T, TNAME) KQ_KERNEL(0, store, T, TNAME) KQ_KERNEL(1, add, T, TNAME) \
-    KQ_KERNEL(2, swiglu, T, TNAME)
-// kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs>
+#define KQ_SPLITS(MODE, MNAME, T, TNAME) KQ_KERNEL(MODE, MNAME, T, TNAME, 1, ) \
+    KQ_KERNEL(MODE, MNAME, T, TNAME, 2, _s2) KQ_KERNEL(MODE, MNAME, T, TNAME, 4, _s4)
+#define KQ_MODES(T, TNAME) KQ_SPLITS(0, store, T, TNAME) KQ_SPLITS(1, add, T, TNAME) \
+    KQ_SPLITS(2, swiglu, T, TNAME)
+// kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs>[_s2|_s4] (S warps per row group)
 KQ_MODES(T_Q4_K, q4_k) KQ_MODES(T_Q5_K, q5_k) KQ_MODES(T_Q6_K, q6_k) KQ_MODES(T_IQ4_XS, iq4_xs)
 
 // minBlocks per type: Q4_K 2 (56-64 registers either way); Q5_K 1, since ptxas held the
 // store/add instances at 64 registers with a 28-byte spill otherwise (NVRTC 13.0, sm_90).
 template <int T> constexpr int kKq4MinBlocks = T == T_Q5_K ? 1 : 2;
-#define KQ4_KERNEL(MODE, MNAME, T, TNAME)                                                         \
+#define KQ4_KERNEL(MODE, MNAME, T, TNAME, S, SNAME)                                               \
     extern "C" __global__ void __launch_bounds__(KQ_BLOCK_WARPS * 32, kKq4MinBlocks<T>)           \
-    gemvkq4_##MNAME##_##TNAME(const SegTable t, const float* x, const float* norm, float eps, int K, \
-                              int total_rows) {                                                   \
-        kq_body<KQ4<T>, MODE, KQ_BLOCK_WARPS>(t, x, norm, eps, K, total_rows);                        \
+    gemvkq4_##MNAME##_##TNAME##SNAME(const SegTable t, const float* x, const float* norm, float eps, \
+                                     int K, int total_rows) {                                     \
+        kq_body<KQ4<T>, MODE, KQ_BLOCK_WARPS, S>(t, x, norm, eps, K, total_rows);                 \
     }
-#define KQ4_MODES(T, TNAME) KQ4_KERNEL(0, store, T, TNAME) KQ4_KERNEL(1, add, T, TNAME) \
-    KQ4_KERNEL(2, swiglu, T, TNAME)
-// kernel names: gemvkq4_<store|add|swiglu>_<q4_k|q5_k> (4 lanes per super-block, 2 rows per warp)
+#define KQ4_SPLITS(MODE, MNAME, T, TNAME) KQ4_KERNEL(MODE, MNAME, T, TNAME, 1, ) \
+    KQ4_KERNEL(MODE, MNAME, T, TNAME, 2, _s2) KQ4_KERNEL(MODE, MNAME, T, TNAME, 4, _s4)
+#define KQ4_MODES(T, TNAME) KQ4_SPLITS(0, store, T, TNAME) KQ4_SPLITS(1, add, T, TNAME) \
+    KQ4_SPLITS(2, swiglu, T, TNAME)
+// kernel names: gemvkq4_<store|add|swiglu>_<q4_k|q5_k>[_s2|_s4] (4 lanes per super-block, 2 rows
+// per warp; S warps per row group)
 KQ4_MODES(T_Q4_K, q4_k) KQ4_MODES(T_Q5_K, q5_k)
