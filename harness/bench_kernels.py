@@ -194,7 +194,8 @@ def run_kernels(shapes: list[Shape], cfg: KernelsConfig, log=print, advance=lamb
             add_ggml(rows[-1], shape, cfg, copy["gb_s"], log)
         advance()
     settings = dict(cfg.to_json(), shapes=[s.spec for s in shapes], gemv_impl=ops.GEMV_IMPL,
-                    gemv_args=ops.GEMV_ARGS, gemv_kq=ops.GEMV_KQ, pdl=launch.pdl_available())
+                    gemv_args=ops.GEMV_ARGS, gemv_kq=ops.GEMV_KQ, gemv_kq_split=ops.GEMV_KQ_SPLIT,
+                    pdl=launch.pdl_available())
     if ggml:
         from .bench_kernels_ggml import settings as ggml_settings
         settings["ggml"] = ggml_settings()

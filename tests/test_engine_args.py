@@ -161,6 +161,10 @@ def test_v9_split_names_and_choice():
     assert ops.kv9_split(5120, 6144, 1, slots) == 2
     assert ops.kv9_split(10240, 5120, 1, slots) == 1
     assert ops.kv9_split(248320, 5120, 1, slots) == 1
+    # [1024 x 5120] (20 super-blocks): S 1: 64 blocks, 1 x 5 = 5; S 2: 1 x 3 = 3; S 4 (1 x 2 = 2)
+    # would leave its parts 1.25 rounds (20 < 8 x 4): not a candidate -> 2
+    assert ops.kv9_split(1024, 5120, 1, slots) == 2
+    assert ops.kv9_split(1024, 1024, 1, slots) == 1  # 4 super-blocks: S 2 needs 16
     assert [ops.kv9_split_cost(5120, 17408, 1, s, 264) for s in (1, 2, 4)] == [34, 27, 25]
     assert [ops.kv9_split_cost(248320, 5120, 1, s, 264) for s in (1, 2)] == [295, 354]
     # two rows per warp (gemvkq4_) at 132 slots (one block per SM): [5120 x 17408] S 1: 160

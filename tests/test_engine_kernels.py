@@ -412,7 +412,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
                                        err_msg=f"v9 {name} swiglu [{rows}x{K2}]")
 
 
-def test_gemv_every_block_shape():
+def test_gemv_every_block_shape(monkeypatch):
     """Every (warps per block, warps per row) instantiation of the q16 GEMV, on formats with
     32- and 256-value blocks, rows not a multiple of the rows per block, all three modes; two
     I-quants for their non-inlined row loop (kernels/gemv.cu row_dot_iq), also as gate/up pair."""
@@ -420,6 +420,7 @@ def test_gemv_every_block_shape():
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
         pytest.skip("block shapes are a q16 option")
+    monkeypatch.setattr(eops, "GEMV_KQ", "wide")  # Q6_K at K = 2304 would take gemv_kq.cu (v9)
     K, keep = 2304, []
     rng = np.random.default_rng(3)
     x = rng.normal(size=K).astype(np.float32)

@@ -70,8 +70,10 @@ GEMV_ARGS = os.environ.get("GGUF_HARNESS_GEMV_ARGS", "value")
 # "v9" (engine v9, experimental, kernels/gemv_kq.cu): nodes whose matrices all have one of these
 # types and K % 256 == 0 run in 16-warp blocks (kv9_kernel): Q4_K/Q5_K with 4 lanes per super-block
 # and two rows per warp (kwide4.cuh), Q6_K/IQ4_XS one warp per row with kwide.cuh's 8 lanes;
-# "v9l8": every v9 type on the 8-lane rows (A/B of the 4-lane path); other nodes as "wide".
-GEMV_KQ = os.environ.get("GGUF_HARNESS_GEMV_KQ", "wide")
+# "v9l8" (the default since session 8): every v9 type on the 8-lane rows, row groups of S warps
+# (kv9_split); other nodes as "wide". Measured on the H200 (docs/perf-notes.md session 8): the
+# 27B decode step 10174 us (wide) -> 8292 (v9) -> 7983 (v9l8), graph replay, same session.
+GEMV_KQ = os.environ.get("GGUF_HARNESS_GEMV_KQ", "v9l8")
 GEMV_KQ_MODES = ("wide", "narrow", "v9", "v9l8")
 KV9_L4_TYPES = (12, 13)  # Q4_K, Q5_K: the gemvkq4_ kernels (2 rows per warp)
 KQ_WIDE_TYPES = (12, 13, 14, 23)  # Q4_K, Q5_K, Q6_K, IQ4_XS
@@ -159,9 +161,14 @@ def kv9_split_cost(rows: int, K: int, rows_per_warp: int, split: int, block_slot
 
 
 def kv9_split(rows: int, K: int, rows_per_warp: int, block_slots) -> int:
-    """S of a v9 node: the least kv9_split_cost over KV9_SPLITS (ties: the smaller S, which adds
-    no barrier). block_slots: S -> resident blocks of that kernel (registers differ per S)."""
-    return min(KV9_SPLITS, key=lambda s: (kv9_split_cost(rows, K, rows_per_warp, s, block_slots(s)), s))
+    """S of a v9 node: the least kv9_split_cost over the S in KV9_SPLITS that leave each part at
+    least 2 rounds (K / 256 >= 8 S; S = 1 always), ties to the smaller S (no barrier).
+    block_slots: S -> resident blocks of that kernel (registers differ per S). The 2-round rule
+    is measured (session 8, cold back to back): [1024x5120] Q6_K took 4.56 us at S 2 and 5.05 at
+    S 4, where the cost model says 3 against 2 units; a part of one round pays the barrier and
+    the combine with no second round's loads to hide them."""
+    ok = [s for s in KV9_SPLITS if s == 1 or K // 256 >= 8 * s]
+    return min(ok, key=lambda s: (kv9_split_cost(rows, K, rows_per_warp, s, block_slots(s)), s))
 
 
 def kv9_rows_per_warp(kernel_name: str) -> int:

@@ -41,7 +41,7 @@ BUILDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("misc.cu", (), "embed_row"),
     ("attention_gated.cu", (), "attn_gated_d128"),
     ("deltanet.cu", (), "gdn_step_s128_r8"),
-    ("gemv_kq.cu", (), "gemvkq_store_q4_k"),  # engine v9 (GGUF_HARNESS_GEMV_KQ=v9)
+    ("gemv_kq.cu", (), "gemvkq_store_q4_k"),  # engine v9 (the default GGUF_HARNESS_GEMV_KQ=v9l8)
 )
 
 
