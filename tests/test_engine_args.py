@@ -176,6 +176,31 @@ def test_v9_split_names_and_choice():
     assert ops.kv9_split(5120, 6144, 1, lambda s: 264 if s == 1 else 132) == 1
 
 
+def test_v9_unroll_build_defines(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_UNROLL / _KQ2_UNROLL select the gemv_kq.cu build (-DKQ_UNROLL=N,
+    -DKQ2_UNROLL=M; the kernel's defaults 2 and 1 when unset); a non-integer or out-of-range
+    value is refused before any build."""
+    from backends.engine import module, ops
+    assert "#ifndef KQ_UNROLL\n#define KQ_UNROLL 2" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    monkeypatch.setattr(ops, "GEMV_KQ_UNROLL", "")
+    assert ops.kv9_defines() == ()
+    monkeypatch.setattr(ops, "GEMV_KQ2_UNROLL", "")
+    assert ops.kv9_defines() == ()
+    monkeypatch.setattr(ops, "GEMV_KQ_UNROLL", "4")
+    assert ops.kv9_defines() == ("KQ_UNROLL=4",)
+    monkeypatch.setattr(ops, "GEMV_KQ2_UNROLL", "2")
+    assert ops.kv9_defines() == ("KQ_UNROLL=4", "KQ2_UNROLL=2")
+    assert "#ifndef KQ2_UNROLL\n#define KQ2_UNROLL 1" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    for bad in ("0", "9", "x", "-1", "2.5"):
+        monkeypatch.setattr(ops, "GEMV_KQ_UNROLL", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_UNROLL"):
+            ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_UNROLL", "")
+    monkeypatch.setattr(ops, "GEMV_KQ2_UNROLL", "0")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ2_UNROLL"):
+        ops.kv9_defines()
+
+
 def test_prefetch_distance_rule_matches_the_measured_strides():
     """ops.pf_ahead on the strides of the H200 A/B (docs/perf-notes.md session 7): blocks x rows
     per block x row bytes of each measured node, and the distance that measured best."""

@@ -83,6 +83,27 @@ KV9_WARPS = 16  # kernels/gemv_kq.cu KQ_BLOCK_WARPS
 # or a forced 1, 2 or 4 for every v9 node (same-run A/B); read by gemv() at call time.
 GEMV_KQ_SPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_SPLIT", "auto")
 KV9_SPLITS = (1, 2, 4)
+# v9 rounds whose loads are in flight together (kernels/gemv_kq.cu KQ_UNROLL, default 2): "" keeps
+# the default build; a number selects a build with -DKQ_UNROLL=N (same-run A/B of memory-level
+# parallelism: bytes in flight per SM are at the Little's-law edge, docs/perf-notes.md session 8).
+GEMV_KQ_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ_UNROLL", "")
+# the same for the gate/up pairs (kq_row2, KQ2_UNROLL, default 1)
+GEMV_KQ2_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ2_UNROLL", "")
+
+
+def kv9_defines() -> tuple[str, ...]:
+    """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
+    -> KQ2_UNROLL; unset: the kernel's defaults 2 and 1). Raises ValueError unless each is empty
+    or an integer 1..8."""
+    out = []
+    for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
+                             ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL")):
+        if not val:
+            continue
+        if not val.isdigit() or not 1 <= int(val) <= 8:
+            raise ValueError(f"{env}={val!r}: expected an integer 1..8")
+        out.append(f"{define}={int(val)}")
+    return tuple(out)
 # Alignment the wide loop's loads need at the weights' start (rows of whole super-blocks keep it):
 # Q4_K/Q5_K 16-byte loads at block starts (144 / 176-byte blocks), IQ4_XS 8-byte loads (136-byte
 # blocks); Q6_K realigns its 2-byte aligned blocks itself.
@@ -261,14 +282,14 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         types = [s.w.type_id for s in segs]
         if GEMV_KQ_SPLIT == "auto":
             def slots(sp: int) -> int:
-                kk = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", sp))
+                kk = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", sp), kv9_defines())
                 return module.blocks_per_sm(kk, KV9_WARPS * 32, smem) * module.sm_count()
             split = kv9_split(rows, K, v9_rows, slots)
         elif GEMV_KQ_SPLIT in ("1", "2", "4"):
             split = int(GEMV_KQ_SPLIT)
         else:
             raise ValueError(f"GGUF_HARNESS_GEMV_KQ_SPLIT={GEMV_KQ_SPLIT!r}: expected auto, 1, 2 or 4")
-        k = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", split))
+        k = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", split), kv9_defines())
         wpr, nw = split, KV9_WARPS  # a row group of `split` warps takes v9_rows rows
     elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)

@@ -40,6 +40,10 @@ extern __shared__ int4 smem4[];  // the staged x (xstage.cuh stage_xq layout)
 #define KQ_UNROLL 2  // rounds (4 super-blocks per warp) whose loads are in flight together
 #endif
 constexpr int kKqUnroll = KQ_UNROLL;
+#ifndef KQ2_UNROLL
+#define KQ2_UNROLL 1  // the same for a gate/up pair (two rows' loads per round already)
+#endif
+constexpr int kKq2Unroll = KQ2_UNROLL;
 
 // Lane mappings of a warp: 8 lanes per super-block, one row per warp (kwide.cuh's rows), or 4
 // lanes per super-block, two rows per warp (16 lanes each; kwide4.cuh, x staged with xq_slot4).
@@ -134,7 +138,7 @@ template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const
     float a0 = 0.f, a1 = 0.f;
     const int o = sb0 * Q::TS, pst = st * Q::TS;
     const u8 *p0 = r0 + o, *p1 = r1 + o;
-#pragma unroll 1
+#pragma unroll kKq2Unroll
     for (int sb = sb0; sb < nsb; sb += st, p0 += pst, p1 += pst) {
         typename Q::Blk b0, b1;
         Q::load(p0, i, b0);
