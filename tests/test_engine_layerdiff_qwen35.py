@@ -5,7 +5,8 @@ oracle's captures; the walk itself (positions, host norm / RoPE / sigmoid, per-c
 fault localisation) with tests/engine35_fake.py, a CPU stand-in whose buffers come from a
 second oracle fed token by token; and the noise floor the tolerance is derived from.
 
-GPU tests (marked `gpu`, skipped cleanly without CuPy or a device; not yet run on a GPU):
+GPU tests (marked `gpu`, skipped cleanly without CuPy or a device; passed on the H200 in
+sessions 7 and 8, the slow one in 102 s):
 every mapped node of the engine on qwen35-tiny (F32, Q4_K_M, UD-Q4_K_M) within DEFAULT_TOL;
 an oracle fault injected into one node named at that layer, node and position; a scaled
 engine weight named at the first node that reads it; and (also `slow`) the 4-layer model at

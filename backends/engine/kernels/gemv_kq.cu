@@ -1,4 +1,4 @@
-// Engine v9 GEMV (experimental, GGUF_HARNESS_GEMV_KQ=v9): y[r] = sum_k W[r, k] * x[k] for
+// Engine v9 GEMV (the default, GGUF_HARNESS_GEMV_KQ=v9l8): y[r] = sum_k W[r, k] * x[k] for
 // nodes whose matrices all have ONE of the types Q4_K, Q5_K, Q6_K, IQ4_XS (K a multiple of 256),
 // q16 activations. Same arithmetic per super-block as gemv.cu's wide rows (kwide.cuh,
 // kwide_iq4.cuh: the lane of a warp takes 32 weights of a super-block, 8 lanes per super-block,
@@ -19,8 +19,9 @@
 // grid with a grid-stride row loop; weights walked with a pointer advanced per round; no L2
 // prefetch beyond each warp's first row (PF_AHEAD = 2 made the output head read its bytes
 // 1.9x: the per-round loads of 16 resident warps per SM keep enough bytes in flight).
-// Expected (to be measured on the GPU): ~2x fewer instructions per weight, the >= 50 MB shapes
-// from ~40 % to >= 70 % of the size-aware roofline. Not yet run on a GPU.
+// Expected: ~2x fewer instructions per weight. Measured (H200, docs/perf-notes.md session 8):
+// x1.13-1.32 faster than gemv.cu per shape once rows are split over S warps (kq_body), the 27B
+// decode step 10174 -> 7983 us; 52-70 % of the size-aware roofline.
 //
 // Q4_K/Q5_K nodes take the gemvkq4_ kernels below instead (kwide4.cuh: 4 lanes per super-block,
 // 64 weights per lane, two rows per warp; ops.kv9_kernel; GGUF_HARNESS_GEMV_KQ=v9l8 keeps them
