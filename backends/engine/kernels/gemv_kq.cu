@@ -20,7 +20,7 @@
 // prefetch beyond each warp's first row (PF_AHEAD = 2 made the output head read its bytes
 // 1.9x: the per-round loads of 16 resident warps per SM keep enough bytes in flight).
 // Expected: ~2x fewer instructions per weight. Measured (H200, docs/perf-notes.md session 8):
-// x1.13-1.32 faster than gemv.cu per shape once rows are split over S warps (kq_body), the 27B
+// x1.08-1.32 faster than gemv.cu per shape once rows are split over S warps (kq_body), the 27B
 // decode step 10174 -> 7983 us; 52-70 % of the size-aware roofline.
 //
 // Q4_K/Q5_K nodes take the gemvkq4_ kernels below instead (kwide4.cuh: 4 lanes per super-block,
