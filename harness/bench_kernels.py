@@ -197,6 +197,7 @@ def run_kernels(shapes: list[Shape], cfg: KernelsConfig, log=print, advance=lamb
                     gemv_args=ops.GEMV_ARGS, gemv_kq=ops.GEMV_KQ, gemv_kq_split=ops.GEMV_KQ_SPLIT,
                     gemv_kq_unroll=ops.GEMV_KQ_UNROLL or "2",
                     gemv_kq2_unroll=ops.GEMV_KQ2_UNROLL or "1",
+                    gemv_kq_minb=ops.GEMV_KQ_MINB or "default",
                     pdl=launch.pdl_available())
     if ggml:
         from .bench_kernels_ggml import settings as ggml_settings

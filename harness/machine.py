@@ -82,6 +82,7 @@ def gpu_info() -> dict | None:
 # are not switches and stay out of results.
 ENGINE_SWITCHES = ("GGUF_HARNESS_GEMV", "GGUF_HARNESS_GEMV_ARGS", "GGUF_HARNESS_GEMV_KQ", "GGUF_HARNESS_GEMV_KQ_SPLIT",
                    "GGUF_HARNESS_GEMV_KQ_UNROLL", "GGUF_HARNESS_GEMV_KQ2_UNROLL",
+                   "GGUF_HARNESS_GEMV_KQ_MINB",
                    "GGUF_HARNESS_GEMV_PF", "GGUF_HARNESS_ATTN", "GGUF_HARNESS_ATTN_SINGLE", "GGUF_HARNESS_ATTN_SPLIT_MIN",
                    "GGUF_HARNESS_PDL")
 

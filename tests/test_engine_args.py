@@ -199,6 +199,10 @@ def test_v9_unroll_build_defines(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ2_UNROLL", "0")
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ2_UNROLL"):
         ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ2_UNROLL", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_MINB", "3")
+    assert ops.kv9_defines() == ("KQ_MINB=3",)
+    assert "#ifdef KQ_MINB" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
 
 
 def test_prefetch_distance_rule_matches_the_measured_strides():

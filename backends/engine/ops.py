@@ -89,15 +89,18 @@ KV9_SPLITS = (1, 2, 4)
 GEMV_KQ_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ_UNROLL", "")
 # the same for the gate/up pairs (kq_row2, KQ2_UNROLL, default 1)
 GEMV_KQ2_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ2_UNROLL", "")
+# minBlocks of every 8-lane v9 instance (KQ_MINB; unset: none at S = 1, 2 at S > 1), A/B only
+GEMV_KQ_MINB = os.environ.get("GGUF_HARNESS_GEMV_KQ_MINB", "")
 
 
 def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
-    -> KQ2_UNROLL; unset: the kernel's defaults 2 and 1). Raises ValueError unless each is empty
-    or an integer 1..8."""
+    -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB; unset: the kernel's defaults). Raises ValueError
+    unless each is empty or an integer 1..8."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
-                             ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL")):
+                             ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL"),
+                             ("GGUF_HARNESS_GEMV_KQ_MINB", GEMV_KQ_MINB, "KQ_MINB")):
         if not val:
             continue
         if not val.isdigit() or not 1 <= int(val) <= 8:

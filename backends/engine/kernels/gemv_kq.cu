@@ -258,8 +258,15 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 // Launch bounds: S > 1 takes minBlocks 2 (64 registers): without, ptxas gave the Q6_K S > 1
 // instances 83 registers, so 1 block of 16 warps per SM (NVRTC 13.0, sm_90). S = 1 keeps no
 // minBlocks, as measured (an explicit 1 let ptxas take 88-94 registers).
+// KQ_MINB (ops.kv9_defines, GGUF_HARNESS_GEMV_KQ_MINB): one minBlocks for every 8-lane instance,
+// for a same-run A/B of occupancy against spills (3 blocks of 16 warps = 42 registers).
+#ifdef KQ_MINB
+#define KQ_LB_1 __launch_bounds__(KQ_BLOCK_WARPS * 32, KQ_MINB)
+#define KQ_LB_2 KQ_LB_1
+#else
 #define KQ_LB_1 __launch_bounds__(KQ_BLOCK_WARPS * 32)
 #define KQ_LB_2 __launch_bounds__(KQ_BLOCK_WARPS * 32, 2)
+#endif
 #define KQ_LB_4 KQ_LB_2
 #define KQ_KERNEL(MODE, MNAME, T, TNAME, S, SNAME)                                                \
     extern "C" __global__ void KQ_LB_##S                                                          \
