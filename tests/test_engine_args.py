@@ -2,6 +2,7 @@
 layout of struct SegTable in kernels/segs.cuh (CPU only: the bytes the kernel will read)."""
 from __future__ import annotations
 
+import os
 import struct
 from types import SimpleNamespace as NS
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from backends.engine import ops
+from harness import machine
 
 
 def test_table_matches_the_c_struct_layout():
@@ -111,10 +113,12 @@ def test_module_kernel_builds_iq4_names_with_the_iq4_define(monkeypatch):
     assert seen == [("gemv.cu", ()), ("gemv.cu", ("GEMV_IQ4",))]
 
 
-def test_v9_takes_only_single_type_kquant_nodes_with_whole_super_blocks():
+def test_v9_takes_only_single_type_kquant_nodes_with_whole_super_blocks(monkeypatch):
     """ops.kv9_kernel: engine v9 (kernels/gemv_kq.cu) gets a node only when every matrix has the
-    same of its four types and K is a multiple of 256; the names exist in the source."""
+    same of its types and K is a multiple of 256; the names exist in the source (IQ3_S with its
+    opt-in switch on: test_v9_iq3s_is_opt_in)."""
     from backends.engine import module, ops
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S", "1")
     src = (module.KERNEL_DIR / "gemv_kq.cu").read_text()
     for t, n in ops.KV9_NAMES.items():
         for mode in ("store", "add", "swiglu"):
@@ -129,12 +133,120 @@ def test_v9_takes_only_single_type_kquant_nodes_with_whole_super_blocks():
     assert ops.kv9_kernel("swiglu", [13, 14], 5120) is None      # mixed gate/up pair
     assert ops.kv9_kernel("store", [12, 12, 14], 5120) is None   # mixed QKV
     assert ops.kv9_kernel("store", [8], 4096) is None            # Q8_0: not a v9 type
-    assert set(ops.KV9_NAMES) == set(ops.KQ_WIDE_TYPES)
+    assert set(ops.KV9_NAMES) == set(ops.KQ_WIDE_TYPES) | {ops.IQ3_S}
     # F32 rows ride along in store/add (qwen35's ssm_in: Q5_K q/k/v + gate, F32 beta/alpha)
     assert ops.kv9_kernel("store", [13, 13, 0, 0], 5120) == "gemvkq4_store_q5_k"
     assert ops.kv9_kernel("add", [14, 0], 5120) == "gemvkq_add_q6_k"
     assert ops.kv9_kernel("store", [0, 0], 5120) is None          # no K-quant at all
     assert ops.kv9_kernel("swiglu", [13, 0], 5120) is None        # not in a gate/up pair
+
+
+def test_v9_iq3s_is_opt_in(monkeypatch):
+    """IQ3_S nodes (kernels/kwide_iq3s.cuh, not yet GPU-run) take the v9 kernels only with
+    GGUF_HARNESS_GEMV_KQ_IQ3S=1 (ops.GEMV_KQ_IQ3S, read at call time); default "0" keeps them on
+    gemv.cu; another value is refused once an IQ3_S node asks. The other v9 types do not care."""
+    from backends.engine import ops
+    IQ3_S = 21
+    assert ops.IQ3_S == IQ3_S and ops.KV9_NAMES[IQ3_S] == "iq3_s"
+    assert ops.GEMV_KQ_IQ3S == "0" or "GGUF_HARNESS_GEMV_KQ_IQ3S" in os.environ  # default off
+    for flag in ("0", "1"):
+        monkeypatch.setattr(ops, "GEMV_KQ_IQ3S", flag)
+        for mode, types in (("store", [IQ3_S]), ("add", [IQ3_S, IQ3_S]), ("swiglu", [IQ3_S, IQ3_S]),
+                            ("store", [IQ3_S, 0])):
+            for lanes4 in (True, False):
+                for split, sfx in ((1, ""), (2, "_s2"), (4, "_s4")):
+                    got = ops.kv9_kernel(mode, types, 5120, lanes4=lanes4, split=split)
+                    assert got == (f"gemvkq_{mode}_iq3_s{sfx}" if flag == "1" else None), (flag, mode, types)
+        assert ops.kv9_kernel("swiglu", [IQ3_S, 23], 5120) is None  # mixed pair: never
+        assert ops.kv9_kernel("store", [IQ3_S], 5120 + 32) is None  # K not whole super-blocks
+        assert ops.kv9_kernel("store", [14], 5120) == "gemvkq_store_q6_k"
+        assert ops.kv9_kernel("swiglu", [23, 23], 5120) == "gemvkq_swiglu_iq4_xs"
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S", "yes")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_IQ3S"):
+        ops.kv9_kernel("store", [IQ3_S], 5120)
+    assert ops.kv9_kernel("store", [12], 5120) == "gemvkq4_store_q4_k"  # only IQ3_S nodes ask
+    assert "GGUF_HARNESS_GEMV_KQ_IQ3S" in machine.ENGINE_SWITCHES
+    assert "GGUF_HARNESS_GEMV_KQ_IQ3S_GRID" in machine.ENGINE_SWITCHES
+
+
+def test_v9_iq3s_grid_defines(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_IQ3S_GRID=N builds gemv_kq.cu with -DKQ_IQ3S_GRID=N for IQ3_S nodes
+    only (ops.kv9_iq3s_defines; kernels/kwide_iq3s.cuh: 0 = global table, else shared-memory
+    copies); unset = the default build; a value the kernel rejects is refused here."""
+    from backends.engine import module, ops
+    src = (module.KERNEL_DIR / "kwide_iq3s.cuh").read_text()
+    assert "#define KQ_IQ3S_GRID 1" in src
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S_GRID", "")
+    assert ops.kv9_iq3s_defines([21]) == () and ops.kv9_iq3s_defines([12]) == ()
+    for n in ops.KQ_IQ3S_GRIDS:
+        monkeypatch.setattr(ops, "GEMV_KQ_IQ3S_GRID", n)
+        assert ops.kv9_iq3s_defines([21, 21]) == (f"KQ_IQ3S_GRID={n}",)
+        assert ops.kv9_iq3s_defines([21, 0]) == (f"KQ_IQ3S_GRID={n}",)
+        assert ops.kv9_iq3s_defines([14]) == ()
+        assert f"kIq3sCopies == {n}" in src  # the kernel's static_assert admits it
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S_GRID", "32")  # 64 KiB: over the static shared limit
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_IQ3S_GRID"):
+        ops.kv9_iq3s_defines([21])
+
+
+def _v9_launches(monkeypatch, cases, ptr_of=lambda i: 1 << 20 + i):
+    """(source, kernel name, defines) ops.gemv asks module.kernel_in for, per (mode, types) case,
+    with the default v9l8 path and module's compile/occupancy calls faked (no GPU)."""
+    from backends.engine.arena import DeviceTensor
+    from backends.engine.formats import FORMATS
+    asked = []
+    monkeypatch.setattr(ops.module, "kernel_in", lambda src, name, defines=(): asked.append(
+        (src, name, tuple(defines))) or NS(name=name))
+    monkeypatch.setattr(ops.module, "allow_smem", lambda k, n: None)
+    monkeypatch.setattr(ops.module, "blocks_per_sm", lambda k, threads, smem: 2)
+    monkeypatch.setattr(ops.module, "sm_count", lambda: 132)
+    monkeypatch.setattr(ops, "GEMV_IMPL", "q16")
+    monkeypatch.setattr(ops, "GEMV_ARGS", "value")
+    monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
+    monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "auto")
+    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB"):  # the default build
+        monkeypatch.setattr(ops, knob, "")
+    K, rows, got = 5120, 64, []
+    for mode, types in cases:
+        segs = []
+        for i, t in enumerate(types):
+            f = FORMATS[t]
+            rb = K // f.block_size * f.type_size
+            w = DeviceTensor(f"w{i}", ptr_of(i), t, (K, rows), rb, rb * rows)
+            segs.append(ops.Seg(w, NS(size=rows, data=NS(ptr=4096 * (i + 1)))))
+        node = ops.gemv("n", mode, segs, NS(), K)
+        assert node.kernel.name == asked[-1][1]
+        got.append(asked[-1])
+    return got
+
+
+def test_gemv_routes_iq3s_nodes_by_the_opt_in(monkeypatch):
+    """ops.gemv: an IQ3_S node (store, SwiGLU pair, with F32 rows) runs gemv.cu's kernels by
+    default and gemv_kq.cu's iq3_s kernels with GGUF_HARNESS_GEMV_KQ_IQ3S=1 (with the grid
+    define when GGUF_HARNESS_GEMV_KQ_IQ3S_GRID is set); mixed nodes stay on gemv.cu; the weights
+    must be 8-byte aligned for the v9 IQ3_S loads (ops.KV9_ALIGN), 2-byte on gemv.cu."""
+    IQ3_S = 21
+    cases = [("store", [IQ3_S]), ("swiglu", [IQ3_S, IQ3_S]), ("store", [IQ3_S, IQ3_S, 0]),
+             ("swiglu", [IQ3_S, 14]), ("store", [14])]
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S_GRID", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S", "0")
+    got = _v9_launches(monkeypatch, cases)
+    assert [src for src, _, _ in got] == ["gemv.cu"] * 4 + ["gemv_kq.cu"]
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S", "1")
+    got = _v9_launches(monkeypatch, cases)
+    assert [src for src, _, _ in got] == ["gemv_kq.cu"] * 3 + ["gemv.cu", "gemv_kq.cu"]
+    # S by kv9_split (K = 5120: 20 super-blocks; 64 rows in 264 block slots -> 2 warps per row)
+    assert [n for _, n, _ in got[:3]] == ["gemvkq_store_iq3_s_s2", "gemvkq_swiglu_iq3_s_s2",
+                                          "gemvkq_store_iq3_s_s2"]
+    assert all(d == () for _, _, d in got)
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S_GRID", "16")
+    got = _v9_launches(monkeypatch, cases)
+    assert [d for _, _, d in got] == [("KQ_IQ3S_GRID=16",)] * 3 + [(), ()]
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S_GRID", "")
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        _v9_launches(monkeypatch, [("store", [IQ3_S])], ptr_of=lambda i: (1 << 20) + 2)
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S", "0")  # gemv.cu reads IQ3_S with 16-bit loads
+    assert _v9_launches(monkeypatch, [("store", [IQ3_S])], ptr_of=lambda i: (1 << 20) + 2)[0][0] == "gemv.cu"
 
 
 def test_v9_split_names_and_choice():

@@ -280,8 +280,13 @@ def _check_store_and_add(cp, raw, w, t, x, wpr, nw, what, keep, rng):
 WIDE_K = (256, 768, 1280, 1792, 8960)
 
 
-@pytest.mark.parametrize("kq", ["wide", "narrow", "v9", "v9l8"])
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+# (type, GEMV_KQ) cases: the four wide types on every row loop; IQ3_S on the v9 ones with its
+# opt-in switch (GGUF_HARNESS_GEMV_KQ_IQ3S=1; elsewhere it runs gemv.cu's I-quant loop)
+KQ_LOOP_CASES = [(n, kq) for kq in ("wide", "narrow", "v9", "v9l8") for n in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")]
+KQ_LOOP_CASES += [("IQ3_S", "v9"), ("IQ3_S", "v9l8")]
+
+
+@pytest.mark.parametrize("name,kq", KQ_LOOP_CASES)
 def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
     """Q4_K/Q5_K/Q6_K/IQ4_XS rows on both q16 row loops (ops.GEMV_KQ, kernels/kwide.cuh and
     kwide_iq4.cuh, and the per-8 qdot8 loop; IQ4_XS narrow: the non-inlined I-quant call;
@@ -293,12 +298,15 @@ def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
     blocks: the qs runs are 16-byte aligned in every other block). kq "v9": same-format nodes
     run kernels/gemv_kq.cu (Q4_K/Q5_K with 4 lanes per super-block, two rows per warp; "v9l8":
     all with 8 lanes, one row per warp; the block shape arguments do not apply), the mixed pair
-    stays on gemv.cu's wide loop."""
+    stays on gemv.cu's wide loop. IQ3_S (v9 only, opt-in: kernels/kwide_iq3s.cuh): its same-format
+    nodes run the gemvkq_*_iq3_s kernels (110-byte blocks at every 8-byte phase), the pair mixed
+    with Q6_K gemv.cu's I-quant loop."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
         pytest.skip("the wide loop is a q16 option")
     monkeypatch.setattr(eops, "GEMV_KQ", kq)
+    monkeypatch.setattr(eops, "GEMV_KQ_IQ3S", "1")
     t, keep = TYPES[name], []
     other = TYPES["Q6_K"] if name != "Q6_K" else TYPES["Q4_K"]
     for K in WIDE_K:
@@ -326,9 +334,9 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
     """Engine v9 (kernels/gemv_kq.cu, ops.GEMV_KQ = "v9") beyond test_gemv_kquant_wide_and_narrow_loops:
     more rows than resident warps (the grid-stride row loop: 9001 rows), a 3-segment node of one
     type with different row counts and biases behind a fused RMSNorm (find_seg per row), the 27B
-    widths K = 5120 and 17408, all four types, add over two segments, SwiGLU pairs at K = 5120
-    and over 9001 rows; each node asserted to run the gemv_kq kernel; NaN-poisoned outputs, the
-    same oracle rule. split: row groups of S warps forced (1, 2, 4: K = 512 leaves most parts of
+    widths K = 5120 and 17408, all four types and IQ3_S (opt-in switch on), add over two
+    segments, SwiGLU pairs at K = 5120 and over 9001 rows; each node asserted to run the gemv_kq
+    kernel; NaN-poisoned outputs, the same oracle rule. split: row groups of S warps forced (1, 2, 4: K = 512 leaves most parts of
     S = 4 without a super-block) or chosen by ops.kv9_split ("auto")."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
@@ -336,6 +344,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
         pytest.skip("v9 is a q16 kernel")
     monkeypatch.setattr(eops, "GEMV_KQ", kq)
     monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
+    monkeypatch.setattr(eops, "GEMV_KQ_IQ3S", "1")  # IQ3_S nodes on v9 (kernels/kwide_iq3s.cuh)
     l4 = kq == "v9"
     keep = []
 
@@ -346,7 +355,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
         name = node.kernel.name
         want = kv9_name(mode, types, K)
         return name == want if split != "auto" else re.sub(r"_s[24]$", "", name) == want
-    for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
+    for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S"):
         t = TYPES[name]
         for rows, K in ((9001, 512), (37, 5120), (5, 17408)):
             raw, w = _matrix(t, rows, K, seed=rows + K + t)
@@ -410,6 +419,42 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
             ref = ops.swiglu(wg @ _x_seen(x2), wu @ _x_seen(x2))
             np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
                                        err_msg=f"v9 {name} swiglu [{rows}x{K2}]")
+
+
+@pytest.mark.parametrize("grid", ["", "0", "16"], ids=["default", "global", "copies16"])
+def test_gemv_v9_iq3s_grid_tables(grid, monkeypatch):
+    """The IQ3_S v9 rows (GGUF_HARNESS_GEMV_KQ_IQ3S=1) with each grid table of
+    GGUF_HARNESS_GEMV_KQ_IQ3S_GRID: the default build (one shared-memory copy), the global table
+    (0) and 16 shared-memory copies (32 KiB of static shared memory: at K = 17408 with the staged
+    x over the 48 KiB default, module.allow_smem opts in), store and SwiGLU nodes of the 27B's
+    IQ3_S shapes cut to few rows, each asserted to run the iq3_s kernel; the oracle rule above."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("v9 is a q16 kernel")
+    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
+    monkeypatch.setattr(eops, "GEMV_KQ_IQ3S", "1")
+    monkeypatch.setattr(eops, "GEMV_KQ_IQ3S_GRID", grid)
+    t, keep = TYPES["IQ3_S"], []
+    for rows, K in ((41, 17408), (300, 5120)):
+        raw, w = _matrix(t, rows, K, seed=rows + K)
+        x = np.random.default_rng(K).normal(size=K).astype(np.float32)
+        node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep),
+                                                 out := nan_poisoned(cp, rows))], cp.asarray(x), K)
+        assert re.fullmatch(r"gemvkq_store_iq3_s(_s[24])?", node.kernel.name), node.kernel.name
+        node.launch()
+        _check_rows(out.get().astype(np.float64), w, x, f"v9 IQ3_S grid {grid!r} [{rows}x{K}]")
+    rows, K = 77, 5120
+    (rg, wg), (ru, wu) = _matrix(t, rows, K, seed=1), _matrix(t, rows, K, seed=2)
+    x = np.random.default_rng(3).normal(size=K).astype(np.float32)
+    h = nan_poisoned(cp, rows)
+    node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K, rows), keep), h),
+                                     eops.Seg(device_tensor(cp, "u", ru, t, (K, rows), keep), h)], cp.asarray(x), K)
+    assert re.fullmatch(r"gemvkq_swiglu_iq3_s(_s[24])?", node.kernel.name), node.kernel.name
+    node.launch()
+    ref = ops.swiglu(wg @ _x_seen(x), wu @ _x_seen(x))
+    np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
+                               err_msg=f"v9 IQ3_S grid {grid!r} swiglu")
 
 
 def test_gemv_every_block_shape(monkeypatch):

@@ -25,6 +25,8 @@ SOURCES = [pytest.param(n, (), marks=pytest.mark.slow) if n == "gemv.cu" else (n
 SOURCES.append(pytest.param("gemv.cu", ("ACT_Q8_1",), marks=pytest.mark.slow))  # ops GEMV_IMPL q8_1
 # the _iq4 kernels (wide IQ4_XS loop) of nodes with an IQ4_XS segment (ops.gemv_kernel), q16 and q8_1
 SOURCES += [pytest.param("gemv.cu", d + ("GEMV_IQ4",), marks=pytest.mark.slow) for d in ((), ("ACT_Q8_1",))]
+# the IQ3_S grid-table A/B builds of the v9 kernels (ops.kv9_iq3s_defines, GGUF_HARNESS_GEMV_KQ_IQ3S_GRID)
+SOURCES += [("gemv_kq.cu", ("KQ_IQ3S_GRID=0",)), ("gemv_kq.cu", ("KQ_IQ3S_GRID=16",))]
 
 
 def _nvrtc():

@@ -92,8 +92,11 @@ def kernel_in(source: str, name: str, defines: tuple[str, ...] = ()):
 
 
 def allow_smem(k, nbytes: int) -> None:
-    """Opt a kernel in to `nbytes` of dynamic shared memory when above the 48 KiB default."""
-    if nbytes > SMEM_DEFAULT_MAX and k.max_dynamic_shared_size_bytes < nbytes:
+    """Opt a kernel in to `nbytes` of dynamic shared memory when that and its static shared
+    memory together exceed the 48 KiB default (the static part: e.g. gemv_kq.cu's IQ3_S grid
+    copies, kernels/kwide_iq3s.cuh, 2-32 KiB)."""
+    static = int(getattr(k, "shared_size_bytes", 0) or 0)
+    if nbytes + static > SMEM_DEFAULT_MAX and k.max_dynamic_shared_size_bytes < nbytes:
         k.max_dynamic_shared_size_bytes = nbytes
 
 

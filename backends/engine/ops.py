@@ -77,7 +77,17 @@ GEMV_KQ = os.environ.get("GGUF_HARNESS_GEMV_KQ", "v9l8")
 GEMV_KQ_MODES = ("wide", "narrow", "v9", "v9l8")
 KV9_L4_TYPES = (12, 13)  # Q4_K, Q5_K: the gemvkq4_ kernels (2 rows per warp)
 KQ_WIDE_TYPES = (12, 13, 14, 23)  # Q4_K, Q5_K, Q6_K, IQ4_XS
-KV9_NAMES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 23: "iq4_xs"}  # kernels/gemv_kq.cu KQ_MODES
+KV9_NAMES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 23: "iq4_xs", 21: "iq3_s"}  # kernels/gemv_kq.cu KQ_MODES
+IQ3_S = 21
+# IQ3_S rows on v9 (kernels/kwide_iq3s.cuh, gemvkq_*_iq3_s): opt-in ("1") until they have run
+# on a GPU and been measured against gemv.cu's I-quant loop (docs/perf-notes.md "v9 IQ3_S
+# rows"); "0" keeps IQ3_S nodes on gemv.cu. Read by kv9_kernel at call time.
+GEMV_KQ_IQ3S = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S", "0")
+# A/B of where those rows read the IQ3_S grid: "" the kernel's default (one copy in shared
+# memory), or N = 0 (the global table), 1, 2, 4, 8, 16 shared-memory copies: gemv_kq.cu built
+# with -DKQ_IQ3S_GRID=N (its own NVRTC compile and CuPy cache entry; kv9_iq3s_defines).
+GEMV_KQ_IQ3S_GRID = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S_GRID", "")
+KQ_IQ3S_GRIDS = ("0", "1", "2", "4", "8", "16")
 KV9_WARPS = 16  # kernels/gemv_kq.cu KQ_BLOCK_WARPS
 # v9 warps per row group (kernels/gemv_kq.cu S, the kernel name's _s2 / _s4): "auto" (kv9_split)
 # or a forced 1, 2 or 4 for every v9 node (same-run A/B); read by gemv() at call time.
@@ -111,6 +121,10 @@ def kv9_defines() -> tuple[str, ...]:
 # Q4_K/Q5_K 16-byte loads at block starts (144 / 176-byte blocks), IQ4_XS 8-byte loads (136-byte
 # blocks); Q6_K realigns its 2-byte aligned blocks itself.
 KQ_WIDE_ALIGN = {12: 16, 13: 16, 23: 8}
+# v9 adds IQ3_S: its 110-byte blocks are 2-byte aligned and read through the 8-byte words around
+# each lane's qs run (kernels/kwide_iq3s.cuh), which start inside the weights only if the
+# weights start 8-byte aligned.
+KV9_ALIGN = {**KQ_WIDE_ALIGN, IQ3_S: 8}
 NARROW_BIT = 0x100            # kernels/gemv.cu NARROW_BIT: per-8 loop for a KQ_WIDE_TYPES segment
 # The wide IQ4_XS loop lives only in the "_iq4" GEMV kernels (kernels/gemv.cu built with
 # -DGEMV_IQ4, engine v8): launched exactly for segment tables holding an IQ4_XS matrix, so that
@@ -150,10 +164,12 @@ def gemv_smem(K: int, impl: str = "q16") -> int:
 def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1) -> str | None:
     """Name of the engine v9 kernel (kernels/gemv_kq.cu) for a q16 node with matrices of GGML
     types `type_ids` and input length K, or None when v9 does not take it (mixed types, a type
-    outside Q4_K/Q5_K/Q6_K/IQ4_XS, K not a multiple of 256; F32 segments beside one such type
-    are taken in store/add nodes): such nodes stay on gemv.cu. lanes4: Q4_K/Q5_K take the
-    4-lanes-per-super-block kernels (gemvkq4_, two rows per warp). split: S warps share each row
-    group (1, 2 or 4; the name's _s2 / _s4, kv9_split). Raises ValueError on another split."""
+    outside Q4_K/Q5_K/Q6_K/IQ4_XS and IQ3_S, IQ3_S without GGUF_HARNESS_GEMV_KQ_IQ3S=1, K not a
+    multiple of 256; F32 segments beside one such type are taken in store/add nodes): such
+    nodes stay on gemv.cu. lanes4: Q4_K/Q5_K take the 4-lanes-per-super-block kernels (gemvkq4_,
+    two rows per warp). split: S warps share each row group (1, 2 or 4; the name's _s2 / _s4,
+    kv9_split). Raises ValueError on another split, and for an IQ3_S node on a
+    GGUF_HARNESS_GEMV_KQ_IQ3S other than 0 or 1."""
     if split not in KV9_SPLITS:
         raise ValueError(f"v9 split {split!r}: expected one of {KV9_SPLITS}")
     type_ids = list(type_ids)
@@ -166,8 +182,25 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
     name = KV9_NAMES.get(t)
     if name is None:
         return None
+    if t == IQ3_S:  # opt-in (GEMV_KQ_IQ3S)
+        if GEMV_KQ_IQ3S not in ("0", "1"):
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_IQ3S={GEMV_KQ_IQ3S!r}: expected 0 or 1")
+        if GEMV_KQ_IQ3S != "1":
+            return None
     sfx = "" if split == 1 else f"_s{split}"
     return (f"gemvkq4_{mode}_{name}" if lanes4 and t in KV9_L4_TYPES else f"gemvkq_{mode}_{name}") + sfx
+
+
+def kv9_iq3s_defines(type_ids) -> tuple[str, ...]:
+    """Preprocessor defines the gemv_kq.cu build of a v9 node of GGML types `type_ids` adds to
+    kv9_defines(): ("KQ_IQ3S_GRID=N",) for an IQ3_S node when GGUF_HARNESS_GEMV_KQ_IQ3S_GRID=N is
+    set, else () (the default build, which prewarm compiles). ValueError on another value."""
+    if IQ3_S not in tuple(type_ids) or GEMV_KQ_IQ3S_GRID == "":
+        return ()
+    if GEMV_KQ_IQ3S_GRID not in KQ_IQ3S_GRIDS:
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_IQ3S_GRID={GEMV_KQ_IQ3S_GRID!r}: expected one of "
+                         f"{', '.join(KQ_IQ3S_GRIDS)}")
+    return (f"KQ_IQ3S_GRID={GEMV_KQ_IQ3S_GRID}",)
 
 
 def kv9_split_cost(rows: int, K: int, rows_per_warp: int, split: int, block_slots: int) -> int:
@@ -277,22 +310,23 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     elif impl == "q16" and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value" and \
             (kname := kv9_kernel(mode, [s.w.type_id for s in segs], K, lanes4=GEMV_KQ == "v9")):
         for s in segs:  # F32 rows: 16-byte loads (gemv_kq.cu f32_row)
-            a = 16 if s.w.type_id == 0 else KQ_WIDE_ALIGN.get(s.w.type_id, 1)
+            a = 16 if s.w.type_id == 0 else KV9_ALIGN.get(s.w.type_id, 1)
             if s.w.ptr % a:
                 raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
         smem = gemv_smem(K, impl)
         v9_rows = kv9_rows_per_warp(kname)
         types = [s.w.type_id for s in segs]
+        kdefs = kv9_defines() + kv9_iq3s_defines(types)
         if GEMV_KQ_SPLIT == "auto":
             def slots(sp: int) -> int:
-                kk = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", sp), kv9_defines())
+                kk = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", sp), kdefs)
                 return module.blocks_per_sm(kk, KV9_WARPS * 32, smem) * module.sm_count()
             split = kv9_split(rows, K, v9_rows, slots)
         elif GEMV_KQ_SPLIT in ("1", "2", "4"):
             split = int(GEMV_KQ_SPLIT)
         else:
             raise ValueError(f"GGUF_HARNESS_GEMV_KQ_SPLIT={GEMV_KQ_SPLIT!r}: expected auto, 1, 2 or 4")
-        k = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", split), kv9_defines())
+        k = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", split), kdefs)
         wpr, nw = split, KV9_WARPS  # a row group of `split` warps takes v9_rows rows
     elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)

@@ -1,6 +1,7 @@
 // Engine v9 GEMV (the default, GGUF_HARNESS_GEMV_KQ=v9l8): y[r] = sum_k W[r, k] * x[k] for
 // nodes whose matrices all have ONE of the types Q4_K, Q5_K, Q6_K, IQ4_XS (K a multiple of 256),
-// q16 activations. Same arithmetic per super-block as gemv.cu's wide rows (kwide.cuh,
+// q16 activations; IQ3_S too (kwide_iq3s.cuh), opt-in through ops.py GEMV_KQ_IQ3S until it has
+// run on a GPU. Same arithmetic per super-block as gemv.cu's wide rows (kwide.cuh,
 // kwide_iq4.cuh: the lane of a warp takes 32 weights of a super-block, 8 lanes per super-block,
 // exact int32 dp2a sums, the scales in fp32), so the results equal gemv.cu's up to the order of
 // the fp32 additions; what changes is everything around that arithmetic.
@@ -32,6 +33,7 @@
 #include "qdot.cuh"  // (named here: module.py prefixes the I-quant tables to sources that include it)
 #include "xstage.cuh"
 #include "kwide_iq4.cuh"
+#include "kwide_iq3s.cuh"
 #include "kwide4.cuh"
 #include "segs.cuh"
 
@@ -49,15 +51,19 @@ constexpr int kKq2Unroll = KQ2_UNROLL;
 // Lane mappings of a warp: 8 lanes per super-block, one row per warp (kwide.cuh's rows), or 4
 // lanes per super-block, two rows per warp (16 lanes each; kwide4.cuh, x staged with xq_slot4).
 // grp: the lane's super-block of a round (4 per round and row), idx: its place in that block.
+// setup: block-wide preparation before the PDL wait, published by stage_xq's barriers (IQ3_S:
+// its grid table into shared memory); nothing for the others.
 struct Lanes8 {
     static constexpr int R = 1;
     static constexpr bool SW4 = false;
+    static __device__ __forceinline__ void setup() {}
     static __device__ __forceinline__ int grp(int lane) { return lane >> 3; }
     static __device__ __forceinline__ int idx(int lane) { return lane & 7; }
 };
 struct Lanes4 {
     static constexpr int R = 2;
     static constexpr bool SW4 = true;
+    static __device__ __forceinline__ void setup() {}
     static __device__ __forceinline__ int grp(int lane) { return (lane >> 2) & 3; }
     static __device__ __forceinline__ int idx(int lane) { return lane & 3; }
 };
@@ -89,6 +95,22 @@ template <> struct KQ<T_IQ4_XS> : Lanes8 {
     }
     static __device__ __forceinline__ float dot(const Blk& r, const X& x, int, const Lane& w) {
         return wide_dot_iq4(r, x, w);
+    }
+};
+template <> struct KQ<T_IQ3_S> : Lanes8 {
+    static constexpr int TYPE = T_IQ3_S;
+    using Lane = WLaneIq3;
+    using Blk = WIq3;
+    using X = WXIq3;
+    static constexpr int TS = Fmt<T_IQ3_S>::TS;
+    static __device__ __forceinline__ void setup() { iq3s_grid_setup(); }
+    static __device__ __forceinline__ Lane lane(int i) { return wide_lane_iq3s(i); }
+    static __device__ __forceinline__ void load(const u8* b, int i, Blk& r) { wide_load_iq3s(b, i, r); }
+    static __device__ __forceinline__ X x(const XS& xa, int sb, int i, const Lane& w) {
+        return wide_x_iq3s(xa, sb, i, w);
+    }
+    static __device__ __forceinline__ float dot(const Blk& r, const X& x, int, const Lane& w) {
+        return wide_dot_iq3s(r, x, w);
     }
 };
 
@@ -207,6 +229,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         if (MODE == 2)
             prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], l + LPR * ws, LPR * S);
     }
+    Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
     pdl_trigger();
     const float rs = stage_xq<Q::SW4>(x, norm, eps, K, xq, xs, xd, scratch);  // barriers inside
@@ -278,8 +301,10 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     KQ_KERNEL(MODE, MNAME, T, TNAME, 2, _s2) KQ_KERNEL(MODE, MNAME, T, TNAME, 4, _s4)
 #define KQ_MODES(T, TNAME) KQ_SPLITS(0, store, T, TNAME) KQ_SPLITS(1, add, T, TNAME) \
     KQ_SPLITS(2, swiglu, T, TNAME)
-// kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs>[_s2|_s4] (S warps per row group)
+// kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs|iq3_s>[_s2|_s4] (S warps per row
+// group); the iq3_s ones are taken only with GGUF_HARNESS_GEMV_KQ_IQ3S=1 (ops.kv9_kernel)
 KQ_MODES(T_Q4_K, q4_k) KQ_MODES(T_Q5_K, q5_k) KQ_MODES(T_Q6_K, q6_k) KQ_MODES(T_IQ4_XS, iq4_xs)
+KQ_MODES(T_IQ3_S, iq3_s)
 
 // minBlocks per type: Q4_K 2 (56-64 registers either way); Q5_K 1, since ptxas held the
 // store/add instances at 64 registers with a 28-byte spill otherwise (NVRTC 13.0, sm_90).
