@@ -37,11 +37,10 @@ def test_narrow_bit_marks_only_the_wide_kquants():
     assert ops.NARROW_BIT == 0x100
 
 
-def _launch_kernel_names(monkeypatch, cases, impl="q16", args="value", kq="wide"):
-    """(kernel name, defines, segment types in the table) ops.gemv launches for each
-    (mode, [GGML type ids]) of `cases`, with module's compile/occupancy calls faked (no GPU)."""
-    from backends.engine.arena import DeviceTensor
-    from backends.engine.formats import FORMATS
+def _fake_module(monkeypatch) -> list:
+    """Fake module's compile and occupancy calls (no GPU): kernel_in records (source, name,
+    defines) into the returned list and gives an object with that name; 2 blocks per SM, 132
+    SMs, no shared-memory opt-in, device tables kept as bytes."""
     asked = []
     monkeypatch.setattr(ops.module, "kernel_in", lambda src, name, defines=(): asked.append(
         (src, name, tuple(defines))) or NS(name=name))
@@ -49,18 +48,33 @@ def _launch_kernel_names(monkeypatch, cases, impl="q16", args="value", kq="wide"
     monkeypatch.setattr(ops.module, "blocks_per_sm", lambda k, threads, smem: 2)
     monkeypatch.setattr(ops.module, "sm_count", lambda: 132)
     monkeypatch.setattr(ops, "_device_bytes", lambda raw: NS(raw=raw))
+    return asked
+
+
+def _gemv_node(mode, types, K, rows, ptr_of):
+    """ops.gemv on fake device tensors: one [rows x K] matrix per GGML type id in `types` at
+    address ptr_of(i), outputs at 4096 (i + 1)."""
+    from backends.engine.arena import DeviceTensor
+    from backends.engine.formats import FORMATS
+    segs = []
+    for i, t in enumerate(types):
+        f = FORMATS[t]
+        rb = K // f.block_size * f.type_size
+        w = DeviceTensor(f"w{i}", ptr_of(i), t, (K, rows), rb, rb * rows)
+        segs.append(ops.Seg(w, NS(size=rows, data=NS(ptr=4096 * (i + 1)))))
+    return ops.gemv("n", mode, segs, NS(), K)
+
+
+def _launch_kernel_names(monkeypatch, cases, impl="q16", args="value", kq="wide"):
+    """(kernel name, defines, segment types in the table) ops.gemv launches for each
+    (mode, [GGML type ids]) of `cases`, with module's compile/occupancy calls faked (no GPU)."""
+    asked = _fake_module(monkeypatch)
     monkeypatch.setattr(ops, "GEMV_IMPL", impl)
     monkeypatch.setattr(ops, "GEMV_ARGS", args)
     monkeypatch.setattr(ops, "GEMV_KQ", kq)
     K, rows, got = 2048, 64, []
     for mode, types in cases:
-        segs = []
-        for i, t in enumerate(types):
-            f = FORMATS[t]
-            rb = K // f.block_size * f.type_size
-            w = DeviceTensor(f"w{i}", 1 << 20 + i, t, (K, rows), rb, rb * rows)
-            segs.append(ops.Seg(w, NS(size=rows, data=NS(ptr=4096 * (i + 1)))))
-        node = ops.gemv("n", mode, segs, NS(), K)
+        node = _gemv_node(mode, types, K, rows, lambda i: 1 << 20 + i)
         table = node.args[0] if args == "value" else np.frombuffer(node.args[0].raw, ops.TABLE_DT)[0]
         src, name, defines = asked[-1]
         assert src == "gemv.cu" and node.kernel.name == name
@@ -192,29 +206,16 @@ def test_v9_iq3s_grid_defines(monkeypatch):
 def _v9_launches(monkeypatch, cases, ptr_of=lambda i: 1 << 20 + i):
     """(source, kernel name, defines) ops.gemv asks module.kernel_in for, per (mode, types) case,
     with the default v9l8 path and module's compile/occupancy calls faked (no GPU)."""
-    from backends.engine.arena import DeviceTensor
-    from backends.engine.formats import FORMATS
-    asked = []
-    monkeypatch.setattr(ops.module, "kernel_in", lambda src, name, defines=(): asked.append(
-        (src, name, tuple(defines))) or NS(name=name))
-    monkeypatch.setattr(ops.module, "allow_smem", lambda k, n: None)
-    monkeypatch.setattr(ops.module, "blocks_per_sm", lambda k, threads, smem: 2)
-    monkeypatch.setattr(ops.module, "sm_count", lambda: 132)
+    asked = _fake_module(monkeypatch)
     monkeypatch.setattr(ops, "GEMV_IMPL", "q16")
     monkeypatch.setattr(ops, "GEMV_ARGS", "value")
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "auto")
     for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB"):  # the default build
         monkeypatch.setattr(ops, knob, "")
-    K, rows, got = 5120, 64, []
+    got = []
     for mode, types in cases:
-        segs = []
-        for i, t in enumerate(types):
-            f = FORMATS[t]
-            rb = K // f.block_size * f.type_size
-            w = DeviceTensor(f"w{i}", ptr_of(i), t, (K, rows), rb, rb * rows)
-            segs.append(ops.Seg(w, NS(size=rows, data=NS(ptr=4096 * (i + 1)))))
-        node = ops.gemv("n", mode, segs, NS(), K)
+        node = _gemv_node(mode, types, 5120, 64, ptr_of)
         assert node.kernel.name == asked[-1][1]
         got.append(asked[-1])
     return got
@@ -260,8 +261,10 @@ def test_v9_split_names_and_choice():
     head [248320 x 5120]: S 1: 15520 blocks, 59 x 5 = 295; S 2: 118 x 3 = 354 -> 1."""
     from backends.engine import module, ops
     src = (module.KERNEL_DIR / "gemv_kq.cu").read_text()
-    assert "KQ_KERNEL(MODE, MNAME, T, TNAME, 2, _s2) KQ_KERNEL(MODE, MNAME, T, TNAME, 4, _s4)" in src
-    assert "KQ4_KERNEL(MODE, MNAME, T, TNAME, 2, _s2) KQ4_KERNEL(MODE, MNAME, T, TNAME, 4, _s4)" in src
+    # every (prefix, trait) goes through KQ_SPLITS: S = 1 unsuffixed, 2 and 4 as _s2 / _s4
+    assert "KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, 2, _s2)" in src
+    assert "KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, 4, _s4)" in src
+    assert "KQ_ALL_MODES(gemvkq, KQ, KQ_LB8, T, TNAME)" in src and "KQ_ALL_MODES(gemvkq4, KQ4, KQ_LB4, T, TNAME)" in src
     assert ops.kv9_kernel("store", [14], 5120, split=4) == "gemvkq_store_q6_k_s4"
     assert ops.kv9_kernel("swiglu", [12, 12], 5120, split=2) == "gemvkq4_swiglu_q4_k_s2"
     assert ops.kv9_kernel("add", [12], 5120, lanes4=False, split=1) == "gemvkq_add_q4_k"

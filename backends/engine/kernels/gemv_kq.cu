@@ -291,16 +291,22 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 #define KQ_LB_2 __launch_bounds__(KQ_BLOCK_WARPS * 32, 2)
 #endif
 #define KQ_LB_4 KQ_LB_2
-#define KQ_KERNEL(MODE, MNAME, T, TNAME, S, SNAME)                                                \
-    extern "C" __global__ void KQ_LB_##S                                                          \
-    gemvkq_##MNAME##_##TNAME##SNAME(const SegTable t, const float* x, const float* norm, float eps, \
-                                    int K, int total_rows) {                                      \
-        kq_body<KQ<T>, MODE, KQ_BLOCK_WARPS, S>(t, x, norm, eps, K, total_rows);                  \
+// One kernel instance: name PFX_<mode>_<type>[_s2|_s4], format trait TRAIT<T>, launch bounds
+// LB(S, T) (KQ_LB8 / KQ_LB4), kq_body with S warps per row group.
+#define KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, S, SNAME)                              \
+    extern "C" __global__ void LB(S, T)                                                           \
+    PFX##_##MNAME##_##TNAME##SNAME(const SegTable t, const float* x, const float* norm, float eps, \
+                                   int K, int total_rows) {                                       \
+        kq_body<TRAIT<T>, MODE, KQ_BLOCK_WARPS, S>(t, x, norm, eps, K, total_rows);               \
     }
-#define KQ_SPLITS(MODE, MNAME, T, TNAME) KQ_KERNEL(MODE, MNAME, T, TNAME, 1, ) \
-    KQ_KERNEL(MODE, MNAME, T, TNAME, 2, _s2) KQ_KERNEL(MODE, MNAME, T, TNAME, 4, _s4)
-#define KQ_MODES(T, TNAME) KQ_SPLITS(0, store, T, TNAME) KQ_SPLITS(1, add, T, TNAME) \
-    KQ_SPLITS(2, swiglu, T, TNAME)
+#define KQ_SPLITS(PFX, TRAIT, LB, MODE, MNAME, T, TNAME)                                          \
+    KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, 1, )                                       \
+    KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, 2, _s2)                                    \
+    KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, 4, _s4)
+#define KQ_ALL_MODES(PFX, TRAIT, LB, T, TNAME) KQ_SPLITS(PFX, TRAIT, LB, 0, store, T, TNAME)      \
+    KQ_SPLITS(PFX, TRAIT, LB, 1, add, T, TNAME) KQ_SPLITS(PFX, TRAIT, LB, 2, swiglu, T, TNAME)
+#define KQ_LB8(S, T) KQ_LB_##S
+#define KQ_MODES(T, TNAME) KQ_ALL_MODES(gemvkq, KQ, KQ_LB8, T, TNAME)
 // kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs|iq3_s>[_s2|_s4] (S warps per row
 // group); the iq3_s ones are taken only with GGUF_HARNESS_GEMV_KQ_IQ3S=1 (ops.kv9_kernel)
 KQ_MODES(T_Q4_K, q4_k) KQ_MODES(T_Q5_K, q5_k) KQ_MODES(T_Q6_K, q6_k) KQ_MODES(T_IQ4_XS, iq4_xs)
@@ -309,16 +315,8 @@ KQ_MODES(T_IQ3_S, iq3_s)
 // minBlocks per type: Q4_K 2 (56-64 registers either way); Q5_K 1, since ptxas held the
 // store/add instances at 64 registers with a 28-byte spill otherwise (NVRTC 13.0, sm_90).
 template <int T> constexpr int kKq4MinBlocks = T == T_Q5_K ? 1 : 2;
-#define KQ4_KERNEL(MODE, MNAME, T, TNAME, S, SNAME)                                               \
-    extern "C" __global__ void __launch_bounds__(KQ_BLOCK_WARPS * 32, kKq4MinBlocks<T>)           \
-    gemvkq4_##MNAME##_##TNAME##SNAME(const SegTable t, const float* x, const float* norm, float eps, \
-                                     int K, int total_rows) {                                     \
-        kq_body<KQ4<T>, MODE, KQ_BLOCK_WARPS, S>(t, x, norm, eps, K, total_rows);                 \
-    }
-#define KQ4_SPLITS(MODE, MNAME, T, TNAME) KQ4_KERNEL(MODE, MNAME, T, TNAME, 1, ) \
-    KQ4_KERNEL(MODE, MNAME, T, TNAME, 2, _s2) KQ4_KERNEL(MODE, MNAME, T, TNAME, 4, _s4)
-#define KQ4_MODES(T, TNAME) KQ4_SPLITS(0, store, T, TNAME) KQ4_SPLITS(1, add, T, TNAME) \
-    KQ4_SPLITS(2, swiglu, T, TNAME)
+#define KQ_LB4(S, T) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKq4MinBlocks<T>)
+#define KQ4_MODES(T, TNAME) KQ_ALL_MODES(gemvkq4, KQ4, KQ_LB4, T, TNAME)
 // kernel names: gemvkq4_<store|add|swiglu>_<q4_k|q5_k>[_s2|_s4] (4 lanes per super-block, 2 rows
 // per warp; S warps per row group)
 KQ4_MODES(T_Q4_K, q4_k) KQ4_MODES(T_Q5_K, q5_k)
