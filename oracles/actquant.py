@@ -77,7 +77,9 @@ def round_q16(x) -> np.ndarray:
     rows = x.reshape(-1, k)
     b = np.concatenate([rows, np.zeros((rows.shape[0], -k % 32), F32)], axis=1).reshape(rows.shape[0], -1, 32)
     amax = np.max(np.abs(b), axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
+    # np.where evaluates both branches: the flushed blocks' 32767 / amax may divide by zero or
+    # overflow there, and is discarded
+    with np.errstate(divide="ignore", over="ignore"):
         inv = np.where(amax > F32(Q16_FLUSH), F32(32767) / amax, F32(0)).astype(F32)
     q = np.rint((b * inv).astype(F32))
     d = (amax / F32(32767)).astype(F32).astype(np.float64)
