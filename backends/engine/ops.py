@@ -117,6 +117,8 @@ def kv9_defines() -> tuple[str, ...]:
             raise ValueError(f"{env}={val!r}: expected an integer 1..8")
         out.append(f"{define}={int(val)}")
     return tuple(out)
+
+
 # Alignment the wide loop's loads need at the weights' start (rows of whole super-blocks keep it):
 # Q4_K/Q5_K 16-byte loads at block starts (144 / 176-byte blocks), IQ4_XS 8-byte loads (136-byte
 # blocks); Q6_K realigns its 2-byte aligned blocks itself.
@@ -308,25 +310,25 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
     elif impl == "q16" and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value" and \
-            (kname := kv9_kernel(mode, [s.w.type_id for s in segs], K, lanes4=GEMV_KQ == "v9")):
+            (kname := kv9_kernel(mode, types := [s.w.type_id for s in segs], K, l4 := GEMV_KQ == "v9")):
         for s in segs:  # F32 rows: 16-byte loads (gemv_kq.cu f32_row)
             a = 16 if s.w.type_id == 0 else KV9_ALIGN.get(s.w.type_id, 1)
             if s.w.ptr % a:
                 raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
         smem = gemv_smem(K, impl)
         v9_rows = kv9_rows_per_warp(kname)
-        types = [s.w.type_id for s in segs]
         kdefs = kv9_defines() + kv9_iq3s_defines(types)
+
+        def v9k(sp: int):  # the kernel of split sp (its name: kv9_kernel)
+            return module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, l4, sp), kdefs)
         if GEMV_KQ_SPLIT == "auto":
-            def slots(sp: int) -> int:
-                kk = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", sp), kdefs)
-                return module.blocks_per_sm(kk, KV9_WARPS * 32, smem) * module.sm_count()
-            split = kv9_split(rows, K, v9_rows, slots)
-        elif GEMV_KQ_SPLIT in ("1", "2", "4"):
+            split = kv9_split(rows, K, v9_rows,
+                              lambda sp: module.blocks_per_sm(v9k(sp), KV9_WARPS * 32, smem) * module.sm_count())
+        elif GEMV_KQ_SPLIT in [str(sp) for sp in KV9_SPLITS]:
             split = int(GEMV_KQ_SPLIT)
         else:
             raise ValueError(f"GGUF_HARNESS_GEMV_KQ_SPLIT={GEMV_KQ_SPLIT!r}: expected auto, 1, 2 or 4")
-        k = module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, GEMV_KQ == "v9", split), kdefs)
+        k = v9k(split)
         wpr, nw = split, KV9_WARPS  # a row group of `split` warps takes v9_rows rows
     elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)
