@@ -195,8 +195,8 @@ def run_kernels(shapes: list[Shape], cfg: KernelsConfig, log=print, advance=lamb
         advance()
     settings = dict(cfg.to_json(), shapes=[s.spec for s in shapes], gemv_impl=ops.GEMV_IMPL,
                     gemv_args=ops.GEMV_ARGS, gemv_kq=ops.GEMV_KQ, gemv_kq_split=ops.GEMV_KQ_SPLIT,
-                    gemv_kq_unroll=ops.GEMV_KQ_UNROLL or "2",
-                    gemv_kq2_unroll=ops.GEMV_KQ2_UNROLL or "1",
+                    gemv_kq_unroll=ops.GEMV_KQ_UNROLL or "default",
+                    gemv_kq2_unroll=ops.GEMV_KQ2_UNROLL or "default",
                     gemv_kq_minb=ops.GEMV_KQ_MINB or "default",
                     gemv_kq_iq3s=ops.GEMV_KQ_IQ3S, gemv_kq_iq3s_grid=ops.GEMV_KQ_IQ3S_GRID or "default",
                     pdl=launch.pdl_available())
