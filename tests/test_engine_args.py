@@ -155,14 +155,15 @@ def test_v9_takes_only_single_type_kquant_nodes_with_whole_super_blocks(monkeypa
     assert ops.kv9_kernel("swiglu", [13, 0], 5120) is None        # not in a gate/up pair
 
 
-def test_v9_iq3s_is_opt_in(monkeypatch):
-    """IQ3_S nodes (kernels/kwide_iq3s.cuh, not yet GPU-run) take the v9 kernels only with
-    GGUF_HARNESS_GEMV_KQ_IQ3S=1 (ops.GEMV_KQ_IQ3S, read at call time); default "0" keeps them on
-    gemv.cu; another value is refused once an IQ3_S node asks. The other v9 types do not care."""
+def test_v9_iq3s_switch(monkeypatch):
+    """IQ3_S nodes (kernels/kwide_iq3s.cuh) take the v9 kernels with GGUF_HARNESS_GEMV_KQ_IQ3S=1,
+    the default since they ran on the H200 (session 9), and gemv.cu's with "0" (ops.GEMV_KQ_IQ3S,
+    read at call time); another value is refused once an IQ3_S node asks. The other v9 types do
+    not care."""
     from backends.engine import ops
     IQ3_S = 21
     assert ops.IQ3_S == IQ3_S and ops.KV9_NAMES[IQ3_S] == "iq3_s"
-    assert ops.GEMV_KQ_IQ3S == "0" or "GGUF_HARNESS_GEMV_KQ_IQ3S" in os.environ  # default off
+    assert ops.GEMV_KQ_IQ3S == "1" or "GGUF_HARNESS_GEMV_KQ_IQ3S" in os.environ  # default on
     for flag in ("0", "1"):
         monkeypatch.setattr(ops, "GEMV_KQ_IQ3S", flag)
         for mode, types in (("store", [IQ3_S]), ("add", [IQ3_S, IQ3_S]), ("swiglu", [IQ3_S, IQ3_S]),
@@ -211,7 +212,7 @@ def _v9_launches(monkeypatch, cases, ptr_of=lambda i: 1 << 20 + i):
     monkeypatch.setattr(ops, "GEMV_ARGS", "value")
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "auto")
-    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB"):  # the default build
+    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PRELOAD"):  # the default build
         monkeypatch.setattr(ops, knob, "")
     got = []
     for mode, types in cases:
@@ -318,6 +319,19 @@ def test_v9_unroll_build_defines(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_MINB", "3")
     assert ops.kv9_defines() == ("KQ_MINB=3",)
     assert "#ifdef KQ_MINB" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    monkeypatch.setattr(ops, "GEMV_KQ_MINB", "")
+    # the latency A/B builds (session 9): next-row L2 prefetch and the first block preloaded
+    monkeypatch.setattr(ops, "GEMV_KQ_PF", "1")
+    monkeypatch.setattr(ops, "GEMV_KQ_PRELOAD", "1")
+    assert ops.kv9_defines() == ("KQ_PF=1", "KQ_PRELOAD=1")
+    src = (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    assert "#ifndef KQ_PF\n#define KQ_PF 0" in src and "#ifndef KQ_PRELOAD\n#define KQ_PRELOAD 0" in src
+    for knob, bad in (("GEMV_KQ_PF", "0"), ("GEMV_KQ_PRELOAD", "yes")):
+        monkeypatch.setattr(ops, knob, bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_" + knob):
+            ops.kv9_defines()
+        monkeypatch.setattr(ops, knob, "")
+    assert ops.kv9_defines() == ()
 
 
 def test_prefetch_distance_rule_matches_the_measured_strides():

@@ -421,6 +421,24 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
                                        err_msg=f"v9 {name} swiglu [{rows}x{K2}]")
 
 
+@pytest.mark.parametrize("split", ["auto", "4"])
+@pytest.mark.parametrize("build", [{"GEMV_KQ_PF": "1"}, {"GEMV_KQ_PRELOAD": "1"},
+                                   {"GEMV_KQ_PRELOAD": "1", "GEMV_KQ_MINB": "2"},
+                                   {"GEMV_KQ_PF": "1", "GEMV_KQ_PRELOAD": "1", "GEMV_KQ_MINB": "2"}],
+                         ids=["pf1", "preload", "preload-minb2", "pf1-preload-minb2"])
+def test_gemv_v9_latency_builds(build, split, monkeypatch):
+    """The session-9 latency A/B builds of gemv_kq.cu (ops.kv9_defines: KQ_PF, the next row's
+    L2 prefetch; KQ_PRELOAD, each warp's first block loaded before the PDL wait and the staging)
+    on every case of test_gemv_v9_grid_stride_segments_norm_bias: the preloaded block must be
+    used for exactly the warp's first row (rows > resident warps, segments, F32 rows, SwiGLU
+    pairs) and not at all where the warp's part has no super-block (K = 512 with S = 4)."""
+    from backends.engine import ops as eops
+    for knob, val in build.items():
+        monkeypatch.setattr(eops, knob, val)
+    assert all(f"KQ_{k[8:]}={v}" in eops.kv9_defines() for k, v in build.items())
+    test_gemv_v9_grid_stride_segments_norm_bias("v9l8", split, monkeypatch)
+
+
 @pytest.mark.parametrize("grid", ["", "0", "16"], ids=["default", "global", "copies16"])
 def test_gemv_v9_iq3s_grid_tables(grid, monkeypatch):
     """The IQ3_S v9 rows (GGUF_HARNESS_GEMV_KQ_IQ3S=1) with each grid table of

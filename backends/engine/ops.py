@@ -79,10 +79,10 @@ KV9_L4_TYPES = (12, 13)  # Q4_K, Q5_K: the gemvkq4_ kernels (2 rows per warp)
 KQ_WIDE_TYPES = (12, 13, 14, 23)  # Q4_K, Q5_K, Q6_K, IQ4_XS
 KV9_NAMES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 23: "iq4_xs", 21: "iq3_s"}  # kernels/gemv_kq.cu KQ_MODES
 IQ3_S = 21
-# IQ3_S rows on v9 (kernels/kwide_iq3s.cuh, gemvkq_*_iq3_s): opt-in ("1") until they have run
-# on a GPU and been measured against gemv.cu's I-quant loop (docs/perf-notes.md "v9 IQ3_S
-# rows"); "0" keeps IQ3_S nodes on gemv.cu. Read by kv9_kernel at call time.
-GEMV_KQ_IQ3S = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S", "0")
+# IQ3_S rows on v9 (kernels/kwide_iq3s.cuh, gemvkq_*_iq3_s): "1" (the default since session 9:
+# [5120x17408] 52.2 -> 32.2 us, the 27B decode step 7955 -> 7469 us, docs/perf-notes.md "v9
+# IQ3_S rows"); "0" keeps IQ3_S nodes on gemv.cu's I-quant loop. Read by kv9_kernel at call time.
+GEMV_KQ_IQ3S = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S", "1")
 # A/B of where those rows read the IQ3_S grid: "" the kernel's default (one copy in shared
 # memory), or N = 0 (the global table), 1, 2, 4, 8, 16 shared-memory copies: gemv_kq.cu built
 # with -DKQ_IQ3S_GRID=N (its own NVRTC compile and CuPy cache entry; kv9_iq3s_defines).
@@ -101,16 +101,24 @@ GEMV_KQ_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ_UNROLL", "")
 GEMV_KQ2_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ2_UNROLL", "")
 # minBlocks of every 8-lane v9 instance (KQ_MINB; unset: none at S = 1, 2 at S > 1), A/B only
 GEMV_KQ_MINB = os.environ.get("GGUF_HARNESS_GEMV_KQ_MINB", "")
+# L2 prefetch of the row KQ_PF grid strides ahead at the start of each row (KQ_PF; unset: 0, none
+# beyond each warp's first row), and KQ_PRELOAD=1: each warp's first block loaded into registers
+# before the PDL wait and the staging of x (ncu, session 9: the v9 nodes stall mostly on global
+# loads, long scoreboard, and a third of the Q4_K node's samples sit in the staging). A/B only.
+GEMV_KQ_PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF", "")
+GEMV_KQ_PRELOAD = os.environ.get("GGUF_HARNESS_GEMV_KQ_PRELOAD", "")
 
 
 def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
-    -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB; unset: the kernel's defaults). Raises ValueError
-    unless each is empty or an integer 1..8."""
+    -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_PF -> KQ_PF, GEMV_KQ_PRELOAD -> KQ_PRELOAD;
+    unset: the kernel's defaults). Raises ValueError unless each is empty or an integer 1..8."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL"),
-                             ("GGUF_HARNESS_GEMV_KQ_MINB", GEMV_KQ_MINB, "KQ_MINB")):
+                             ("GGUF_HARNESS_GEMV_KQ_MINB", GEMV_KQ_MINB, "KQ_MINB"),
+                             ("GGUF_HARNESS_GEMV_KQ_PF", GEMV_KQ_PF, "KQ_PF"),
+                             ("GGUF_HARNESS_GEMV_KQ_PRELOAD", GEMV_KQ_PRELOAD, "KQ_PRELOAD")):
         if not val:
             continue
         if not val.isdigit() or not 1 <= int(val) <= 8:
@@ -166,7 +174,7 @@ def gemv_smem(K: int, impl: str = "q16") -> int:
 def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1) -> str | None:
     """Name of the engine v9 kernel (kernels/gemv_kq.cu) for a q16 node with matrices of GGML
     types `type_ids` and input length K, or None when v9 does not take it (mixed types, a type
-    outside Q4_K/Q5_K/Q6_K/IQ4_XS and IQ3_S, IQ3_S without GGUF_HARNESS_GEMV_KQ_IQ3S=1, K not a
+    outside Q4_K/Q5_K/Q6_K/IQ4_XS and IQ3_S, IQ3_S with GGUF_HARNESS_GEMV_KQ_IQ3S=0, K not a
     multiple of 256; F32 segments beside one such type are taken in store/add nodes): such
     nodes stay on gemv.cu. lanes4: Q4_K/Q5_K take the 4-lanes-per-super-block kernels (gemvkq4_,
     two rows per warp). split: S warps share each row group (1, 2 or 4; the name's _s2 / _s4,
@@ -184,7 +192,7 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
     name = KV9_NAMES.get(t)
     if name is None:
         return None
-    if t == IQ3_S:  # opt-in (GEMV_KQ_IQ3S)
+    if t == IQ3_S:  # GEMV_KQ_IQ3S (default on)
         if GEMV_KQ_IQ3S not in ("0", "1"):
             raise ValueError(f"GGUF_HARNESS_GEMV_KQ_IQ3S={GEMV_KQ_IQ3S!r}: expected 0 or 1")
         if GEMV_KQ_IQ3S != "1":

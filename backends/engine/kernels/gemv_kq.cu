@@ -47,6 +47,14 @@ constexpr int kKqUnroll = KQ_UNROLL;
 #define KQ2_UNROLL 1  // the same for a gate/up pair (two rows' loads per round already)
 #endif
 constexpr int kKq2Unroll = KQ2_UNROLL;
+#ifndef KQ_PF
+#define KQ_PF 0  // grid strides ahead whose row each warp asks L2 for at the start of a row (0: none)
+#endif
+constexpr int kKqPf = KQ_PF;
+#ifndef KQ_PRELOAD
+#define KQ_PRELOAD 0  // 1: each warp loads its first block before the PDL wait (kq_body)
+#endif
+constexpr bool kKqPre = KQ_PRELOAD != 0;
 
 // Lane mappings of a warp: 8 lanes per super-block, one row per warp (kwide.cuh's rows), or 4
 // lanes per super-block, two rows per warp (16 lanes each; kwide4.cuh, x staged with xq_slot4).
@@ -141,12 +149,19 @@ template <bool SW4> __device__ __forceinline__ float f32_row(const u8* row, cons
 // lanes per super-block, grp = lane >> 3, i = lane & 7; KQ4<T>: 4 lanes, grp = (lane >> 2) & 3,
 // i = lane & 3).
 template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const XS& xa, const typename Q::Lane& w,
-                                                           int nsb, int sb0, int st, int i) {
+                                                           int nsb, int sb0, int st, int i,
+                                                           bool pre = false, const typename Q::Blk* b0 = nullptr) {
     float acc = 0.f;
     const u8* p = row + sb0 * Q::TS;
     const int pst = st * Q::TS;
+    int sb = sb0;
+    if (pre) {  // the first block was loaded before staging (kq_body, KQ_PRELOAD)
+        if (sb < nsb) acc = Q::dot(*b0, Q::x(xa, sb, i, w), i, w);
+        sb += st;
+        p += pst;
+    }
 #pragma unroll kKqUnroll
-    for (int sb = sb0; sb < nsb; sb += st, p += pst) {
+    for (; sb < nsb; sb += st, p += pst) {
         typename Q::Blk r;
         Q::load(p, i, r);
         acc += Q::dot(r, Q::x(xa, sb, i, w), i, w);
@@ -157,12 +172,27 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 // Gate and up rows: both rows' blocks loaded before any arithmetic, the activations read once.
 template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
                                                              const typename Q::Lane& w, int nsb, int sb0, int st,
-                                                             int i) {
+                                                             int i, bool pre = false,
+                                                             const typename Q::Blk* c0 = nullptr,
+                                                             const typename Q::Blk* c1 = nullptr) {
     float a0 = 0.f, a1 = 0.f;
     const int o = sb0 * Q::TS, pst = st * Q::TS;
     const u8 *p0 = r0 + o, *p1 = r1 + o;
+    int sb = sb0;
+    if constexpr (kKqPre) {
+        if (pre) {  // the first blocks were loaded before staging (kq_body, KQ_PRELOAD)
+            if (sb < nsb) {
+                const typename Q::X x = Q::x(xa, sb, i, w);
+                a0 = Q::dot(*c0, x, i, w);
+                a1 = Q::dot(*c1, x, i, w);
+            }
+            sb += st;
+            p0 += pst;
+            p1 += pst;
+        }
+    }
 #pragma unroll kKq2Unroll
-    for (int sb = sb0; sb < nsb; sb += st, p0 += pst, p1 += pst) {
+    for (; sb < nsb; sb += st, p0 += pst, p1 += pst) {
         typename Q::Blk b0, b1;
         Q::load(p0, i, b0);
         Q::load(p1, i, b1);
@@ -220,14 +250,29 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = lane / LPR, l = lane % LPR;
     const int G = NW / S, g = warp / S, ws = warp - g * S;  // row groups per block, this warp's
     const int rpb = Q::R * G, first = rpb * blockIdx.x + Q::R * g + h, step = rpb * gridDim.x;
-    // Before the PDL wait (weights are constants): the first row's lines to L2, overlapping
-    // the previous kernel's tail (each of the S parts a share of the lines).
-    if (first < total_rows) {
-        int r = first;
+    // A row's 128-byte lines to L2 (each of the S parts a share of them; a gate/up pair both rows).
+    auto prefetch_row = [&](int r) {
+        if (r >= total_rows) return;
         const int si = MODE == 2 ? 0 : find_seg(t, r);
         prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], l + LPR * ws, LPR * S);
         if (MODE == 2)
             prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], l + LPR * ws, LPR * S);
+    };
+    // Before the PDL wait (weights are constants): the first row, overlapping the previous
+    // kernel's tail.
+    prefetch_row(first);
+    // KQ_PRELOAD: the first row's first block also into registers, so its latency overlaps the
+    // PDL wait and the staging of x (ncu, session 9: a third of the Q4_K node's stall samples
+    // sit in stage_xq, and the first weight loads only start after it)
+    typename Q::Blk pre0, pre1;
+    if constexpr (kKqPre) {
+        int r = first < total_rows ? first : 0;  // the loop's first row (as its r)
+        const int si = MODE == 2 ? 0 : find_seg(t, r), sb0 = Q::grp(lane) + 4 * ws;
+        if (sb0 < K >> 8) {
+            Q::load((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r + (size_t)sb0 * Q::TS, Q::idx(lane), pre0);
+            if constexpr (MODE == 2)
+                Q::load((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r + (size_t)sb0 * Q::TS, Q::idx(lane), pre1);
+        }
     }
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
@@ -244,11 +289,13 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     for (int base = first - h; (S > 1 ? base - Q::R * g : base) < total_rows; base += step, ++round) {
         const int row = base + h;
         const bool live = row < total_rows;
+        if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
         int r = live ? row : 0, si = 0;
         float y, up = 0.f;
         if constexpr (MODE == 2) {
             const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
-                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, sb0, st, i);
+                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, sb0, st, i,
+                                        kKqPre && round == 0, &pre0, &pre1);
             y = group_sum<LPR>(v.x);
             up = group_sum<LPR>(v.y);
         } else {
@@ -256,7 +303,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
-            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, sb0, st, i)
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, sb0, st, i, kKqPre && round == 0, &pre0)
                                                        : f32_row<Q::SW4>(rp, xa, K, l + LPR * ws, LPR * S));
         }
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes
