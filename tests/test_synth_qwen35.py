@@ -40,6 +40,20 @@ def test_random_rows_zero_mean_unit_rms(qtype):
     assert 0.9 < np.sqrt(np.mean(vals ** 2)) / 0.02 < 1.1
 
 
+def test_q6_k_small_std_takes_smaller_sub_block_scales():
+    """A Q6_K std whose usual blocks would need d < FP16_TINY (the 27B q4_k_m ffn_down: 6.7e-4)
+    gets ~8x smaller int8 sub-block scales instead of an error: mean ~0, rms ~std by gguf-py's
+    dequantisation, |scales| < 16; a std the usual blocks can carry keeps scales >= 16."""
+    rng = np.random.default_rng(2)
+    for std, small in ((6.7e-4, True), (0.02, False)):
+        rows = random_rows(QT.Q6_K, 64, 512, std, rng)
+        vals = gq.dequantize(rows, QT.Q6_K).astype(np.float64)
+        assert np.isfinite(vals).all() and abs(vals.mean()) < 0.1 * std
+        assert 0.85 < np.sqrt(np.mean(vals ** 2)) / std < 1.15
+        scales = np.abs(rows.reshape(-1, 210)[:, 192:208].view(np.int8).astype(int))
+        assert (scales.max() < 16) if small else (scales.min() >= 16), (std, scales.min(), scales.max())
+
+
 def test_k_scale_packing_inverts_gguf_py_unpacking():
     rng = np.random.default_rng(1)
     sc = rng.integers(0, 64, (50, 8), dtype=np.uint8)

@@ -73,9 +73,9 @@ def _k_quant(rng, d, size: int, q_mid: float):
     return blk
 
 
-def _q6_k(rng, d):
+def _q6_k(rng, d, mag_lo: int = 16, mag_hi: int = 128):
     blk = _raw(rng, d.size, 210)
-    mag = rng.integers(16, 128, (d.size, 16))
+    mag = rng.integers(mag_lo, mag_hi, (d.size, 16))
     sign = rng.choice(np.array([-1, 1]), (d.size, 16))
     blk[:, 192:208] = (mag * sign).astype(np.int8).view(np.uint8)
     blk[:, 208:210] = _f16(d)
@@ -112,12 +112,20 @@ _BLOCKS = {
     QT.IQ3_S: _iq3_s,
 }
 DIRECT_TYPES = frozenset(_BLOCKS) | {QT.F32, QT.F16}
+# Generators with ~8x smaller sub-block scales, taken only when the usual ones would need a
+# super-block scale below FP16_TINY: Q6_K's int8 scales of 16..127 put its unit rms near 1300,
+# so a 27B-width ffn_down (std 6.7e-4 after the residual-branch factor) needed d = 4.6e-7.
+_SMALL_SCALE_BLOCKS = {
+    QT.Q6_K: lambda rng, d: _q6_k(rng, d, 2, 16),
+}
 
 
 @functools.cache
-def unit_rms(qtype: QT) -> float:
-    """rms of dequantised values of blocks made with d = 1 (fixed sample of 4096 blocks)."""
-    blk = _BLOCKS[qtype](np.random.default_rng(12345), np.ones(4096))
+def unit_rms(qtype: QT, small_scales: bool = False) -> float:
+    """rms of dequantised values of blocks made with d = 1 (fixed sample of 4096 blocks);
+    small_scales: of the _SMALL_SCALE_BLOCKS generator."""
+    gen = _SMALL_SCALE_BLOCKS[qtype] if small_scales else _BLOCKS[qtype]
+    blk = gen(np.random.default_rng(12345), np.ones(4096))
     vals = gq.dequantize(blk, qtype).astype(np.float64)
     return float(np.sqrt(np.mean(vals * vals)))
 
@@ -128,7 +136,8 @@ def random_rows(qtype: QT, n_rows: int, ne0: int, std: float,
     float32/float16 [n_rows, ne0] for F32/F16. Values: mean 0, rms ~std.
 
     Raises ConfigError for a type without a direct generator, a row that is not whole
-    blocks, or a std too small for an fp16 scale.
+    blocks, or a std too small for an fp16 scale (Q6_K first falls back to ~8x smaller
+    sub-block scales).
     """
     if qtype in (QT.F32, QT.F16):
         vals = rng.standard_normal((n_rows, ne0), dtype=np.float32) * np.float32(std)
@@ -139,10 +148,12 @@ def random_rows(qtype: QT, n_rows: int, ne0: int, std: float,
     block, tsize = GGML_QUANT_SIZES[qtype]
     if ne0 % block:
         raise ConfigError(f"rows of {ne0} values are not whole {qtype.name} blocks of {block}")
-    nominal = std / unit_rms(qtype)
+    nominal, gen = std / unit_rms(qtype), _BLOCKS[qtype]
+    if nominal < FP16_TINY and qtype in _SMALL_SCALE_BLOCKS:
+        nominal, gen = std / unit_rms(qtype, small_scales=True), _SMALL_SCALE_BLOCKS[qtype]
     if not FP16_TINY <= nominal <= 6.0e4:
         raise ConfigError(f"std {std:g} needs a {qtype.name} scale of {nominal:g}, outside the "
                           f"usable fp16 range [{FP16_TINY:g}, 6e4]")
     n_blocks = n_rows * (ne0 // block)
     d = nominal * rng.uniform(1 - JITTER, 1 + JITTER, n_blocks)
-    return _BLOCKS[qtype](rng, d).reshape(n_rows, ne0 // block * tsize)
+    return gen(rng, d).reshape(n_rows, ne0 // block * tsize)
