@@ -281,7 +281,7 @@ WIDE_K = (256, 768, 1280, 1792, 8960)
 
 
 # (type, GEMV_KQ) cases: the four wide types on every row loop; IQ3_S on the v9 ones with its
-# opt-in switch (GGUF_HARNESS_GEMV_KQ_IQ3S=1; elsewhere it runs gemv.cu's I-quant loop)
+# switch on (GGUF_HARNESS_GEMV_KQ_IQ3S=1, the default; elsewhere it runs gemv.cu's I-quant loop)
 KQ_LOOP_CASES = [(n, kq) for kq in ("wide", "narrow", "v9", "v9l8") for n in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")]
 KQ_LOOP_CASES += [("IQ3_S", "v9"), ("IQ3_S", "v9l8")]
 
@@ -298,7 +298,7 @@ def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
     blocks: the qs runs are 16-byte aligned in every other block). kq "v9": same-format nodes
     run kernels/gemv_kq.cu (Q4_K/Q5_K with 4 lanes per super-block, two rows per warp; "v9l8":
     all with 8 lanes, one row per warp; the block shape arguments do not apply), the mixed pair
-    stays on gemv.cu's wide loop. IQ3_S (v9 only, opt-in: kernels/kwide_iq3s.cuh): its same-format
+    stays on gemv.cu's wide loop. IQ3_S (v9 only, GGUF_HARNESS_GEMV_KQ_IQ3S: kernels/kwide_iq3s.cuh): its same-format
     nodes run the gemvkq_*_iq3_s kernels (110-byte blocks at every 8-byte phase), the pair mixed
     with Q6_K gemv.cu's I-quant loop."""
     cp = cupy_or_skip()
@@ -334,7 +334,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
     """Engine v9 (kernels/gemv_kq.cu, ops.GEMV_KQ = "v9") beyond test_gemv_kquant_wide_and_narrow_loops:
     more rows than resident warps (the grid-stride row loop: 9001 rows), a 3-segment node of one
     type with different row counts and biases behind a fused RMSNorm (find_seg per row), the 27B
-    widths K = 5120 and 17408, all four types and IQ3_S (opt-in switch on), add over two
+    widths K = 5120 and 17408, all four types and IQ3_S (its switch on), add over two
     segments, SwiGLU pairs at K = 5120 and over 9001 rows; each node asserted to run the gemv_kq
     kernel; NaN-poisoned outputs, the same oracle rule. split: row groups of S warps forced (1, 2, 4: K = 512 leaves most parts of
     S = 4 without a super-block) or chosen by ops.kv9_split ("auto")."""

@@ -42,7 +42,7 @@ BUILDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("attention_gated.cu", (), "attn_gated_d128"),
     ("deltanet.cu", (), "gdn_step_s128_r8"),
     # engine v9 (the default GGUF_HARNESS_GEMV_KQ=v9l8): one build holds every v9 kernel, the
-    # opt-in IQ3_S ones (GGUF_HARNESS_GEMV_KQ_IQ3S=1) included; the grid A/B builds
+    # IQ3_S ones (GGUF_HARNESS_GEMV_KQ_IQ3S, default on) included; the grid A/B builds
     # (GGUF_HARNESS_GEMV_KQ_IQ3S_GRID, -DKQ_IQ3S_GRID=N) compile at first use
     ("gemv_kq.cu", (), "gemvkq_store_q4_k"),
 )

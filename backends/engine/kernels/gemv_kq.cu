@@ -1,7 +1,7 @@
 // Engine v9 GEMV (the default, GGUF_HARNESS_GEMV_KQ=v9l8): y[r] = sum_k W[r, k] * x[k] for
 // nodes whose matrices all have ONE of the types Q4_K, Q5_K, Q6_K, IQ4_XS (K a multiple of 256),
-// q16 activations; IQ3_S too (kwide_iq3s.cuh), opt-in through ops.py GEMV_KQ_IQ3S until it has
-// run on a GPU. Same arithmetic per super-block as gemv.cu's wide rows (kwide.cuh,
+// q16 activations, and IQ3_S (kwide_iq3s.cuh; ops.py GEMV_KQ_IQ3S, default on since it ran on the
+// H200 in session 9). Same arithmetic per super-block as gemv.cu's wide rows (kwide.cuh,
 // kwide_iq4.cuh: the lane of a warp takes 32 weights of a super-block, 8 lanes per super-block,
 // exact int32 dp2a sums, the scales in fp32), so the results equal gemv.cu's up to the order of
 // the fp32 additions; what changes is everything around that arithmetic.
@@ -355,7 +355,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 #define KQ_LB8(S, T) KQ_LB_##S
 #define KQ_MODES(T, TNAME) KQ_ALL_MODES(gemvkq, KQ, KQ_LB8, T, TNAME)
 // kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs|iq3_s>[_s2|_s4] (S warps per row
-// group); the iq3_s ones are taken only with GGUF_HARNESS_GEMV_KQ_IQ3S=1 (ops.kv9_kernel)
+// group); the iq3_s ones unless GGUF_HARNESS_GEMV_KQ_IQ3S=0 (ops.kv9_kernel)
 KQ_MODES(T_Q4_K, q4_k) KQ_MODES(T_Q5_K, q5_k) KQ_MODES(T_Q6_K, q6_k) KQ_MODES(T_IQ4_XS, iq4_xs)
 KQ_MODES(T_IQ3_S, iq3_s)
 
