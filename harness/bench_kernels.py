@@ -198,7 +198,8 @@ def run_kernels(shapes: list[Shape], cfg: KernelsConfig, log=print, advance=lamb
                     gemv_kq_unroll=ops.GEMV_KQ_UNROLL or "default",
                     gemv_kq2_unroll=ops.GEMV_KQ2_UNROLL or "default",
                     gemv_kq_minb=ops.GEMV_KQ_MINB or "default",
-                    gemv_kq_pf=ops.GEMV_KQ_PF or "default", gemv_kq_preload=ops.GEMV_KQ_PRELOAD or "default",
+                    gemv_kq_pf=ops.GEMV_KQ_PF or "default", gemv_kq_pipe=ops.GEMV_KQ_PIPE or "default",
+                    gemv_kq_l1pf=ops.GEMV_KQ_L1PF or "default",
                     gemv_kq_iq3s=ops.GEMV_KQ_IQ3S, gemv_kq_iq3s_grid=ops.GEMV_KQ_IQ3S_GRID or "default",
                     pdl=launch.pdl_available())
     if ggml:

@@ -212,7 +212,8 @@ def _v9_launches(monkeypatch, cases, ptr_of=lambda i: 1 << 20 + i):
     monkeypatch.setattr(ops, "GEMV_ARGS", "value")
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "auto")
-    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PRELOAD"):  # the default build
+    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PIPE",
+                 "GEMV_KQ_L1PF"):  # the default build
         monkeypatch.setattr(ops, knob, "")
     got = []
     for mode, types in cases:
@@ -320,13 +321,21 @@ def test_v9_unroll_build_defines(monkeypatch):
     assert ops.kv9_defines() == ("KQ_MINB=3",)
     assert "#ifdef KQ_MINB" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
     monkeypatch.setattr(ops, "GEMV_KQ_MINB", "")
-    # the latency A/B builds (session 9): next-row L2 prefetch and the first block preloaded
+    # the latency A/B builds (session 9): next-row L2 prefetch, pipelined loads (PIPE 1 or 2)
     monkeypatch.setattr(ops, "GEMV_KQ_PF", "1")
-    monkeypatch.setattr(ops, "GEMV_KQ_PRELOAD", "1")
-    assert ops.kv9_defines() == ("KQ_PF=1", "KQ_PRELOAD=1")
+    monkeypatch.setattr(ops, "GEMV_KQ_PIPE", "2")
+    assert ops.kv9_defines() == ("KQ_PF=1", "KQ_PIPE=2")
     src = (module.KERNEL_DIR / "gemv_kq.cu").read_text()
-    assert "#ifndef KQ_PF\n#define KQ_PF 0" in src and "#ifndef KQ_PRELOAD\n#define KQ_PRELOAD 0" in src
-    for knob, bad in (("GEMV_KQ_PF", "0"), ("GEMV_KQ_PRELOAD", "yes")):
+    assert "#ifndef KQ_PF\n#define KQ_PF 0" in src and "#ifndef KQ_PIPE\n#define KQ_PIPE 0" in src
+    monkeypatch.setattr(ops, "GEMV_KQ_PF", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_PIPE", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_L1PF", "2")
+    monkeypatch.setattr(ops, "GEMV_KQ_MINB", "2")
+    assert ops.kv9_defines() == ("KQ_MINB=2", "KQ_L1PF=2")
+    assert "#ifndef KQ_L1PF\n#define KQ_L1PF 0" in src
+    monkeypatch.setattr(ops, "GEMV_KQ_L1PF", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_MINB", "")
+    for knob, bad in (("GEMV_KQ_PF", "0"), ("GEMV_KQ_PIPE", "3"), ("GEMV_KQ_PIPE", "2.0"), ("GEMV_KQ_L1PF", "9")):
         monkeypatch.setattr(ops, knob, bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_" + knob):
             ops.kv9_defines()

@@ -422,16 +422,20 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
 
 
 @pytest.mark.parametrize("split", ["auto", "4"])
-@pytest.mark.parametrize("build", [{"GEMV_KQ_PF": "1"}, {"GEMV_KQ_PRELOAD": "1"},
-                                   {"GEMV_KQ_PRELOAD": "1", "GEMV_KQ_MINB": "2"},
-                                   {"GEMV_KQ_PF": "1", "GEMV_KQ_PRELOAD": "1", "GEMV_KQ_MINB": "2"}],
-                         ids=["pf1", "preload", "preload-minb2", "pf1-preload-minb2"])
+@pytest.mark.parametrize("build", [{"GEMV_KQ_PF": "1"}, {"GEMV_KQ_PIPE": "1"}, {"GEMV_KQ_PIPE": "2"},
+                                   {"GEMV_KQ_PIPE": "2", "GEMV_KQ_MINB": "2"},
+                                   {"GEMV_KQ_L1PF": "1", "GEMV_KQ_MINB": "2"}, {"GEMV_KQ_L1PF": "2", "GEMV_KQ_MINB": "2"}],
+                         ids=["pf1", "pipe1", "pipe2", "pipe2-minb2", "l1pf1-minb2", "l1pf2-minb2"])
 def test_gemv_v9_latency_builds(build, split, monkeypatch):
     """The session-9 latency A/B builds of gemv_kq.cu (ops.kv9_defines: KQ_PF, the next row's
-    L2 prefetch; KQ_PRELOAD, each warp's first block loaded before the PDL wait and the staging)
-    on every case of test_gemv_v9_grid_stride_segments_norm_bias: the preloaded block must be
-    used for exactly the warp's first row (rows > resident warps, segments, F32 rows, SwiGLU
-    pairs) and not at all where the warp's part has no super-block (K = 512 with S = 4)."""
+    L2 prefetch; KQ_PIPE 1, round n + 1's blocks loaded before round n's dots; KQ_PIPE 2, also
+    the warp's next row's first blocks in its last round, carried into the next row; KQ_L1PF,
+    L1 prefetches of the round D ahead, into the next row; prefetches change no value but must
+    stay inside the weights) on every
+    case of test_gemv_v9_grid_stride_segments_norm_bias: a carried block must be used by exactly
+    the row it was loaded for (rows > resident warps, 3 segments with different row counts,
+    F32 rows beside the type's: no carry into or out of them, SwiGLU pairs), and none where the
+    warp's part has no super-block (K = 512 with S = 4) or its last row has no successor."""
     from backends.engine import ops as eops
     for knob, val in build.items():
         monkeypatch.setattr(eops, knob, val)

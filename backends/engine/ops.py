@@ -102,27 +102,36 @@ GEMV_KQ2_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ2_UNROLL", "")
 # minBlocks of every 8-lane v9 instance (KQ_MINB; unset: none at S = 1, 2 at S > 1), A/B only
 GEMV_KQ_MINB = os.environ.get("GGUF_HARNESS_GEMV_KQ_MINB", "")
 # L2 prefetch of the row KQ_PF grid strides ahead at the start of each row (KQ_PF; unset: 0, none
-# beyond each warp's first row), and KQ_PRELOAD=1: each warp's first block loaded into registers
-# before the PDL wait and the staging of x (ncu, session 9: the v9 nodes stall mostly on global
-# loads, long scoreboard, and a third of the Q4_K node's samples sit in the staging). A/B only.
+# beyond each warp's first row). A/B only: measured slower (docs/perf-notes.md session 9).
 GEMV_KQ_PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF", "")
-GEMV_KQ_PRELOAD = os.environ.get("GGUF_HARNESS_GEMV_KQ_PRELOAD", "")
+# KQ_PIPE=1: kq_row / kq_row2 issue round n + 1's loads (super-block header and qs) before round
+# n's dots, a register rotation (the default build's loop has ptxas pipeline only the qs loads:
+# each iteration waits for its headers; docs/perf-notes.md session 9); 2: also the warp's next
+# row's first round during this row's last one. A/B builds, not yet run on a GPU.
+GEMV_KQ_PIPE = os.environ.get("GGUF_HARNESS_GEMV_KQ_PIPE", "")
+# KQ_L1PF=D: each warp asks L1 (prefetch.global.L1, no registers held) for the bytes of its round
+# D rounds ahead, into the next row at a row's end. A/B build, not yet run on a GPU; ptxas gives
+# its S = 1 instances 77-87 registers unless GGUF_HARNESS_GEMV_KQ_MINB=2 caps them (no spills).
+GEMV_KQ_L1PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_L1PF", "")
 
 
 def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
-    -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_PF -> KQ_PF, GEMV_KQ_PRELOAD -> KQ_PRELOAD;
-    unset: the kernel's defaults). Raises ValueError unless each is empty or an integer 1..8."""
+    -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_PF -> KQ_PF, GEMV_KQ_PIPE -> KQ_PIPE,
+    GEMV_KQ_L1PF -> KQ_L1PF; unset: the kernel's defaults). Raises ValueError unless each is empty
+    or an integer 1..8 (PIPE: 1 or 2)."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ_MINB", GEMV_KQ_MINB, "KQ_MINB"),
                              ("GGUF_HARNESS_GEMV_KQ_PF", GEMV_KQ_PF, "KQ_PF"),
-                             ("GGUF_HARNESS_GEMV_KQ_PRELOAD", GEMV_KQ_PRELOAD, "KQ_PRELOAD")):
+                             ("GGUF_HARNESS_GEMV_KQ_PIPE", GEMV_KQ_PIPE, "KQ_PIPE"),
+                             ("GGUF_HARNESS_GEMV_KQ_L1PF", GEMV_KQ_L1PF, "KQ_L1PF")):
         if not val:
             continue
-        if not val.isdigit() or not 1 <= int(val) <= 8:
-            raise ValueError(f"{env}={val!r}: expected an integer 1..8")
+        hi = 2 if define == "KQ_PIPE" else 8
+        if not val.isdigit() or not 1 <= int(val) <= hi:
+            raise ValueError(f"{env}={val!r}: expected an integer 1..{hi}")
         out.append(f"{define}={int(val)}")
     return tuple(out)
 

@@ -51,10 +51,16 @@ constexpr int kKq2Unroll = KQ2_UNROLL;
 #define KQ_PF 0  // grid strides ahead whose row each warp asks L2 for at the start of a row (0: none)
 #endif
 constexpr int kKqPf = KQ_PF;
-#ifndef KQ_PRELOAD
-#define KQ_PRELOAD 0  // 1: each warp loads its first block before the PDL wait (kq_body)
+#ifndef KQ_PIPE
+#define KQ_PIPE 0  // 1: kq_row / kq_row2 load round n + 1 (header and qs) before round n's dots; 2: also
+                   // the warp's next row's first round during this row's last one (kq_body's Carry)
 #endif
-constexpr bool kKqPre = KQ_PRELOAD != 0;
+constexpr int kKqPipe = KQ_PIPE;
+static_assert(kKqPipe >= 0 && kKqPipe <= 2, "KQ_PIPE is 0, 1 or 2");
+#ifndef KQ_L1PF
+#define KQ_L1PF 0  // rounds ahead whose bytes each warp asks L1 for (prefetch.global.L1), across rows
+#endif
+constexpr int kKqL1pf = KQ_L1PF;
 
 // Lane mappings of a warp: 8 lanes per super-block, one row per warp (kwide.cuh's rows), or 4
 // lanes per super-block, two rows per warp (16 lanes each; kwide4.cuh, x staged with xq_slot4).
@@ -148,20 +154,68 @@ template <bool SW4> __device__ __forceinline__ float f32_row(const u8* row, cons
 // sb0 = grp + 4 ws, st = 4 S for split part ws of S, kq_body). Q: the format's trait (KQ<T>: 8
 // lanes per super-block, grp = lane >> 3, i = lane & 7; KQ4<T>: 4 lanes, grp = (lane >> 2) & 3,
 // i = lane & 3).
+// KQ_L1PF = D: at round j of a row (rounds of st super-blocks from sb0: the warp's part of the
+// row; nr of them), lanes 0..7 ask L1 for the 128-byte lines of round j + D: of this row, or
+// round j + D - nr of the next row `next` (nullptr: none). A round of an 8-lane warp is 4
+// consecutive super-blocks (4 TS <= 840 bytes: <= 8 lines) starting at p - grp TS, p the lane's
+// block. No registers held (unlike KQ_PIPE's rotation, which ptxas schedules late to save them).
+template <class Q> __device__ __forceinline__ void kq_l1pf(const u8* p, int pst, int sb, int sb0, int st, int nsb,
+                                                            const u8* next) {
+    if constexpr (kKqL1pf > 0 && Q::R == 1) {
+        const int lane = threadIdx.x & 31, gts = Q::grp(lane) * Q::TS;
+        int tsb = sb + kKqL1pf * st;  // the lane's super-block in the target round
+        const u8* a;                  // the target round's first byte
+        if (tsb < nsb) {
+            a = p + kKqL1pf * pst - gts;
+        } else {  // in the next row: the rounds of a row span nr st super-blocks from sb0
+            tsb -= (nsb - sb0 + st - 1) / st * st;
+            if (!next || tsb >= nsb) return;
+            a = next + (size_t)tsb * Q::TS - gts;
+        }
+        const int n = min(4, nsb - (tsb - Q::grp(lane)));  // super-blocks in the target round
+        const u8* line = (const u8*)((size_t)a & ~(size_t)127) + 128 * lane;
+        if (lane < 8 && line < a + n * Q::TS) asm volatile("prefetch.global.L1 [%0];" ::"l"(line));
+    }
+}
+
+// KQ_PIPE 2: the first block(s) of the warp's next row, loaded during this row's last round.
+template <class Q> struct Carry {
+    typename Q::Blk b[2];  // [row of a gate/up pair]
+    bool have;
+};
+
 template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const XS& xa, const typename Q::Lane& w,
                                                            int nsb, int sb0, int st, int i,
-                                                           bool pre = false, const typename Q::Blk* b0 = nullptr) {
+                                                           Carry<Q>* c = nullptr, const u8* next = nullptr) {
     float acc = 0.f;
     const u8* p = row + sb0 * Q::TS;
     const int pst = st * Q::TS;
-    int sb = sb0;
-    if (pre) {  // the first block was loaded before staging (kq_body, KQ_PRELOAD)
-        if (sb < nsb) acc = Q::dot(*b0, Q::x(xa, sb, i, w), i, w);
-        sb += st;
-        p += pst;
+    if constexpr (kKqPipe > 0) {  // round n + 1's loads issued before round n's arithmetic
+        typename Q::Blk cur;
+        if (kKqPipe > 1 && c->have)
+            cur = c->b[0];
+        else if (sb0 < nsb)
+            Q::load(p, i, cur);
+#pragma unroll kKqUnroll
+        for (int sb = sb0; sb < nsb; sb += st) {
+            typename Q::Blk nxt;
+            p += pst;
+            if (sb + st < nsb)
+                Q::load(p, i, nxt);
+            else if (kKqPipe > 1 && next)  // the last round: the next row's first block
+                Q::load(next + sb0 * Q::TS, i, nxt);
+            acc += Q::dot(cur, Q::x(xa, sb, i, w), i, w);
+            cur = nxt;
+        }
+        if constexpr (kKqPipe > 1) {
+            c->have = next && sb0 < nsb;
+            c->b[0] = cur;
+        }
+        return acc;
     }
 #pragma unroll kKqUnroll
-    for (; sb < nsb; sb += st, p += pst) {
+    for (int sb = sb0; sb < nsb; sb += st, p += pst) {
+        kq_l1pf<Q>(p, pst, sb, sb0, st, nsb, next);
         typename Q::Blk r;
         Q::load(p, i, r);
         acc += Q::dot(r, Q::x(xa, sb, i, w), i, w);
@@ -172,27 +226,49 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 // Gate and up rows: both rows' blocks loaded before any arithmetic, the activations read once.
 template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
                                                              const typename Q::Lane& w, int nsb, int sb0, int st,
-                                                             int i, bool pre = false,
-                                                             const typename Q::Blk* c0 = nullptr,
-                                                             const typename Q::Blk* c1 = nullptr) {
+                                                             int i, Carry<Q>* c = nullptr,
+                                                             const u8* n0 = nullptr, const u8* n1 = nullptr) {
     float a0 = 0.f, a1 = 0.f;
     const int o = sb0 * Q::TS, pst = st * Q::TS;
     const u8 *p0 = r0 + o, *p1 = r1 + o;
-    int sb = sb0;
-    if constexpr (kKqPre) {
-        if (pre) {  // the first blocks were loaded before staging (kq_body, KQ_PRELOAD)
-            if (sb < nsb) {
-                const typename Q::X x = Q::x(xa, sb, i, w);
-                a0 = Q::dot(*c0, x, i, w);
-                a1 = Q::dot(*c1, x, i, w);
-            }
-            sb += st;
+    if constexpr (kKqPipe > 0) {  // as kq_row: the next round's two blocks before this round's dots
+        typename Q::Blk g, u;
+        if (kKqPipe > 1 && c->have) {
+            g = c->b[0];
+            u = c->b[1];
+        } else if (sb0 < nsb) {
+            Q::load(p0, i, g);
+            Q::load(p1, i, u);
+        }
+#pragma unroll kKq2Unroll
+        for (int sb = sb0; sb < nsb; sb += st) {
+            typename Q::Blk g2, u2;
             p0 += pst;
             p1 += pst;
+            if (sb + st < nsb) {
+                Q::load(p0, i, g2);
+                Q::load(p1, i, u2);
+            } else if (kKqPipe > 1 && n0) {
+                Q::load(n0 + o, i, g2);
+                Q::load(n1 + o, i, u2);
+            }
+            const typename Q::X x = Q::x(xa, sb, i, w);
+            a0 += Q::dot(g, x, i, w);
+            a1 += Q::dot(u, x, i, w);
+            g = g2;
+            u = u2;
         }
+        if constexpr (kKqPipe > 1) {
+            c->have = n0 && sb0 < nsb;
+            c->b[0] = g;
+            c->b[1] = u;
+        }
+        return make_float2(a0, a1);
     }
 #pragma unroll kKq2Unroll
-    for (; sb < nsb; sb += st, p0 += pst, p1 += pst) {
+    for (int sb = sb0; sb < nsb; sb += st, p0 += pst, p1 += pst) {
+        kq_l1pf<Q>(p0, pst, sb, sb0, st, nsb, n0);
+        kq_l1pf<Q>(p1, pst, sb, sb0, st, nsb, n1);
         typename Q::Blk b0, b1;
         Q::load(p0, i, b0);
         Q::load(p1, i, b1);
@@ -261,19 +337,6 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // Before the PDL wait (weights are constants): the first row, overlapping the previous
     // kernel's tail.
     prefetch_row(first);
-    // KQ_PRELOAD: the first row's first block also into registers, so its latency overlaps the
-    // PDL wait and the staging of x (ncu, session 9: a third of the Q4_K node's stall samples
-    // sit in stage_xq, and the first weight loads only start after it)
-    typename Q::Blk pre0, pre1;
-    if constexpr (kKqPre) {
-        int r = first < total_rows ? first : 0;  // the loop's first row (as its r)
-        const int si = MODE == 2 ? 0 : find_seg(t, r), sb0 = Q::grp(lane) + 4 * ws;
-        if (sb0 < K >> 8) {
-            Q::load((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r + (size_t)sb0 * Q::TS, Q::idx(lane), pre0);
-            if constexpr (MODE == 2)
-                Q::load((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r + (size_t)sb0 * Q::TS, Q::idx(lane), pre1);
-        }
-    }
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
     pdl_trigger();
@@ -286,24 +349,34 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // warp-uniform otherwise (the lane groups iterate while any has a row), so every lane reaches
     // the shuffles; a group without a row computes on row 0 and stores nothing.
     int round = 0;
+    Carry<Q> carry;  // KQ_PIPE 2 (kq_row): the next row's first block(s), loaded in this row's last round
+    carry.have = false;
     for (int base = first - h; (S > 1 ? base - Q::R * g : base) < total_rows; base += step, ++round) {
         const int row = base + h;
         const bool live = row < total_rows;
         if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
         int r = live ? row : 0, si = 0;
+        int nr = row + step;  // this lane's next row (KQ_PIPE 2), if it has one
+        const bool nlive = (kKqPipe > 1 || kKqL1pf > 0) && nr < total_rows;
         float y, up = 0.f;
         if constexpr (MODE == 2) {
             const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
                                         (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, sb0, st, i,
-                                        kKqPre && round == 0, &pre0, &pre1);
+                                        &carry, nlive ? (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * nr : nullptr,
+                                        nlive ? (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * nr : nullptr);
             y = group_sum<LPR>(v.x);
             up = group_sum<LPR>(v.y);
         } else {
             si = find_seg(t, r);
             const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
+            const u8* np = nullptr;  // the next row if it is of this kernel's type (not an F32 row)
+            if (nlive) {
+                const int nsi = find_seg(t, nr);
+                if (t.s[nsi].type == Q::TYPE) np = (const u8*)t.s[nsi].w + (size_t)t.row_bytes[nsi] * nr;
+            }
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
-            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, sb0, st, i, kKqPre && round == 0, &pre0)
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, sb0, st, i, &carry, np)
                                                        : f32_row<Q::SW4>(rp, xa, K, l + LPR * ws, LPR * S));
         }
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes
