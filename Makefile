@@ -3,8 +3,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # llama.cpp build flags. CPU default: no native build (ggml's AMX path crashes on quantised
-# models on the CPU machines we run on). GPU machines: make setup LLAMA_CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF" EXTRAS=qwen05b,gpu
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DLLAVA_BUILD=OFF
+# models on the CPU machines we run on); AVX-512 only where this CPU has it (a build with it
+# dies with an illegal instruction elsewhere). GPU machines: make setup LLAMA_CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF" EXTRAS=qwen05b,gpu
+AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=$(AVX512) -DLLAVA_BUILD=OFF
 EXTRAS ?= qwen05b
 PYTEST_ARGS ?=
 

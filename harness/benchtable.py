@@ -312,11 +312,14 @@ def run_bench_table(args) -> int:
     """CLI: print the table of args.result (+ args.llama_bench files) in args.format to stdout.
 
     ConfigError when the result cannot be read or no rows result at all."""
-    from .results import read_json
+    from .results import SCHEMA, read_json
     try:
         result = read_json(args.result)
     except (OSError, ValueError) as e:  # missing/unreadable file, not JSON, not a result
         raise ConfigError(f"cannot read {args.result}: {e}") from None
+    if result.get("schema") != SCHEMA:  # a kernels / nodes / layerdiff / ab result
+        raise ConfigError(f"{args.result} is a {result.get('schema')} result; bench-table reads run "
+                          f"results ({SCHEMA}: result.json of harness run / verify --bench)")
     rows = rows_from_result(result)
     for path in args.llama_bench or []:
         rows += rows_from_llama_bench(path)

@@ -19,6 +19,7 @@ Errors of the user's input (HarnessError) print one line and exit 2; no tracebac
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -35,11 +36,11 @@ console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 def _add_verify_args(p: argparse.ArgumentParser, *, standard: bool) -> None:
     p.add_argument("--model", default=models.DEFAULT_MODEL,
-                   help=f"registry name or GGUF path (default {models.DEFAULT_MODEL})")
+                   help="registry name or GGUF path")
     p.add_argument("--backends", default=None,
                    help="comma list (default: every backend available on this machine)")
     p.add_argument("--reference", default="oracle", help="backend all others are compared to")
-    p.add_argument("--n-predict", type=int, default=129, help="generated tokens (default 129)")
+    p.add_argument("--n-predict", type=int, default=129, help="generated tokens")
     p.add_argument("--contexts", default="512,2048", help="context sizes, comma list")
     p.add_argument("--threads", type=int, default=2, help="CPU threads for llama.cpp")
     p.add_argument("--n-gpu-layers", type=int, default=None,
@@ -180,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
         return 130
+    except BrokenPipeError:  # `harness ... | head`: the reader left; no traceback, the shell's code
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's exit-time flush would raise again
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the signal
 
 
 if __name__ == "__main__":

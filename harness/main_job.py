@@ -26,7 +26,8 @@ def model_meta(info) -> dict:
     keys = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
             "attention.head_count_kv", "context_length")
     return {"arch": arch, "gguf_version": info.version, "tensor_types": types,
-            "n_tensors": len(info.tensors), "description": info.get("general.name"),
+            "n_tensors": len(info.tensors), "general_name": info.get("general.name"),
+            "description": info.get("general.description"),
             **{k: info.get(f"{arch}.{k}") for k in keys}}
 
 
@@ -117,6 +118,8 @@ def run_job(args, console: Console) -> int:
     draft = getattr(args, "draft", None)
     if draft is not None and draft not in names:
         raise ConfigError(f"--draft {draft!r} is not among the compared backends {names}")
+    if draft is not None and draft == args.reference:
+        raise ConfigError(f"--draft {draft!r} is the reference itself; draft with another compared backend")
     with bytes_progress(console, f"model {args.model}") as advance:
         model = models.resolve(args.model, progress=advance)
     info = open_gguf(model.path)

@@ -56,9 +56,10 @@ def _list(console: Console) -> int:
     from .synth.presets import PRESETS
     from .synth.qwen35_presets import QUANTS, SHAPES
     from .synth.llama_quantize import FTYPES
-    console.print(f"qwen35 presets: {', '.join(SHAPES)}; mixes: {', '.join(QUANTS)}")
-    console.print(f"  --via-llama-quantize file types: {', '.join(FTYPES)}")
-    console.print(f"qwen2 presets (fixed mixes): {', '.join(PRESETS)}")
+    # stdout (the answer, for `| grep`), unlike progress and errors on the stderr console
+    print(f"qwen35 presets: {', '.join(SHAPES)}; mixes: {', '.join(QUANTS)}")
+    print(f"  --via-llama-quantize file types: {', '.join(FTYPES)}")
+    print(f"qwen2 presets (fixed mixes): {', '.join(PRESETS)}")
     return 0
 
 

@@ -65,9 +65,18 @@ def render_report(result: dict, out_path: Path) -> Path:
 
 
 def render_report_from_json(json_path: Path) -> Path:
-    """Render the result JSON at json_path to report.html in the same folder.
+    """Render the run result JSON at json_path into the same folder: report.html for a run
+    folder's result.json, <name>.report.html for any other file name (results kept side by side,
+    as under docs/results/, do not overwrite each other's reports).
 
-    Raises ValueError if the file is not a gguf-harness result (harness.results.read_json),
+    Raises ValueError if the file is not a gguf-harness run result (harness.results.read_json;
+    a kernels, nodes, layerdiff or ab result has its own schema and is refused by name),
     OSError if it cannot be read."""
+    from harness.results import SCHEMA
     json_path = Path(json_path)
-    return render_report(read_json(json_path), json_path.parent / "report.html")
+    result = read_json(json_path)
+    if result.get("schema") != SCHEMA:
+        raise ValueError(f"{json_path} is a {result.get('schema')} result; harness report renders "
+                         f"run results ({SCHEMA}: result.json of harness run / verify)")
+    name = "report.html" if json_path.name == "result.json" else f"{json_path.stem}.report.html"
+    return render_report(result, json_path.parent / name)

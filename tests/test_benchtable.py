@@ -214,6 +214,10 @@ def test_cli_bad_result_and_no_rows(tmp_path, capsys):
     write_json(p, {"schema": SCHEMA, "model": {"name": "m"}})
     code, _, err = _cli(capsys, p)
     assert code == 2 and "no bench rows" in err
+    k = tmp_path / "kernels.json"  # another result kind: named, not "no bench rows"
+    write_json(k, {"schema": "gguf-harness/kernels/1", "rows": []})
+    code, _, err = _cli(capsys, k)
+    assert code == 2 and "gguf-harness/kernels/1" in err and "no bench rows" not in err
 
 
 def test_cli_md(result_json, tmp_path, capsys):

@@ -146,3 +146,21 @@ def test_reference_alone_only_with_bench(tiny_qwen2_q, tmp_path, capsys):
     assert r["reference"]["backend"] == "llamacpp" and len(r["reference"]["ids"]) == 4
     assert r["runs"] == [] and r["verdicts"] == []
     assert [(row["backend"], row["n_ctx"]) for row in r["bench"]["rows"]] == [("llamacpp", 128)]
+
+
+def test_reader_leaving_the_pipe_is_not_a_traceback(tmp_path):
+    """`harness models list | head -1`: the reader closes the pipe early; the command ends with
+    the shell's SIGPIPE code 141 and no traceback on stderr (cli.main's BrokenPipeError arm)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys\nfrom harness import cli, models\n"
+            "models.REGISTRY = {f'm{i}': next(iter(models.REGISTRY.values())) for i in range(20000)}\n"
+            "sys.exit(cli.main(['models', 'list']))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "GGUF_HARNESS_CACHE": str(tmp_path)})
+    p.stdout.readline()
+    p.stdout.close()  # the reader leaves after one line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -313,3 +313,23 @@ def test_step_plot_draws_dollar_as_text():
     steps = [{"i": 0, "kl": 1e-3}, {"i": 1, "kl": 2e-3}]
     png = plots.step_plot([(r"ll$\frac$ c=512", steps)], "kl", r"t$\frac$", "KL")
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_from_json_refuses_other_schemas_and_names_reports_by_file(tmp_path, full):
+    """harness report renders run results only (a kernels or nodes result is refused by name,
+    nothing written), result.json -> report.html, any other name -> <stem>.report.html, so two
+    results in one folder keep two reports."""
+    res, out, _ = full
+    assert out.name == "report.html"
+    for schema in ("gguf-harness/kernels/1", "gguf-harness/nodes/1", "gguf-harness/ab/1"):
+        p = tmp_path / f"{schema.split('/')[1]}.json"
+        write_json(p, {"schema": schema, "rows": []})
+        with pytest.raises(ValueError, match=schema):
+            render_report_from_json(p)
+        assert not list(tmp_path.glob("*.html"))
+    a, b = tmp_path / "a-run.json", tmp_path / "b-run.json"
+    write_json(a, res)
+    write_json(b, res)
+    ra, rb = render_report_from_json(a), render_report_from_json(b)
+    assert (ra.name, rb.name) == ("a-run.report.html", "b-run.report.html")
+    assert ra.read_bytes() == rb.read_bytes() == out.read_bytes()

@@ -276,6 +276,9 @@ def test_cli_verify_with_llamacpp_draft(tiny_qwen2_f32, q2, tmp_path, capsys):
             "--out", str(tmp_path), "--no-report", "--no-teacher-forced"]
     assert main(argv + ["--draft", "engine"]) == 2
     assert "not among" in capsys.readouterr().err
+    assert main(argv + ["--draft", "oracle"]) == 2  # the reference drafting for itself
+    assert "the reference itself" in capsys.readouterr().err
+    assert not list(tmp_path.glob("runs/*/result.json"))  # nothing written
     assert main(argv + ["--draft", "llamacpp"]) == 0, capsys.readouterr().err
     res = json.loads(next((tmp_path / "runs").glob("*/result.json")).read_text())
     ref, prompt = res["reference"], res["prompt"]["ids"]

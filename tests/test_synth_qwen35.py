@@ -208,7 +208,7 @@ def test_27b_4l_plan_without_writing(capsys):
     assert [t[f"blk.{il}.ffn_up.weight"] for il in range(4)] == ["IQ4_XS", "IQ3_S", "IQ4_XS", "IQ4_XS"]
     from harness.cli import main
     assert main(["synth", "--list"]) == 0
-    assert "qwen35-27b-4l" in capsys.readouterr().err  # the console writes to stderr
+    assert "qwen35-27b-4l" in capsys.readouterr().out  # the listing is the answer: stdout (| grep)
 
 
 def test_ud_mix_layer_groups_unchanged_from_8_layers_up():
