@@ -4,7 +4,8 @@
                [--format table|md|json] [--out DIR]
 
 Two `harness bench kernels` results (kernels.json) are compared per shape and timing mode
-instead (harness/ab_kernels.py). Prints the comparison to stdout (a rich table by default;
+instead (harness/ab_kernels.py), two `harness bench nodes` results (nodes.json) by decode step
+and node group (harness/ab_nodes.py). Prints the comparison to stdout (a rich table by default;
 Markdown or JSON on request);
 with --out writes ab.json + ab.html into a new folder under DIR (never an existing one).
 Exit code: 0 without correctness failures (with --fail-on-slower: and without SLOWER
@@ -232,19 +233,32 @@ def _peek(path: Path) -> dict:
         raise ConfigError(f"cannot read result {path}: {e}") from None
 
 
+def _same_model(args, a: dict, b: dict) -> None:
+    """Two nodes results of different model files are not an A/B of the engine (ConfigError;
+    --force compares them anyway), as for run results."""
+    sha_a, sha_b = ((d.get("model") or {}).get("sha256") for d in (a, b))
+    if sha_a != sha_b and not args.force:
+        raise ConfigError(f"the nodes results are of different models ({str(sha_a)[:12]} vs "
+                          f"{str(sha_b)[:12]}); --force compares them anyway")
+
+
 def run_ab(args, console: Console) -> int:
     """The `harness ab` command; returns the exit code (ConfigError for bad input). Two
     `harness bench kernels` results go to harness/ab_kernels_cmd.py."""
-    from . import ab_kernels
+    from . import ab_kernels, ab_nodes
     kinds = [_peek(p) for p in (args.a, args.b)]
-    if all(ab_kernels.is_kernels_result(k) for k in kinds):
-        from . import ab_kernels_cmd
-        return ab_kernels_cmd.run(args, kinds[0], kinds[1], console)
-    if any(ab_kernels.is_kernels_result(k) for k in kinds):
-        other = next(k for k in kinds if not ab_kernels.is_kernels_result(k)).get("schema")
-        what = "a run result" if other == SCHEMA else f"a {other} document"
-        raise ConfigError(f"cannot compare a bench kernels result with {what}: give two "
-                          "kernels.json or two result.json files")
+    for name, is_kind, files in (("bench kernels", ab_kernels.is_kernels_result, "kernels.json"),
+                                 ("bench nodes", ab_nodes.is_nodes_result, "nodes.json")):
+        if all(is_kind(k) for k in kinds):
+            if name == "bench nodes":
+                _same_model(args, kinds[0], kinds[1])
+            from . import ab_kernels_cmd
+            return ab_kernels_cmd.run(args, kinds[0], kinds[1], console)
+        if any(is_kind(k) for k in kinds):
+            other = next(k for k in kinds if not is_kind(k)).get("schema")
+            what = "a run result" if other == SCHEMA else f"a {other} document"
+            raise ConfigError(f"cannot compare a {name} result with {what}: give two "
+                              f"{files} or two result.json files")
     doc, code = build_doc(args)
     if args.format == "json":
         print(json.dumps(doc, indent=1))

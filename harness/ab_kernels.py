@@ -62,9 +62,11 @@ class KernelCheck:
 
 @dataclass
 class KernelsAB:
+    """A kernels (or, harness/ab_nodes.py, a decode-step nodes) comparison."""
     perf: list[KernelPerf]
     checks: list[KernelCheck]
     notes: list[str]
+    kind: str = "kernels"
 
     @property
     def failures(self) -> int:
@@ -74,7 +76,7 @@ class KernelsAB:
         return sum(p.verdict == verdict for p in self.perf)
 
     def to_dict(self) -> dict:
-        return {"kind": "kernels", "perf": [asdict(p) for p in self.perf],
+        return {"kind": self.kind, "perf": [asdict(p) for p in self.perf],
                 "checks": [asdict(c) for c in self.checks], "notes": self.notes,
                 "failures": self.failures,
                 "counts": {v: self.count(v) for v in ("FASTER", "SLOWER", "SAME", "UNKNOWN")}}

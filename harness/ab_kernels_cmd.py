@@ -1,9 +1,10 @@
 """`harness ab A.json B.json` when both files are `harness bench kernels` results (schema
-gguf-harness/kernels/1): the table, Markdown or JSON of harness.ab_kernels' comparison, and
-with --out ab.json + ab.html (reports/ab_kernels_html.py) in a new folder. Called by
-harness/ab_cmd.py, which owns the arguments; exit code as there (1 on a correctness failure,
-or with --fail-on-slower on a SLOWER row: kernel results have no backends to choose from, so
-any backend list means "every row")."""
+gguf-harness/kernels/1) or both `harness bench nodes` results (gguf-harness/nodes/1): the
+table, Markdown or JSON of harness.ab_kernels' / harness.ab_nodes' comparison, and with --out
+ab.json + ab.html (reports/ab_kernels_html.py) in a new folder. Called by harness/ab_cmd.py,
+which owns the arguments; exit code as there (1 on a correctness failure, or with
+--fail-on-slower on a SLOWER row: these results have no backends to choose from, so any
+backend list means "every row")."""
 from __future__ import annotations
 
 import json
@@ -16,10 +17,20 @@ from rich.table import Table
 from rich.text import Text
 
 from . import ab_kernels as abk
+from . import ab_nodes
 
 DASH = "–"
 PERF_HEAD = ("shape", "mode", "A us", "B us", "Δ", "noise", "verdict", "note")
 CHECK_HEAD = ("shape", "check", "A", "B", "state")
+NODES_PERF_HEAD = ("node group", "method", "A us", "B us", "Δ", "noise", "verdict", "note")
+NODES_CHECK_HEAD = ("node group", "check", "A", "B", "state")
+TITLES = {"kernels": ("Kernel A/B comparison", "kernels (B vs A, time per kernel)"),
+          "nodes": ("Decode-step A/B comparison", "decode step and node groups (B vs A, us per step)")}
+
+
+def heads(doc: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(perf, check) column heads of a comparison document of either kind."""
+    return (NODES_PERF_HEAD, NODES_CHECK_HEAD) if doc.get("kind") == "nodes" else (PERF_HEAD, CHECK_HEAD)
 VERDICT_STYLE = {"FASTER": "bold green", "SLOWER": "bold red", "SAME": "", "UNKNOWN": "yellow"}
 
 
@@ -42,7 +53,7 @@ def check_cells(c: dict) -> list[str]:
 
 def summary_line(doc: dict) -> str:
     n = doc["counts"]
-    return (f"correctness failures: {doc['failures']}; kernels: {n['FASTER']} FASTER, "
+    return (f"correctness failures: {doc['failures']}; {doc.get('kind', 'kernels')} rows: {n['FASTER']} FASTER, "
             f"{n['SLOWER']} SLOWER, {n['SAME']} SAME, {n['UNKNOWN']} UNKNOWN "
             f"(threshold {doc['threshold']:g}{', --fail-on-slower' if doc['fail_on_slower'] else ''}); "
             f"exit {doc['exit_code']}")
@@ -52,17 +63,23 @@ def _side(path: Path, d: dict) -> dict:
     m = d.get("machine") or {}
     git = m.get("git") or {}
     gpu = m.get("gpu") or {}
+    if ab_nodes.is_nodes_result(d):  # the engine switches the step was taken with
+        sw = m.get("switches") or {}
+        settings = " ".join(f"{k}={v}" for k, v in sorted(sw.items())) or "(default switches)"
+    else:
+        settings = " ".join(f"{k}={(d.get('settings') or {}).get(k)}"
+                            for k in ("gemv_impl", "gemv_args", "gemv_kq", "pdl"))
     return {"path": str(path), "created": d.get("created"), "git": git.get("sha"),
             "dirty": git.get("dirty"), "gpu": gpu.get("name") if isinstance(gpu, dict) else None,
-            "settings": " ".join(f"{k}={(d.get('settings') or {}).get(k)}"
-                                 for k in ("gemv_impl", "gemv_args", "gemv_kq", "pdl"))}
+            "settings": settings}
 
 
 def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:
-    res = abk.compare_kernels(a, b, threshold=args.threshold)
+    nodes = ab_nodes.is_nodes_result(a)
+    res = (ab_nodes.compare_nodes if nodes else abk.compare_kernels)(a, b, threshold=args.threshold)
     slower = args.fail_on_slower is not None
     code = abk.exit_code(res, fail_on_slower=slower)
-    doc = {**res.to_dict(), "schema": "gguf-harness/ab-kernels/1",
+    doc = {**res.to_dict(), "schema": "gguf-harness/ab-nodes/1" if nodes else "gguf-harness/ab-kernels/1",
            "created": datetime.now(UTC).isoformat(timespec="seconds"),
            "threshold": args.threshold, "fail_on_slower": slower, "exit_code": code,
            "a": _side(args.a, a), "b": _side(args.b, b)}
@@ -77,15 +94,16 @@ def print_table(doc: dict, out: Console) -> None:
                        f"{s['gpu']}, created {s['created']}, {s['settings']}"))
     for n in doc["notes"]:
         out.print(Text(f"note: {n}"))
-    t = Table(title="kernels (B vs A, time per kernel)", title_justify="left")
-    for h in PERF_HEAD:
+    perf_head, check_head = heads(doc)
+    t = Table(title=TITLES[doc.get("kind", "kernels")][1], title_justify="left")
+    for h in perf_head:
         t.add_column(h, justify="right" if h in ("A us", "B us", "Δ", "noise") else "left")
     for p in doc["perf"]:
         style = VERDICT_STYLE.get(p["verdict"], "")
-        t.add_row(*[Text(c, style=style if h == "verdict" else "") for h, c in zip(PERF_HEAD, perf_cells(p))])
+        t.add_row(*[Text(c, style=style if h == "verdict" else "") for h, c in zip(perf_head, perf_cells(p))])
     out.print(t)
-    t = Table(title="correctness", title_justify="left")
-    for h in CHECK_HEAD:
+    t = Table(title="correctness" if doc.get("kind") != "nodes" else "structure", title_justify="left")
+    for h in check_head:
         t.add_column(h)
     for c in doc["checks"]:
         t.add_row(*[Text(x, style="bold red" if c["state"] == "FAILURE" else "") for x in check_cells(c)])
@@ -95,12 +113,14 @@ def print_table(doc: dict, out: Console) -> None:
 
 def markdown(doc: dict) -> str:
     from .ab_cmd import _md_row
-    lines = ["# Kernel A/B comparison", ""]
-    lines += [f"- {k.upper()}: {doc[k]['path']} (git {doc[k]['git']}, {doc[k]['gpu']})" for k in ("a", "b")]
+    perf_head, check_head = heads(doc)
+    lines = [f"# {TITLES[doc.get('kind', 'kernels')][0]}", ""]
+    lines += [f"- {k.upper()}: {doc[k]['path']} (git {doc[k]['git']}, {doc[k]['gpu']}, {doc[k]['settings']})"
+              for k in ("a", "b")]
     lines += [f"- note: {n}" for n in doc["notes"]]
-    lines += ["", _md_row(list(PERF_HEAD)), _md_row(["---"] * len(PERF_HEAD))]
+    lines += ["", _md_row(list(perf_head)), _md_row(["---"] * len(perf_head))]
     lines += [_md_row(perf_cells(p)) for p in doc["perf"]]
-    lines += ["", _md_row(list(CHECK_HEAD)), _md_row(["---"] * len(CHECK_HEAD))]
+    lines += ["", _md_row(list(check_head)), _md_row(["---"] * len(check_head))]
     lines += [_md_row(check_cells(c)) for c in doc["checks"]]
     return "\n".join(lines + ["", summary_line(doc), ""])
 

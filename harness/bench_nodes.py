@@ -101,6 +101,8 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
         step_us = 1e6 * statistics.median(decode_s) / steps
         log(f"step graph: {step_us:.1f} us/token ({steps} chained replays, median of 3)")
         out = {"schema": SCHEMA, "n_ctx": n_ctx, "n_prompt": len(prompt_ids), "step_us": step_us,
+               # each replay sample's us per step: the spread harness ab (ab_nodes.py) judges by
+               "step_samples_us": [1e6 * s / steps for s in decode_s],
                "engine": e.info(), "methods": {}}
         e.reset()
         e.prefill(prompt_ids)

@@ -1,0 +1,113 @@
+"""A/B of two `harness bench nodes` results (schema gguf-harness/nodes/1): the decode step and
+each node group, B against A, as harness/ab_kernels.py compares kernel results (same verdict
+rule, same record types). Pure functions on result dicts; `harness ab` (harness/ab_cmd.py)
+calls them when both files are nodes results.
+
+Rows (times in microseconds per decode step; delta = us_B / us_A - 1, negative is faster):
+  - "decode step": the captured step graph over chained replays (nodes.step_us, the median of
+    the replay samples). noise = max over A and B of (max - min) / median of
+    nodes.step_samples_us (recorded since session 9; absent in older files);
+  - "sum of nodes", then one row per node group of the timing method both files have (graph,
+    else eager): nodes of one name without the layer prefix and one format (e.g. all 48
+    "ffn_down [Q4_K]"), the sum of their per-node medians, largest |us_B - us_A| first.
+    Per-node figures carry no spread in the file (each is already a median of replays).
+Verdict: SAME if |delta| <= max(threshold, noise), else FASTER / SLOWER; without a recorded
+spread (node groups, older step figures) the threshold alone decides and the row says so.
+Checks: groups or node counts present on one side only are structural changes ("new",
+"missing", "count"), never correctness failures: a nodes result checks no outputs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .ab_kernels import KernelCheck, KernelPerf, KernelsAB, _finite
+from .bench_nodes import SCHEMA as NODES_SCHEMA, split_name
+
+NO_SPREAD = "no spread recorded: threshold only"
+
+
+def is_nodes_result(doc: dict) -> bool:
+    """True for a `harness bench nodes` result (its schema field)."""
+    return isinstance(doc, dict) and doc.get("schema") == NODES_SCHEMA
+
+
+def _body(doc: dict) -> dict:
+    return doc.get("nodes") if isinstance(doc.get("nodes"), dict) else {}
+
+
+def spread(samples) -> float | None:
+    """(max - min) / median of >= 3 finite positive samples, else None."""
+    xs = sorted(x for x in (_finite(s) for s in samples or []) if x is not None and x > 0)
+    if len(xs) < 3:
+        return None
+    return (xs[-1] - xs[0]) / xs[len(xs) // 2]
+
+
+def verdict(a_us, b_us, noise, threshold: float) -> dict:
+    """The speed verdict of one time pair (ab_kernels.mode_stats' rule; noise None: threshold)."""
+    a_us, b_us = _finite(a_us), _finite(b_us)
+    if a_us is None or b_us is None or a_us <= 0:
+        return {"a_us": a_us, "b_us": b_us, "delta": None, "noise": noise, "tolerance": None,
+                "verdict": "UNKNOWN"}
+    delta = b_us / a_us - 1
+    tol = threshold if noise is None else max(threshold, noise)
+    v = "SAME" if abs(delta) <= tol else ("FASTER" if delta < 0 else "SLOWER")
+    return {"a_us": a_us, "b_us": b_us, "delta": delta, "noise": noise, "tolerance": tol, "verdict": v}
+
+
+def groups(rows: list[dict]) -> dict[str, tuple[int, float]]:
+    """{"op [fmt]": (node count, summed us)} of one method's node rows."""
+    acc: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        fmt = r.get("fmt") or ""
+        acc[f"{split_name(str(r.get('name')))[1]}" + (f" [{fmt}]" if fmt else "")].append(
+            _finite(r.get("us")) or 0.0)
+    return {k: (len(v), sum(v)) for k, v in acc.items()}
+
+
+def compare_nodes(a: dict, b: dict, threshold: float = 0.02) -> KernelsAB:
+    """B against A (both nodes results); rule in the module docstring. Raises ValueError when
+    either is not a nodes result."""
+    if not (is_nodes_result(a) and is_nodes_result(b)):
+        raise ValueError(f"not two {NODES_SCHEMA} results")
+    na, nb = _body(a), _body(b)
+    perf: list[KernelPerf] = []
+    checks: list[KernelCheck] = []
+    notes: list[str] = []
+    for k in ("n_ctx", "n_prompt"):
+        if na.get(k) != nb.get(k):
+            notes.append(f"{k} differs: {na.get(k)} -> {nb.get(k)}")
+    sw_a = ((a.get("machine") or {}).get("switches")) or {}
+    sw_b = ((b.get("machine") or {}).get("switches")) or {}
+    for k in sorted(set(sw_a) | set(sw_b)):
+        if sw_a.get(k) != sw_b.get(k):
+            notes.append(f"engine switch {k}: {sw_a.get(k, '(unset)')} -> {sw_b.get(k, '(unset)')}")
+    noise = None
+    sa, sb = spread(na.get("step_samples_us")), spread(nb.get("step_samples_us"))
+    if sa is not None and sb is not None:
+        noise = max(sa, sb)
+    perf.append(KernelPerf("step", "decode step (graph replay)", "graph",
+                           **verdict(na.get("step_us"), nb.get("step_us"), noise, threshold),
+                           note="" if noise is not None else NO_SPREAD))
+    ma, mb = na.get("methods") or {}, nb.get("methods") or {}
+    method = next((m for m in ("graph", "eager") if m in ma and m in mb), None)
+    if method is None:
+        notes.append("no node timing method in both files: only the step is compared")
+        return KernelsAB(perf, checks, notes, kind="nodes")
+    ra, rb = ma[method].get("nodes") or [], mb[method].get("nodes") or []
+    perf.append(KernelPerf("sum", "sum of nodes", method,
+                           **verdict(ma[method].get("sum_us"), mb[method].get("sum_us"), None, threshold),
+                           note=NO_SPREAD))
+    ga, gb = groups(ra), groups(rb)
+    rows = []
+    for name in ga.keys() & gb.keys():
+        (ca, ua), (cb, ub) = ga[name], gb[name]
+        if ca != cb:
+            checks.append(KernelCheck(name, "node count", str(ca), str(cb), "count"))
+        rows.append(KernelPerf(name, f"{name} x{cb}", method, **verdict(ua, ub, None, threshold),
+                               note=NO_SPREAD))
+    rows.sort(key=lambda p: -abs((p.b_us or 0) - (p.a_us or 0)))
+    perf += rows
+    checks += [KernelCheck(n, "node group", "present", "missing", "missing") for n in sorted(ga.keys() - gb.keys())]
+    checks += [KernelCheck(n, "node group", "missing", "present", "new") for n in sorted(gb.keys() - ga.keys())]
+    return KernelsAB(perf, checks, notes, kind="nodes")

@@ -1,0 +1,118 @@
+"""harness.ab_nodes: A/B of two `harness bench nodes` results (CPU only): the decode step by
+its replay spread, node groups by the threshold, structural changes as notes/checks, and the
+`harness ab` command on two nodes.json (the H200 files of session 9 among them)."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from harness import ab_nodes
+from harness.bench_nodes import SCHEMA, aggregate
+
+SWEEPS = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"
+
+
+def _doc(nodes, step, samples=None, switches=None, sha="m" * 64):
+    """A nodes result: nodes = [(name, fmt, us)], the step time and its replay samples."""
+    rows = [{"name": n, "kind": "gemv", "fmt": f, "us": us, "bytes": 1000} for n, f, us in nodes]
+    body = {"n_ctx": 2048, "n_prompt": 70, "step_us": step, "methods": {"graph": aggregate(rows, step)}}
+    if samples is not None:
+        body["step_samples_us"] = samples
+    return {"schema": SCHEMA, "machine": {"switches": switches or {}}, "model": {"sha256": sha},
+            "nodes": body}
+
+
+BASE = [("blk.0.ffn_down", "Q4_K", 20.0), ("blk.1.ffn_down", "Q4_K", 20.0),
+        ("blk.0.ffn_gate_up", "IQ3_S+IQ3_S", 100.0), ("output", "Q6_K", 300.0)]
+
+
+def _by_label(res):
+    return {p.label.rsplit(" x", 1)[0]: p for p in res.perf}
+
+
+def test_same_step_and_groups_are_same():
+    a = _doc(BASE, 500.0, [499.0, 500.0, 501.0])
+    res = ab_nodes.compare_nodes(a, copy.deepcopy(a))
+    assert {p.verdict for p in res.perf} == {"SAME"} and not res.checks and not res.notes
+    assert res.to_dict()["kind"] == "nodes"
+
+
+def test_group_sums_and_step_spread_decide():
+    """Two ffn_down nodes are one group (their sum); the IQ3_S pair 56 % faster is FASTER; a
+    4 % slower step is SAME when the replays spread 5 %, SLOWER when they spread 0.4 %."""
+    a = _doc(BASE, 500.0, [490.0, 500.0, 515.0])
+    fast = [(n, f, 44.0 if "gate_up" in n else us) for n, f, us in BASE]
+    b = _doc(fast, 520.0, [510.0, 520.0, 530.0])
+    by = _by_label(ab_nodes.compare_nodes(a, b, threshold=0.02))
+    assert by["ffn_gate_up [IQ3_S+IQ3_S]"].verdict == "FASTER"
+    assert abs(by["ffn_gate_up [IQ3_S+IQ3_S]"].delta + 0.56) < 1e-9
+    assert by["ffn_down [Q4_K]"].a_us == 40.0 and by["ffn_down [Q4_K]"].verdict == "SAME"
+    step = by["decode step (graph replay)"]
+    assert step.noise == (515.0 - 490.0) / 500.0 and step.verdict == "SAME" and step.note == ""
+    b2 = _doc(fast, 520.0, [519.0, 520.0, 521.0])
+    a2 = _doc(BASE, 500.0, [499.0, 500.0, 501.0])
+    assert _by_label(ab_nodes.compare_nodes(a2, b2))["decode step (graph replay)"].verdict == "SLOWER"
+
+
+def test_without_samples_the_threshold_decides_and_says_so():
+    a, b = _doc(BASE, 500.0), _doc(BASE, 515.0)
+    step = _by_label(ab_nodes.compare_nodes(a, b, threshold=0.02))["decode step (graph replay)"]
+    assert step.noise is None and step.verdict == "SLOWER" and step.note == ab_nodes.NO_SPREAD
+    step = _by_label(ab_nodes.compare_nodes(a, b, threshold=0.05))["decode step (graph replay)"]
+    assert step.verdict == "SAME"
+
+
+def test_structure_changes_are_checks_not_failures_and_switches_are_noted():
+    a = _doc(BASE, 500.0, switches={"GGUF_HARNESS_GEMV_KQ_IQ3S": "0"})
+    nodes_b = [r for r in BASE if r[0] != "output"] + [("blk.2.ffn_down", "Q4_K", 20.0),
+                                                      ("blk.0.qkv", "Q4_K", 9.0)]
+    res = ab_nodes.compare_nodes(a, _doc(nodes_b, 480.0))
+    states = {(c.shape, c.what): c.state for c in res.checks}
+    assert states == {("ffn_down [Q4_K]", "node count"): "count", ("output [Q6_K]", "node group"): "missing",
+                      ("qkv [Q4_K]", "node group"): "new"}
+    assert res.failures == 0
+    assert any("GGUF_HARNESS_GEMV_KQ_IQ3S: 0 -> (unset)" in n for n in res.notes)
+
+
+def _cli(argv):
+    from harness.cli import main
+    return main(argv)
+
+
+def test_cli_on_the_h200_iq3s_ab(tmp_path, capsys):
+    """The session-9 H200 pair (IQ3_S on gemv.cu vs on v9, same machine session): the step
+    and the IQ3_S group FASTER, the IQ4_XS group SAME; ab.json + ab.html written."""
+    a = SWEEPS / "2026-11-30-h200-nodes-27b-s9a-DEFAULT-1.json"
+    b = SWEEPS / "2026-11-30-h200-nodes-27b-s9a-KQ_IQ3S-1.json"
+    code = _cli(["ab", str(a), str(b), "--format", "json", "--out", str(tmp_path)])
+    doc = json.loads(capsys.readouterr().out.split("\nwrote ")[0])
+    assert code == 0 and doc["schema"] == "gguf-harness/ab-nodes/1" and doc["kind"] == "nodes"
+    by = {p["label"].rsplit(" x", 1)[0]: p for p in doc["perf"]}
+    assert by["decode step (graph replay)"]["verdict"] == "FASTER"
+    assert by["ffn_gate_up [IQ3_S+IQ3_S]"]["verdict"] == "FASTER"
+    assert by["ffn_gate_up [IQ4_XS+IQ4_XS]"]["verdict"] == "SAME"
+    (folder,) = tmp_path.iterdir()
+    page = (folder / "ab.html").read_text()
+    assert "Decode-step A/B comparison" in page and "GGUF_HARNESS_GEMV_KQ_IQ3S=1" in page
+
+
+def test_cli_refuses_other_models_unless_forced_and_escapes_names(tmp_path, capsys):
+    evil = [("blk.0.<script>alert(1)</script>", "Q4_K", 10.0)]
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(_doc(evil, 100.0)))
+    pb.write_text(json.dumps(_doc(evil, 100.0, sha="n" * 64)))
+    assert _cli(["ab", str(pa), str(pb)]) == 2
+    assert "different models" in capsys.readouterr().err
+    assert _cli(["ab", str(pa), str(pb), "--force", "--out", str(tmp_path / "o")]) == 0
+    (folder,) = (tmp_path / "o").iterdir()
+    page = (folder / "ab.html").read_text()
+    assert "<script>alert" not in page and "&lt;script&gt;" in page
+
+
+def test_cli_refuses_nodes_against_a_run_result(tmp_path, capsys):
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(_doc(BASE, 1.0)))
+    pb.write_text(json.dumps({"schema": "gguf-harness/run/1"}))
+    assert _cli(["ab", str(pa), str(pb)]) == 2
+    assert "bench nodes result with a run result" in capsys.readouterr().err
