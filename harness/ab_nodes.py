@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .ab_kernels import KernelCheck, KernelPerf, KernelsAB, _finite
-from .bench_nodes import SCHEMA as NODES_SCHEMA, split_name
+from .bench_nodes import SCHEMA as NODES_SCHEMA
+from .bench_nodes import split_name
 
 NO_SPREAD = "no spread recorded: threshold only"
 

@@ -165,6 +165,7 @@ def run_job(args, console: Console) -> int:
 def _bench(args, model, info, names, ids, base, gpu, console) -> dict:
     """Throughput of every compared backend except the oracle, same prompt, same run."""
     from backends.registry import create
+
     from .bench_e2e import bench_e2e
     from .model_bytes import decode_weight_bytes
     copy = mem = None

@@ -53,9 +53,9 @@ def usable_cpus() -> int:
 
 
 def _list(console: Console) -> int:
+    from .synth.llama_quantize import FTYPES
     from .synth.presets import PRESETS
     from .synth.qwen35_presets import QUANTS, SHAPES
-    from .synth.llama_quantize import FTYPES
     # stdout (the answer, for `| grep`), unlike progress and errors on the stderr console
     print(f"qwen35 presets: {', '.join(SHAPES)}; mixes: {', '.join(QUANTS)}")
     print(f"  --via-llama-quantize file types: {', '.join(FTYPES)}")
@@ -67,7 +67,13 @@ def _bar(console: Console):
     """(context manager, progress callback) showing bytes written."""
     if not console.is_terminal:  # a transient bar shows nothing there but leaves an empty line
         return contextlib.nullcontext(), lambda done, total, name: None
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
     bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                    TimeElapsedColumn(), console=console, transient=True)
     tid = bar.add_task("writing", total=None)

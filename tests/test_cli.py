@@ -80,8 +80,8 @@ def test_wrong_checksum(tmp_path, capsys, monkeypatch, tiny_qwen2_f32):
 
 
 def test_unsupported_architecture(tmp_path, capsys):
-    from gguf import GGUFWriter
     import numpy as np
+    from gguf import GGUFWriter
     p = tmp_path / "foo.gguf"
     w = GGUFWriter(str(p), "fooarch")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))

@@ -22,12 +22,11 @@ import re
 
 import numpy as np
 import pytest
+from gpu_util import cupy_or_skip, device_tensor, nan_poisoned
 
 from oracles import gemv_check, ops
 from oracles.blocks import random_blocks
 from oracles.dequant import dequantize, get_format
-
-from gpu_util import cupy_or_skip, device_tensor, nan_poisoned
 
 pytestmark = pytest.mark.gpu
 

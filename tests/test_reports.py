@@ -13,15 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness.config import ModelRef, ProtocolConfig, RunConfig
 from harness.errors import BackendCrash
 from harness.results import SCHEMA, read_json, write_json
 from harness.run import verify_model
 from harness.summary import Gate
-from reports import render_html, render_report, render_report_from_json
-from reports import fmt, plots
+from reports import fmt, plots, render_html, render_report, render_report_from_json
 
 V, PROMPT, N, CTX, DIV = 40, (3, 7, 11, 2), 12, 32, 5
 EVIL = "<script>alert(1)</script>"

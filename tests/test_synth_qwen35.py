@@ -9,14 +9,21 @@ import importlib.util
 import numpy as np
 import pytest
 from gguf import quants as gq
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as QT
 
 from harness.errors import ConfigError, ModelError
 from harness.gguf_file import open_gguf
 from harness.synth.gguf_stream import ROW_GROUP
 from harness.synth.qwen35 import Qwen35Shape, SynthStyle, plan_tensors, write_qwen35
-from harness.synth.qwen35_presets import (QUANTS, SOURCE_DECODE_BYTES, mix_for,
-                                          preset_decode_bytes, shape, write_qwen35_preset)
+from harness.synth.qwen35_presets import (
+    QUANTS,
+    SOURCE_DECODE_BYTES,
+    mix_for,
+    preset_decode_bytes,
+    shape,
+    write_qwen35_preset,
+)
 from harness.synth.randblocks import DIRECT_TYPES, _pack_k_scales, random_rows
 from harness.synth.synth_rows import next_token_perm
 

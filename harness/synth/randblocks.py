@@ -24,7 +24,8 @@ import functools
 
 import numpy as np
 from gguf import quants as gq
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as QT
 
 from ..errors import ConfigError
 
