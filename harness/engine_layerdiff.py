@@ -246,6 +246,15 @@ def _locate_qwen35(name: str) -> tuple[str, int] | None:
     return (name, -1) if name in ("token_embd", "output") else None
 
 
+def _part_of(name: str) -> str:
+    """The unsplit node a part belongs to: a node split by GGML type (ops.gemv_nodes with
+    GGUF_HARNESS_GEMV_KQ_MIXED=split names its parts blk.3.qkv.q4_k, blk.3.qkv.q6_k) is
+    compared as blk.3.qkv after its last part; any other name is itself."""
+    from backends.engine.formats import ENGINE_TYPES
+    base, _, tail = name.rpartition(".")
+    return base if base and tail in {t.lower() for t in ENGINE_TYPES.values()} else name
+
+
 def _walk(engine, prompt: list[int], ref: dict, tol: float, locate, outputs,
           list_missing: bool = False) -> LayerDiff:
     """Run the prompt through `engine` node by node and compare (module doc). locate: node
@@ -264,9 +273,12 @@ def _walk(engine, prompt: list[int], ref: dict, tol: float, locate, outputs,
         with engine.stream:
             for j, node in enumerate(nodes):
                 node.launch(pdl_ok=False)
-                at = locate(node.name)
+                at = locate(_part_of(node.name))
                 if at is None:
                     continue
+                if j + 1 < len(nodes) and nodes[j + 1].name != node.name and \
+                        _part_of(nodes[j + 1].name) == _part_of(node.name):
+                    continue  # a node split by type: its outputs are final after its last part
                 if j + 1 < len(nodes) and nodes[j + 1].name == node.name + ".merge":
                     continue  # split attention (v3): the output is final after its merge node
                 engine.stream.synchronize()

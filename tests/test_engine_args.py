@@ -3,6 +3,7 @@ layout of struct SegTable in kernels/segs.cuh (CPU only: the bytes the kernel wi
 from __future__ import annotations
 
 import os
+import re
 import struct
 from types import SimpleNamespace as NS
 
@@ -356,3 +357,46 @@ def test_prefetch_distance_rule_matches_the_measured_strides():
     for stride, best in measured.items():
         assert ops.pf_ahead(stride) == best, stride
     assert ops.pf_ahead(0) == ops.PF_DEFAULT and ops.pf_ahead(1 << 40) == 0
+
+
+def test_gemv_nodes_split_mixed_types_only_when_asked(monkeypatch):
+    """ops.gemv_nodes: one gemv node by default (the 27B qkv, Q4_K + Q6_K + Q6_K, on gemv.cu);
+    with GGUF_HARNESS_GEMV_KQ_MIXED=split one v9 node per type in order of first appearance,
+    named <name>.<type>, each with its own segments' outputs; not for a SwiGLU pair, a node
+    with an F32 segment, a type v9 does not take (Q8_0), or the gemv.cu loops; another value
+    is refused."""
+    from backends.engine.arena import DeviceTensor
+    from backends.engine.formats import FORMATS
+    asked = _fake_module(monkeypatch)
+    for knob, val in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"),
+                      ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_IQ3S", "1")):
+        monkeypatch.setattr(ops, knob, val)
+    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
+        monkeypatch.setattr(ops, knob, "")
+
+    def segs(types, K=5120, rows=64):
+        out = []
+        for i, t in enumerate(types):
+            rb = K // FORMATS[t].block_size * FORMATS[t].type_size
+            w = DeviceTensor(f"w{i}", 1 << (20 + i), t, (K, rows), rb, rb * rows)
+            out.append(ops.Seg(w, NS(size=rows, data=NS(ptr=4096 * (i + 1)))))
+        return out
+
+    qkv = segs([12, 14, 14])
+    monkeypatch.setattr(ops, "GEMV_KQ_MIXED", "")
+    (node,) = ops.gemv_nodes("blk.3.qkv", "store", qkv, NS(), 5120)
+    assert node.name == "blk.3.qkv" and asked[-1][0] == "gemv.cu"
+    monkeypatch.setattr(ops, "GEMV_KQ_MIXED", "split")
+    nodes = ops.gemv_nodes("blk.3.qkv", "store", qkv, NS(), 5120)
+    assert [n.name for n in nodes] == ["blk.3.qkv.q4_k", "blk.3.qkv.q6_k"]
+    assert [re.sub(r"_s[24]$", "", n.kernel.name) for n in nodes] == ["gemvkq_store_q4_k", "gemvkq_store_q6_k"]
+    assert [n.fmt for n in nodes] == ["Q4_K", "Q6_K+Q6_K"]
+    assert [int(n.args[5]) for n in nodes] == [64, 128]  # rows of each part
+    for mode, types in (("swiglu", [12, 14]), ("store", [12, 0]), ("store", [12, 8])):
+        assert len(ops.gemv_nodes("n", mode, segs(types), NS(), 5120)) == 1, (mode, types)
+    monkeypatch.setattr(ops, "GEMV_KQ", "wide")
+    assert len(ops.gemv_nodes("n", "store", qkv, NS(), 5120)) == 1
+    monkeypatch.setattr(ops, "GEMV_KQ_MIXED", "yes")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_MIXED"):
+        ops.gemv_nodes("n", "store", qkv, NS(), 5120)
+    assert "GGUF_HARNESS_GEMV_KQ_MIXED" in machine.ENGINE_SWITCHES

@@ -502,3 +502,36 @@ def test_gemv_every_block_shape(monkeypatch):
                       cp.asarray(x), K, wpr=wpr, nw=nw).launch()
             ref = ops.swiglu(wg @ _x_seen(x), wu @ _x_seen(x))
             np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=what)
+
+
+def test_gemv_nodes_mixed_split_matches_the_oracle(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_MIXED=split (ops.gemv_nodes): the 27B attention's qkv shape of node,
+    Q4_K q+gate rows with Q6_K k and v rows behind a fused RMSNorm and with biases, as one v9
+    node per type; every segment's NaN-poisoned output against the float64 oracle (the rule of
+    the v9 tests above), and the unsplit gemv.cu node on the same inputs agreeing too."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("v9 is a q16 kernel")
+    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
+    K, keep = 5120, []
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=K).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
+    xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
+    spec = [(TYPES["Q4_K"], 77), (TYPES["Q6_K"], 9), (TYPES["Q6_K"], 9)]
+    mats = [_matrix(t, r, K, 300 + j) for j, (t, r) in enumerate(spec)]
+    biases = [rng.normal(size=r).astype(np.float32) for _, r in spec]
+    bdev = [cp.asarray(b) for b in biases]  # alive as long as the nodes run
+    for mixed, want_nodes in (("split", 2), ("", 1)):
+        monkeypatch.setattr(eops, "GEMV_KQ_MIXED", mixed)
+        outs = [nan_poisoned(cp, r) for _, r in spec]
+        segs = [eops.Seg(device_tensor(cp, f"m{j}", raw, t, (K, r), keep), o, int(bd.data.ptr))
+                for j, ((t, r), (raw, _), o, bd) in enumerate(zip(spec, mats, outs, bdev))]
+        nodes = eops.gemv_nodes("blk.0.qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6)
+        assert len(nodes) == want_nodes, [n.name for n in nodes]
+        for n in nodes:
+            n.launch()
+        for (raw, w), o, b in zip(mats, outs, biases):
+            _check_rows(o.get().astype(np.float64) - b, w, xn, f"qkv mixed={mixed!r} segment")

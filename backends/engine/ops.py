@@ -92,6 +92,11 @@ KV9_WARPS = 16  # kernels/gemv_kq.cu KQ_BLOCK_WARPS
 # v9 warps per row group (kernels/gemv_kq.cu S, the kernel name's _s2 / _s4): "auto" (kv9_split)
 # or a forced 1, 2 or 4 for every v9 node (same-run A/B); read by gemv() at call time.
 GEMV_KQ_SPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_SPLIT", "auto")
+# A store/add node whose matrices have several v9 types (the 27B's attention qkv: Q4_K q+gate,
+# Q6_K k and v; 16 x 27.7 us on gemv.cu at 1595 GB/s, docs/perf-notes.md session 9): "" keeps it
+# one gemv.cu launch; "split" makes it one v9 launch per type (gemv_nodes). A/B only, not yet
+# run on a GPU: each launch stages x again, so it wins only if v9's rate pays for that.
+GEMV_KQ_MIXED = os.environ.get("GGUF_HARNESS_GEMV_KQ_MIXED", "")
 KV9_SPLITS = (1, 2, 4)
 # v9 rounds whose loads are in flight together (kernels/gemv_kq.cu KQ_UNROLL, default 2): "" keeps
 # the default build; a number selects a build with -DKQ_UNROLL=N (same-run A/B of memory-level
@@ -387,6 +392,25 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
                  np.int32(rows)), smem=smem, bytes=wbytes + act,
                 flops=2 * K * sum(s.w.rows for s in segs), out=segs[0].out,
                 fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[] if by_value else [table])
+
+
+def gemv_nodes(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | None = None,
+               eps: float = 0.0) -> list[Node]:
+    """The node(s) of y = W x over `segs` (arguments as gemv): [gemv(...)], or with
+    GGUF_HARNESS_GEMV_KQ_MIXED=split, for a store/add node of two or more GGML types that v9
+    takes one by one (q16, GEMV_KQ v9/v9l8, value arguments, no F32 segment), one gemv node per
+    type in order of first appearance, named "<name>.<type>" (e.g. blk.3.qkv.q4_k), each with
+    that type's segments, the same x, norm and eps. Segments keep their own outputs, so the
+    nodes are independent. Raises ValueError on another GEMV_KQ_MIXED value, and as gemv."""
+    if GEMV_KQ_MIXED not in ("", "split"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_MIXED={GEMV_KQ_MIXED!r}: expected split or unset")
+    types = list(dict.fromkeys(s.w.type_id for s in segs))
+    if (GEMV_KQ_MIXED == "split" and mode != "swiglu" and len(types) > 1 and GEMV_IMPL == "q16"
+            and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value"
+            and all(t != 0 and kv9_kernel(mode, [t], K, GEMV_KQ == "v9") for t in types)):
+        return [gemv(f"{name}.{ENGINE_TYPES[t].lower()}", mode, [s for s in segs if s.w.type_id == t],
+                     x, K, norm, eps) for t in types]
+    return [gemv(name, mode, segs, x, K, norm, eps)]
 
 
 GQA_MAX_SPLITS = 128  # kernels/attention_gqa.cu MAX_NS

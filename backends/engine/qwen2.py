@@ -67,7 +67,7 @@ def _layer(i: int, p: Qwen2Params, a: Arena, b: Buffers, n_ctx: int) -> list[Nod
     qkv = [ops.Seg(t("attn_q.weight"), b.q, bias("attn_q.bias")),
            ops.Seg(t("attn_k.weight"), b.k, bias("attn_k.bias")),
            ops.Seg(t("attn_v.weight"), b.v, bias("attn_v.bias"))]
-    nodes = [ops.gemv(f"blk.{i}.qkv", "store", qkv, b.x, p.n_embd, t("attn_norm.weight"), p.eps)]
+    nodes = ops.gemv_nodes(f"blk.{i}.qkv", "store", qkv, b.x, p.n_embd, t("attn_norm.weight"), p.eps)
     nodes += ops.attention(f"blk.{i}.attn", b.q, b.k, b.v, b.kc[i], b.vc[i], b.state, b.attn,
                            n_head=p.n_head, n_kv=p.n_head_kv, D=p.head_dim, n_rot=p.n_rot,
                            freq_base=p.freq_base, freq_scale=p.freq_scale, n_ctx=n_ctx,

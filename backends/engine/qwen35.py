@@ -191,7 +191,7 @@ def _attention(il: int, j: int, p: Qwen35Params, a: Arena, b: Buffers, n_ctx: in
            ops.Seg(t("attn_k.weight"), b.k, bias("attn_k.bias")),
            ops.Seg(t("attn_v.weight"), b.v, bias("attn_v.bias"))]
     return [
-        ops.gemv(pre + "qkv", "store", qkv, b.x, p.n_embd, t("attn_norm.weight"), p.eps),
+        *ops.gemv_nodes(pre + "qkv", "store", qkv, b.x, p.n_embd, t("attn_norm.weight"), p.eps),
         gated_attn_ops.gated_attention(
             pre + "attn", b.qg, b.k, b.v, t("attn_q_norm.weight"), t("attn_k_norm.weight"),
             b.kc[j], b.vc[j], b.state, b.attn, n_head=p.n_head, n_kv=p.n_head_kv,
