@@ -334,6 +334,10 @@ def test_v9_unroll_build_defines(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_MINB", "2")
     assert ops.kv9_defines() == ("KQ_MINB=2", "KQ_L1PF=2")
     assert "#ifndef KQ_L1PF\n#define KQ_L1PF 0" in src
+    monkeypatch.setattr(ops, "GEMV_KQ_PIPE", "1")  # the prefetches live in the unrotated loop only
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PIPE and GGUF_HARNESS_GEMV_KQ_L1PF"):
+        ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_PIPE", "")
     monkeypatch.setattr(ops, "GEMV_KQ_L1PF", "")
     monkeypatch.setattr(ops, "GEMV_KQ_MINB", "")
     for knob, bad in (("GEMV_KQ_PF", "0"), ("GEMV_KQ_PIPE", "3"), ("GEMV_KQ_PIPE", "2.0"), ("GEMV_KQ_L1PF", "9")):

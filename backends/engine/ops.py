@@ -117,6 +117,7 @@ GEMV_KQ_PIPE = os.environ.get("GGUF_HARNESS_GEMV_KQ_PIPE", "")
 # KQ_L1PF=D: each warp asks L1 (prefetch.global.L1, no registers held) for the bytes of its round
 # D rounds ahead, into the next row at a row's end. A/B build, not yet run on a GPU; ptxas gives
 # its S = 1 instances 77-87 registers unless GGUF_HARNESS_GEMV_KQ_MINB=2 caps them (no spills).
+# 8-lane rows only (GEMV_KQ=v9's 4-lane Q4_K/Q5_K kernels ignore it); not with KQ_PIPE.
 GEMV_KQ_L1PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_L1PF", "")
 
 
@@ -124,7 +125,7 @@ def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_PF -> KQ_PF, GEMV_KQ_PIPE -> KQ_PIPE,
     GEMV_KQ_L1PF -> KQ_L1PF; unset: the kernel's defaults). Raises ValueError unless each is empty
-    or an integer 1..8 (PIPE: 1 or 2)."""
+    or an integer 1..8 (PIPE: 1 or 2), and for PIPE with L1PF (the kernel has no build of both)."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL"),
@@ -138,6 +139,8 @@ def kv9_defines() -> tuple[str, ...]:
         if not val.isdigit() or not 1 <= int(val) <= hi:
             raise ValueError(f"{env}={val!r}: expected an integer 1..{hi}")
         out.append(f"{define}={int(val)}")
+    if GEMV_KQ_PIPE and GEMV_KQ_L1PF:
+        raise ValueError("GGUF_HARNESS_GEMV_KQ_PIPE and GGUF_HARNESS_GEMV_KQ_L1PF: separate A/B builds, set one")
     return tuple(out)
 
 

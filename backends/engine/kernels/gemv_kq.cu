@@ -61,6 +61,8 @@ static_assert(kKqPipe >= 0 && kKqPipe <= 2, "KQ_PIPE is 0, 1 or 2");
 #define KQ_L1PF 0  // rounds ahead whose bytes each warp asks L1 for (prefetch.global.L1), across rows
 #endif
 constexpr int kKqL1pf = KQ_L1PF;
+// the prefetches sit in the default (unrotated) loops of the 8-lane rows only
+static_assert(!(kKqPipe > 0 && kKqL1pf > 0), "KQ_PIPE and KQ_L1PF are separate A/B builds");
 
 // Lane mappings of a warp: 8 lanes per super-block, one row per warp (kwide.cuh's rows), or 4
 // lanes per super-block, two rows per warp (16 lanes each; kwide4.cuh, x staged with xq_slot4).
