@@ -23,7 +23,7 @@ WORKFLOW = ROOT / ".github" / "workflows" / "gpu-nightly.yml"
 STAGES = ["setup", "gpu-tests", "verify", "synth-27b", "bench", "report", "gate"]
 Q05, Q15 = "qwen2.5-coder-0.5b-q4_k_m", "qwen2.5-coder-1.5b-q4_k_m"
 KNOBS = ("OUT", "VENV", "CUDA_ARCH", "GATE_THRESHOLD", "GATE_SLOWER_BACKENDS", "MODELS", "EXTRAS",
-         "WORK", "KEEP_SYNTH", "MAKE", "HARNESS", "RUNNER_TEMP")
+         "WORK", "KEEP_SYNTH", "SYNTH_QUANTS", "MAKE", "HARNESS", "RUNNER_TEMP")
 S7 = ROOT / "docs" / "results" / "nightly-2026-11-29-h200-s7"
 
 # A stand-in for the `harness` command: help texts in argparse's shape, `verify` writes a
@@ -68,6 +68,8 @@ if argv[:1] == ["verify"]:
 if argv[:1] == ["report"] and os.environ.get("FAKE_TOUCH"):
     Path(os.environ["FAKE_TOUCH"]).write_text("stray")
 if argv[:1] == ["synth"]:
+    if argv[argv.index("--quant") + 1] == os.environ.get("FAKE_SYNTH_FAIL"):
+        sys.exit(2)
     Path(argv[argv.index("--out") + 1]).write_bytes(b"GGUF")
     sys.exit(0)
 if argv[:1] == ["ab"]:
@@ -258,6 +260,24 @@ def test_nightly_gate_compares_with_previous_run(fake):
     assert not (env["WORK"] / "qwen35-27b.gguf").exists()  # removed unless KEEP_SYNTH=1
     for stage in ("verify", "gate"):
         assert (_ci_dir(env["OUT"]) / f"{stage}.log").stat().st_size > 0
+
+
+def test_nightly_synth_27b_runs_each_mix_of_synth_quants(fake):
+    """SYNTH_QUANTS=ud-q4_k_m,q4_k_m: the stage synthesises and verifies each mix in turn (ud
+    keeps the earlier nightlies' file name, so the gate still pairs its runs), deleting each
+    file; a mix whose synth fails fails the stage but the next mix still runs."""
+    env, calls = fake
+    r = _script("--only", "synth-27b", SYNTH_QUANTS="ud-q4_k_m,q4_k_m", **env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = calls()
+    assert [c[c.index("--quant") + 1] for c in log if c[0] == "synth"] == ["ud-q4_k_m", "q4_k_m"]
+    assert [c[c.index("--model") + 1] for c in log if c[0] == "verify"] == [
+        str(env["WORK"] / "qwen35-27b.gguf"), str(env["WORK"] / "qwen35-27b-q4_k_m.gguf")]
+    assert not list(env["WORK"].glob("*.gguf"))
+    r = _script("--only", "synth-27b", SYNTH_QUANTS="nope,q4_k_m", FAKE_SYNTH_FAIL="nope", **env)
+    assert r.returncode == 1 and "FAILED stage(s): synth-27b" in r.stderr
+    assert [c[c.index("--model") + 1] for c in calls() if c[0] == "verify"][-1] == \
+        str(env["WORK"] / "qwen35-27b-q4_k_m.gguf")
 
 
 @pytest.mark.parametrize("knob", ["all", "engine,llamacpp"])
