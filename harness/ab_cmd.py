@@ -233,15 +233,6 @@ def _peek(path: Path) -> dict:
         raise ConfigError(f"cannot read result {path}: {e}") from None
 
 
-def _same_model(args, a: dict, b: dict) -> None:
-    """Two nodes results of different model files are not an A/B of the engine (ConfigError;
-    --force compares them anyway), as for run results."""
-    sha_a, sha_b = ((d.get("model") or {}).get("sha256") for d in (a, b))
-    if sha_a != sha_b and not args.force:
-        raise ConfigError(f"the nodes results are of different models ({str(sha_a)[:12]} vs "
-                          f"{str(sha_b)[:12]}); --force compares them anyway")
-
-
 def run_ab(args, console: Console) -> int:
     """The `harness ab` command; returns the exit code (ConfigError for bad input). Two
     `harness bench kernels` results go to harness/ab_kernels_cmd.py."""
@@ -250,8 +241,6 @@ def run_ab(args, console: Console) -> int:
     for name, is_kind, files in (("bench kernels", ab_kernels.is_kernels_result, "kernels.json"),
                                  ("bench nodes", ab_nodes.is_nodes_result, "nodes.json")):
         if all(is_kind(k) for k in kinds):
-            if name == "bench nodes":
-                _same_model(args, kinds[0], kinds[1])
             from . import ab_kernels_cmd
             return ab_kernels_cmd.run(args, kinds[0], kinds[1], console)
         if any(is_kind(k) for k in kinds):

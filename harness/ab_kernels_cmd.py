@@ -76,7 +76,8 @@ def _side(path: Path, d: dict) -> dict:
 
 def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:
     nodes = ab_nodes.is_nodes_result(a)
-    res = (ab_nodes.compare_nodes if nodes else abk.compare_kernels)(a, b, threshold=args.threshold)
+    res = (ab_nodes.compare_nodes(a, b, threshold=args.threshold, force=args.force) if nodes
+           else abk.compare_kernels(a, b, threshold=args.threshold))
     slower = args.fail_on_slower is not None
     code = abk.exit_code(res, fail_on_slower=slower)
     doc = {**res.to_dict(), "schema": "gguf-harness/ab-nodes/1" if nodes else "gguf-harness/ab-kernels/1",

@@ -15,6 +15,8 @@ Verdict: SAME if |delta| <= max(threshold, noise), else FASTER / SLOWER; without
 spread (node groups, older step figures) the threshold alone decides and the row says so.
 Checks: groups or node counts present on one side only are structural changes ("new",
 "missing", "count"), never correctness failures: a nodes result checks no outputs.
+Comparability: two files of different model SHA256 are not an A/B of the engine (ConfigError,
+as harness.ab.compare refuses run results; force compares them with a note).
 """
 from __future__ import annotations
 
@@ -66,15 +68,22 @@ def groups(rows: list[dict]) -> dict[str, tuple[int, float]]:
     return {k: (len(v), sum(v)) for k, v in acc.items()}
 
 
-def compare_nodes(a: dict, b: dict, threshold: float = 0.02) -> KernelsAB:
+def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False) -> KernelsAB:
     """B against A (both nodes results); rule in the module docstring. Raises ValueError when
-    either is not a nodes result."""
+    either is not a nodes result, ConfigError for two model files unless force."""
+    from .errors import ConfigError
     if not (is_nodes_result(a) and is_nodes_result(b)):
         raise ValueError(f"not two {NODES_SCHEMA} results")
     na, nb = _body(a), _body(b)
     perf: list[KernelPerf] = []
     checks: list[KernelCheck] = []
     notes: list[str] = []
+    sha_a, sha_b = ((d.get("model") or {}).get("sha256") for d in (a, b))
+    if sha_a != sha_b:
+        why = f"the nodes results are of different models ({str(sha_a)[:12]} vs {str(sha_b)[:12]})"
+        if not force:
+            raise ConfigError(why + "; --force compares them anyway")
+        notes.append(why)
     for k in ("n_ctx", "n_prompt"):
         if na.get(k) != nb.get(k):
             notes.append(f"{k} differs: {na.get(k)} -> {nb.get(k)}")

@@ -312,14 +312,11 @@ def run_bench_table(args) -> int:
     """CLI: print the table of args.result (+ args.llama_bench files) in args.format to stdout.
 
     ConfigError when the result cannot be read or no rows result at all."""
-    from .results import SCHEMA, read_json
+    from .results import read_run_result
     try:
-        result = read_json(args.result)
-    except (OSError, ValueError) as e:  # missing/unreadable file, not JSON, not a result
+        result = read_run_result(args.result, "bench-table")
+    except (OSError, ValueError) as e:  # missing/unreadable file, not JSON, not a run result
         raise ConfigError(f"cannot read {args.result}: {e}") from None
-    if result.get("schema") != SCHEMA:  # a kernels / nodes / layerdiff / ab result
-        raise ConfigError(f"{args.result} is a {result.get('schema')} result; bench-table reads run "
-                          f"results ({SCHEMA}: result.json of harness run / verify --bench)")
     rows = rows_from_result(result)
     for path in args.llama_bench or []:
         rows += rows_from_llama_bench(path)

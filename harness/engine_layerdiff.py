@@ -53,6 +53,7 @@ KV cache fp16 as the engine's.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Sequence
@@ -246,6 +247,7 @@ def _locate_qwen35(name: str) -> tuple[str, int] | None:
     return (name, -1) if name in ("token_embd", "output") else None
 
 
+@functools.cache
 def _part_of(name: str) -> str:
     """The unsplit node a part belongs to: a node split by GGML type (ops.gemv_nodes with
     GGUF_HARNESS_GEMV_KQ_MIXED=split names its parts blk.3.qkv.q4_k, blk.3.qkv.q6_k) is

@@ -89,3 +89,13 @@ def read_json(path: Path) -> dict:
     if not isinstance(obj, dict) or not str(obj.get("schema", "")).startswith("gguf-harness/"):
         raise ValueError(f"{path} is not a gguf-harness result")
     return obj
+
+
+def read_run_result(path: Path, reader: str) -> dict:
+    """read_json, and a run result (schema SCHEMA) only: another gguf-harness result (kernels,
+    nodes, layerdiff, ab) raises ValueError naming its schema and what `reader` reads."""
+    obj = read_json(path)
+    if obj.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is a {obj.get('schema')} result; {reader} reads run results "
+                         f"({SCHEMA}: result.json of harness run / verify)")
+    return obj

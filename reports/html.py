@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 
 from harness.benchtable import report_table
-from harness.results import read_json, write_atomic
+from harness.results import read_run_result, write_atomic
 
 from . import plots
 from .fmt import FILTERS
@@ -69,14 +69,10 @@ def render_report_from_json(json_path: Path) -> Path:
     folder's result.json, <name>.report.html for any other file name (results kept side by side,
     as under docs/results/, do not overwrite each other's reports).
 
-    Raises ValueError if the file is not a gguf-harness run result (harness.results.read_json;
+    Raises ValueError if the file is not a gguf-harness run result (harness.results.read_run_result;
     a kernels, nodes, layerdiff or ab result has its own schema and is refused by name),
     OSError if it cannot be read."""
-    from harness.results import SCHEMA
     json_path = Path(json_path)
-    result = read_json(json_path)
-    if result.get("schema") != SCHEMA:
-        raise ValueError(f"{json_path} is a {result.get('schema')} result; harness report renders "
-                         f"run results ({SCHEMA}: result.json of harness run / verify)")
+    result = read_run_result(json_path, "harness report")
     name = "report.html" if json_path.name == "result.json" else f"{json_path.stem}.report.html"
     return render_report(result, json_path.parent / name)

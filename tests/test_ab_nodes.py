@@ -106,6 +106,7 @@ def test_cli_refuses_other_models_unless_forced_and_escapes_names(tmp_path, caps
     assert "different models" in capsys.readouterr().err
     assert _cli(["ab", str(pa), str(pb), "--force", "--out", str(tmp_path / "o")]) == 0
     (folder,) = (tmp_path / "o").iterdir()
+    assert any("different models" in n for n in json.loads((folder / "ab.json").read_text())["notes"])
     page = (folder / "ab.html").read_text()
     assert "<script>alert" not in page and "&lt;script&gt;" in page
 

@@ -152,10 +152,6 @@ template <bool SW4> __device__ __forceinline__ float f32_row(const u8* row, cons
     return acc;
 }
 
-// Lane's partial dot product of one row: super-blocks sb0, sb0 + st, ... (nsb = K / 256;
-// sb0 = grp + 4 ws, st = 4 S for split part ws of S, kq_body). Q: the format's trait (KQ<T>: 8
-// lanes per super-block, grp = lane >> 3, i = lane & 7; KQ4<T>: 4 lanes, grp = (lane >> 2) & 3,
-// i = lane & 3).
 // KQ_L1PF = D: at round j of a row (rounds of st super-blocks from sb0: the warp's part of the
 // row; nr of them), lanes 0..7 ask L1 for the 128-byte lines of round j + D: of this row, or
 // round j + D - nr of the next row `next` (nullptr: none). A round of an 8-lane warp is 4
@@ -186,6 +182,11 @@ template <class Q> struct Carry {
     bool have;
 };
 
+// Lane's partial dot product of one row: super-blocks sb0, sb0 + st, ... (nsb = K / 256;
+// sb0 = grp + 4 ws, st = 4 S for split part ws of S, kq_body). Q: the format's trait (KQ<T>: 8
+// lanes per super-block, grp = lane >> 3, i = lane & 7; KQ4<T>: 4 lanes, grp = (lane >> 2) & 3,
+// i = lane & 3). c, next: KQ_PIPE 2's carry and the warp's next row of this type (nullptr:
+// none; KQ_L1PF reads next too); unused by the default build.
 template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const XS& xa, const typename Q::Lane& w,
                                                            int nsb, int sb0, int st, int i,
                                                            Carry<Q>* c = nullptr, const u8* next = nullptr) {
@@ -358,7 +359,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         const bool live = row < total_rows;
         if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
         int r = live ? row : 0, si = 0;
-        int nr = row + step;  // this lane's next row (KQ_PIPE 2), if it has one
+        int nr = row + step;  // this lane's next row (KQ_PIPE 2, KQ_L1PF), if it has one
         const bool nlive = (kKqPipe > 1 || kKqL1pf > 0) && nr < total_rows;
         float y, up = 0.f;
         if constexpr (MODE == 2) {
