@@ -235,7 +235,7 @@ def _peek(path: Path) -> dict:
 
 def run_ab(args, console: Console) -> int:
     """The `harness ab` command; returns the exit code (ConfigError for bad input). Two
-    `harness bench kernels` results go to harness/ab_kernels_cmd.py."""
+    `harness bench kernels` or two `harness bench nodes` results go to harness/ab_kernels_cmd.py."""
     from . import ab_kernels, ab_nodes
     kinds = [_peek(p) for p in (args.a, args.b)]
     for name, is_kind, files in (("bench kernels", ab_kernels.is_kernels_result, "kernels.json"),
