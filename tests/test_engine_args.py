@@ -320,7 +320,9 @@ def test_v9_unroll_build_defines(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ2_UNROLL", "")
     monkeypatch.setattr(ops, "GEMV_KQ_MINB", "3")
     assert ops.kv9_defines() == ("KQ_MINB=3",)
-    assert "#ifdef KQ_MINB" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    assert "#ifndef KQ_MINB\n#define KQ_MINB 2" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    monkeypatch.setattr(ops, "GEMV_KQ_MINB", "0")  # session 9's launch bounds, for A/B
+    assert ops.kv9_defines() == ("KQ_MINB=0",)
     monkeypatch.setattr(ops, "GEMV_KQ_MINB", "")
     # the latency A/B builds (session 9): next-row L2 prefetch, pipelined loads (PIPE 1 or 2)
     monkeypatch.setattr(ops, "GEMV_KQ_PF", "1")
@@ -364,8 +366,8 @@ def test_prefetch_distance_rule_matches_the_measured_strides():
 
 
 def test_gemv_nodes_split_mixed_types_only_when_asked(monkeypatch):
-    """ops.gemv_nodes: one gemv node by default (the 27B qkv, Q4_K + Q6_K + Q6_K, on gemv.cu);
-    with GGUF_HARNESS_GEMV_KQ_MIXED=split one v9 node per type in order of first appearance,
+    """ops.gemv_nodes: with GGUF_HARNESS_GEMV_KQ_MIXED=one one gemv node (the 27B qkv, Q4_K +
+    Q6_K + Q6_K, on gemv.cu); with split (the default) one v9 node per type in order of first appearance,
     named <name>.<type>, each with its own segments' outputs; not for a SwiGLU pair, a node
     with an F32 segment, a type v9 does not take (Q8_0), or the gemv.cu loops; another value
     is refused."""
@@ -387,7 +389,7 @@ def test_gemv_nodes_split_mixed_types_only_when_asked(monkeypatch):
         return out
 
     qkv = segs([12, 14, 14])
-    monkeypatch.setattr(ops, "GEMV_KQ_MIXED", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_MIXED", "one")
     (node,) = ops.gemv_nodes("blk.3.qkv", "store", qkv, NS(), 5120)
     assert node.name == "blk.3.qkv" and asked[-1][0] == "gemv.cu"
     monkeypatch.setattr(ops, "GEMV_KQ_MIXED", "split")
@@ -404,3 +406,59 @@ def test_gemv_nodes_split_mixed_types_only_when_asked(monkeypatch):
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_MIXED"):
         ops.gemv_nodes("n", "store", qkv, NS(), 5120)
     assert "GGUF_HARNESS_GEMV_KQ_MIXED" in machine.ENGINE_SWITCHES
+
+
+def test_tma_plan_hand_counts():
+    """tma_plan.plan (engine v10's shared memory) on hand counts with 227 KiB per block: the
+    ring after the staged x (gemv_smem, 128-byte aligned), 4 stages x 16 tile rows (x2 for a
+    pair) of slots, each roundup16(kc x type_size) + 16 bytes."""
+    from backends.engine.tma_plan import plan
+    smem = 227 * 1024
+    # Q4_K K = 5120: x 13440 B; (232448 - 4096 - 13440) / 64 = 3358 B per slot: whole rows
+    p = plan(5120, 144, False, ops.gemv_smem(5120), smem)
+    assert (p.kc, p.chunks, p.slot, p.ring_off, p.smem) == (20, 1, 2896, 13440, 13440 + 64 * 2896)
+    # Q6_K K = 17408: x 45696 B; 2854 B per slot: 13 blocks fit, a multiple of 4 taken: 12 -> 6 chunks
+    p = plan(17408, 210, False, ops.gemv_smem(17408), smem)
+    assert (p.kc, p.chunks, p.slot, p.smem) == (12, 6, 2544, 45696 + 64 * 2544)
+    # IQ4_XS gate/up pair K = 5120: 128 slots of 1679 B: 12 blocks, chunks of 12 and 8
+    p = plan(5120, 136, True, ops.gemv_smem(5120), smem)
+    assert (p.kc, p.chunks, p.slot, p.smem) == (12, 2, 1648, 13440 + 128 * 1648)
+    assert plan(256, 210, False, ops.gemv_smem(256), smem).kc == 1
+    assert plan(5120, 144, False, ops.gemv_smem(5120), 20 * 1024) is None  # 46 B per slot: no block fits
+    for bad in ((100, 144), (0, 144), (512, 0)):
+        with pytest.raises(ValueError, match="TMA plan"):
+            plan(bad[0], bad[1], False, 0, smem)
+
+
+def test_gemv_tma_routing(monkeypatch):
+    """ops.gemv with GGUF_HARNESS_GEMV_TMA=1: a single-type v9 node of each mode goes to
+    gemv_tma.cu's gemvtma_<mode>_<type> with one block per SM (at most one per row), 17 warps, the
+    plan's kc / slot / ring offset as arguments; F32 rows beside the type, Q8_0 and mixed types
+    keep their kernels; unset keeps v9; a misaligned matrix and another value are refused."""
+    asked = _fake_module(monkeypatch)
+    monkeypatch.setattr(ops.module, "smem_optin", lambda: 227 * 1024)
+    for knob, val in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"),
+                      ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_IQ3S", "1"), ("GEMV_TMA", "1")):
+        monkeypatch.setattr(ops, knob, val)
+    for mode, types, K, rows, want in (("store", [12], 5120, 10240, "gemvtma_store_q4_k"),
+                                       ("add", [14, 14], 17408, 5120, "gemvtma_add_q6_k"),
+                                       ("swiglu", [23, 23], 5120, 17408, "gemvtma_swiglu_iq4_xs"),
+                                       ("store", [21], 17408, 5, "gemvtma_store_iq3_s")):
+        node = _gemv_node(mode, types, K, rows, lambda i: 256 << (20 + i))
+        assert (asked[-1][0], node.kernel.name) == ("gemv_tma.cu", want)
+        assert node.grid == (min(132, rows),) and node.block == (17 * 32,)
+        from backends.engine.tma_plan import plan
+        from backends.engine.formats import FORMATS
+        p = plan(K, FORMATS[types[0]].type_size, mode == "swiglu", ops.gemv_smem(K), 227 * 1024)
+        assert [int(a) for a in node.args[6:]] == [p.kc, p.slot, p.ring_off] and node.smem == p.smem
+    for types in ([12, 0], [8], [12, 14]):
+        node = _gemv_node("store", types, 5120, 64, lambda i: 256 << (20 + i))
+        assert not node.kernel.name.startswith("gemvtma_"), (types, node.kernel.name)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        _gemv_node("store", [12], 5120, 64, lambda i: (256 << 20) + 8)
+    monkeypatch.setattr(ops, "GEMV_TMA", "")
+    assert _gemv_node("store", [12], 5120, 64, lambda i: 256 << 20).kernel.name.startswith("gemvkq_")
+    monkeypatch.setattr(ops, "GEMV_TMA", "yes")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_TMA"):
+        _gemv_node("store", [12], 5120, 64, lambda i: 256 << 20)
+    assert "GGUF_HARNESS_GEMV_TMA" in machine.ENGINE_SWITCHES

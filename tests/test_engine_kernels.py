@@ -524,7 +524,7 @@ def test_gemv_nodes_mixed_split_matches_the_oracle(monkeypatch):
     mats = [_matrix(t, r, K, 300 + j) for j, (t, r) in enumerate(spec)]
     biases = [rng.normal(size=r).astype(np.float32) for _, r in spec]
     bdev = [cp.asarray(b) for b in biases]  # alive as long as the nodes run
-    for mixed, want_nodes in (("split", 2), ("", 1)):
+    for mixed, want_nodes in (("split", 2), ("one", 1)):
         monkeypatch.setattr(eops, "GEMV_KQ_MIXED", mixed)
         outs = [nan_poisoned(cp, r) for _, r in spec]
         segs = [eops.Seg(device_tensor(cp, f"m{j}", raw, t, (K, r), keep), o, int(bd.data.ptr))
@@ -535,3 +535,84 @@ def test_gemv_nodes_mixed_split_matches_the_oracle(monkeypatch):
             n.launch()
         for (raw, w), o, b in zip(mats, outs, biases):
             _check_rows(o.get().astype(np.float64) - b, w, xn, f"qkv mixed={mixed!r} segment")
+
+
+def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(monkeypatch):
+    """Engine v10 (kernels/gemv_tma.cu, GGUF_HARNESS_GEMV_TMA=1): the weights reach shared memory
+    through bulk copies into a ring of stages. Cases: every type at K = 512 over 9001 rows (many
+    tiles per block), K = 5120 (whole rows per stage) and K = 17408 over 300 rows (rows in
+    several chunks; Q6_K / IQ3_S chunks start off 16-byte boundaries), fewer rows than SMs (5:
+    blocks of one row, most tile warps idle); a 3-segment node behind a fused RMSNorm with biases
+    (tiles straddle segments); add over two segments; SwiGLU pairs at the 27B width, over 9001
+    rows and at K = 17408. Each asserted to run a gemvtma_ kernel, NaN-poisoned outputs, the v9
+    tests' oracle rule, and a second launch bitwise equal (fixed lanes and order: no atomics).
+    A node with F32 rows beside the type's stays on v9."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("v10 is a q16 kernel")
+    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
+    monkeypatch.setattr(eops, "GEMV_KQ_IQ3S", "1")
+    monkeypatch.setattr(eops, "GEMV_TMA", "1")
+    keep = []
+
+    def run_twice(node, outs, what):
+        assert node.kernel.name.startswith("gemvtma_"), (what, node.kernel.name)
+        node.launch()
+        first = [o.get() for o in outs]
+        for o in outs:
+            o.fill(np.nan)
+        node.launch()
+        for a, o in zip(first, outs):
+            assert np.array_equal(a, o.get(), equal_nan=True), f"{what}: second launch differs"
+        return first
+
+    for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S"):
+        t = TYPES[name]
+        for rows, K in ((9001, 512), (37, 5120), (5, 17408), (300, 17408)):
+            raw, w = _matrix(t, rows, K, seed=rows + K + t)
+            x = np.random.default_rng(K).normal(size=K).astype(np.float32)
+            out = nan_poisoned(cp, rows)
+            node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep), out)],
+                             cp.asarray(x), K)
+            (y,) = run_twice(node, [out], f"v10 {name} [{rows}x{K}]")
+            _check_rows(y.astype(np.float64), w, x, f"v10 {name} [{rows}x{K}]")
+        K = 1024
+        rng = np.random.default_rng(t)
+        x = rng.normal(size=K).astype(np.float32)
+        nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+        nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
+        xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
+        mats = [_matrix(t, r, K, 50 + r) for r in (19, 3, 40)]
+        outs = [nan_poisoned(cp, r) for r in (19, 3, 40)]
+        biases = [rng.normal(size=r).astype(np.float32) for r in (19, 3, 40)]
+        bdev = [cp.asarray(b) for b in biases]
+        segs = [eops.Seg(device_tensor(cp, f"m{j}", raw, t, (K, raw.shape[0]), keep), o, int(b.data.ptr))
+                for j, ((raw, _), o, b) in enumerate(zip(mats, outs, bdev))]
+        ys = run_twice(eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6), outs, f"v10 {name} qkv")
+        for (raw, w), y, b in zip(mats, ys, biases):
+            _check_rows(y.astype(np.float64) - b, w, xn, f"v10 {name} segment with bias and norm")
+        f32 = (rng.normal(size=(5, K)) * 0.05).astype(np.float32)
+        node = eops.gemv("ssm_in", "store", [eops.Seg(device_tensor(cp, "k", mats[0][0], t, (K, 19), keep), outs[0]),
+                                             eops.Seg(device_tensor(cp, "f", f32.view(np.uint8), 0, (K, 5), keep),
+                                                      nan_poisoned(cp, 5))], cp.asarray(x), K)
+        assert node.kernel.name.startswith("gemvkq"), node.kernel.name
+        bases = [rng.normal(size=r).astype(np.float32) for r in (19, 3)]
+        accs = [cp.asarray(b) for b in bases]
+        node = eops.gemv("o", "add", [eops.Seg(device_tensor(cp, f"a{j}", raw, t, (K, raw.shape[0]), keep), a)
+                                      for j, ((raw, _), a) in enumerate(zip(mats[:2], accs))], cp.asarray(x), K)
+        assert node.kernel.name == f"gemvtma_add_{eops.KV9_NAMES[t]}", node.kernel.name
+        node.launch()
+        for (raw, w), a, b in zip(mats[:2], accs, bases):
+            _check_rows(a.get().astype(np.float64) - b, w, x, f"v10 {name} add, two segments")
+        for rows, K2 in ((23, 5120), (9001, 256), (70, 17408)):
+            (rg, wg), (ru, wu) = _matrix(t, rows, K2, seed=rows + 1), _matrix(t, rows, K2, seed=rows + 2)
+            x2 = rng.normal(size=K2).astype(np.float32)
+            h = nan_poisoned(cp, rows)
+            node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K2, rows), keep), h),
+                                             eops.Seg(device_tensor(cp, "u", ru, t, (K2, rows), keep), h)],
+                             cp.asarray(x2), K2)
+            (y,) = run_twice(node, [h], f"v10 {name} swiglu [{rows}x{K2}]")
+            ref = ops.swiglu(wg @ _x_seen(x2), wu @ _x_seen(x2))
+            np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
+                                       err_msg=f"v10 {name} swiglu [{rows}x{K2}]")

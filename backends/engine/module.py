@@ -107,6 +107,14 @@ def sm_count() -> int:
     return int(cp.cuda.Device().attributes["MultiProcessorCount"])
 
 
+@lru_cache(maxsize=None)
+def smem_optin() -> int:
+    """Most shared memory (bytes) one block may opt in to on the current device (227 KiB on
+    sm_90: cudaDevAttrMaxSharedMemoryPerBlockOptin)."""
+    import cupy as cp
+    return int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+
+
 def blocks_per_sm(k, threads: int, smem: int) -> int:
     """Resident blocks of kernel `k` per SM at this block size and dynamic shared memory
     (cuOccupancyMaxActiveBlocksPerMultiprocessor: registers, shared memory, thread limits)."""

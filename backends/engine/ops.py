@@ -12,7 +12,7 @@ import numpy as np
 from . import module
 from .arena import DeviceTensor
 from .executor import Node
-from .formats import ENGINE_TYPES, check_type
+from .formats import ENGINE_TYPES, FORMATS, check_type
 
 WARPS = 4            # rows per GEMV block (kernels/gemv.cu WARPS)
 MAX_SEG = 4          # kernels/gemv.cu MAX_SEG
@@ -93,18 +93,24 @@ KV9_WARPS = 16  # kernels/gemv_kq.cu KQ_BLOCK_WARPS
 # or a forced 1, 2 or 4 for every v9 node (same-run A/B); read by gemv() at call time.
 GEMV_KQ_SPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_SPLIT", "auto")
 # A store/add node whose matrices have several v9 types (the 27B's attention qkv: Q4_K q+gate,
-# Q6_K k and v; 16 x 27.7 us on gemv.cu at 1595 GB/s, docs/perf-notes.md session 9): "" keeps it
-# one gemv.cu launch; "split" makes it one v9 launch per type (gemv_nodes). A/B only, not yet
-# run on a GPU: each launch stages x again, so it wins only if v9's rate pays for that.
-GEMV_KQ_MIXED = os.environ.get("GGUF_HARNESS_GEMV_KQ_MIXED", "")
+# Q6_K k and v; 16 x 27.7 us on gemv.cu at 1595 GB/s, docs/perf-notes.md session 9): "split"
+# (the default) makes it one v9 launch per type (gemv_nodes); "one" keeps one gemv.cu launch
+# (A/B). Measured on the H200 (session 10): 27B ud-q4_k_m decode step 7468 -> 7396 us (-1.0 %;
+# the default twice within 0.1 %), although each launch stages x again.
+GEMV_KQ_MIXED = os.environ.get("GGUF_HARNESS_GEMV_KQ_MIXED", "split")
 KV9_SPLITS = (1, 2, 4)
+# Engine v10 (kernels/gemv_tma.cu, tma_plan.py): "1" sends every node v9 would take, except those
+# with F32 rows, through the TMA-fed kernels (weights copied into a shared-memory ring by a
+# producer warp; one persistent block per SM); "" (default) keeps v9. A/B, written in session 10.
+GEMV_TMA = os.environ.get("GGUF_HARNESS_GEMV_TMA", "")
 # v9 rounds whose loads are in flight together (kernels/gemv_kq.cu KQ_UNROLL, default 2): "" keeps
 # the default build; a number selects a build with -DKQ_UNROLL=N (same-run A/B of memory-level
 # parallelism: bytes in flight per SM are at the Little's-law edge, docs/perf-notes.md session 8).
 GEMV_KQ_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ_UNROLL", "")
 # the same for the gate/up pairs (kq_row2, KQ2_UNROLL, default 1)
 GEMV_KQ2_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ2_UNROLL", "")
-# minBlocks of every 8-lane v9 instance (KQ_MINB; unset: none at S = 1, 2 at S > 1), A/B only
+# minBlocks of every 8-lane v9 instance (KQ_MINB; unset: the kernel's default 2, measured best in
+# session 10; 0: session 9's default, none at S = 1 and 2 at S > 1), A/B
 GEMV_KQ_MINB = os.environ.get("GGUF_HARNESS_GEMV_KQ_MINB", "")
 # L2 prefetch of the row KQ_PF grid strides ahead at the start of each row (KQ_PF; unset: 0, none
 # beyond each warp's first row). A/B only: measured slower (docs/perf-notes.md session 9).
@@ -125,7 +131,7 @@ def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_PF -> KQ_PF, GEMV_KQ_PIPE -> KQ_PIPE,
     GEMV_KQ_L1PF -> KQ_L1PF; unset: the kernel's defaults). Raises ValueError unless each is empty
-    or an integer 1..8 (PIPE: 1 or 2), and for PIPE with L1PF (the kernel has no build of both)."""
+    or an integer 1..8 (PIPE: 1 or 2; MINB: 0..8), and for PIPE with L1PF (the kernel has no build of both)."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL"),
@@ -136,8 +142,9 @@ def kv9_defines() -> tuple[str, ...]:
         if not val:
             continue
         hi = 2 if define == "KQ_PIPE" else 8
-        if not val.isdigit() or not 1 <= int(val) <= hi:
-            raise ValueError(f"{env}={val!r}: expected an integer 1..{hi}")
+        lo = 0 if define == "KQ_MINB" else 1
+        if not val.isdigit() or not lo <= int(val) <= hi:
+            raise ValueError(f"{env}={val!r}: expected an integer {lo}..{hi}")
         out.append(f"{define}={int(val)}")
     if GEMV_KQ_PIPE and GEMV_KQ_L1PF:
         raise ValueError("GGUF_HARNESS_GEMV_KQ_PIPE and GGUF_HARNESS_GEMV_KQ_L1PF: separate A/B builds, set one")
@@ -334,6 +341,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
+    elif impl == "q16" and GEMV_ARGS == "value" and (tn := gemv_tma(name, mode, segs, x, K, norm, eps, rows)):
+        return tn
     elif impl == "q16" and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value" and \
             (kname := kv9_kernel(mode, types := [s.w.type_id for s in segs], K, l4 := GEMV_KQ == "v9")):
         for s in segs:  # F32 rows: 16-byte loads (gemv_kq.cu f32_row)
@@ -397,16 +406,46 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
                 fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[] if by_value else [table])
 
 
+def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float, rows: int) -> Node | None:
+    """The engine v10 node (kernels/gemv_tma.cu) of a checked q16 gemv call (arguments as gemv;
+    rows: the node's output rows, a pair's gate rows) when GGUF_HARNESS_GEMV_TMA=1 and the node
+    is one v9 takes with a single GGML type and no F32 rows; else None (gemv goes on to v9 or
+    gemv.cu). Grid: one block per SM, at most one per row; shared memory per tma_plan.plan.
+    Raises ValueError on another GGUF_HARNESS_GEMV_TMA value and on matrices not 16-byte
+    aligned (bulk copies)."""
+    if GEMV_TMA not in ("", "0", "1"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_TMA={GEMV_TMA!r}: expected 0 or 1")
+    types = {s.w.type_id for s in segs}
+    if GEMV_TMA != "1" or len(types) != 1 or not kv9_kernel(mode, types, K, False):
+        return None
+    from .tma_plan import TMA_WARPS, plan
+    t = types.pop()
+    p = plan(K, FORMATS[t].type_size, mode == "swiglu", gemv_smem(K), module.smem_optin())
+    if p is None:
+        return None
+    for s in segs:
+        if s.w.ptr % 16:
+            raise ValueError(f"{s.w.name}: the TMA GEMV copies 16-byte aligned matrices")
+    k = module.kernel_in("gemv_tma.cu", f"gemvtma_{mode}_{KV9_NAMES[t]}")
+    module.allow_smem(k, p.smem)
+    act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
+    return Node(name, "gemv", k, (min(module.sm_count(), rows),), ((TMA_WARPS + 1) * 32,),
+                (seg_table_value(segs), x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
+                 np.int32(rows), np.int32(p.kc), np.int32(p.slot), np.int32(p.ring_off)), smem=p.smem,
+                bytes=sum(s.w.nbytes for s in segs) + act, flops=2 * K * sum(s.w.rows for s in segs),
+                out=segs[0].out, fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[])
+
+
 def gemv_nodes(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | None = None,
                eps: float = 0.0) -> list[Node]:
     """The node(s) of y = W x over `segs` (arguments as gemv): [gemv(...)], or with
-    GGUF_HARNESS_GEMV_KQ_MIXED=split, for a store/add node of two or more GGML types that v9
+    GGUF_HARNESS_GEMV_KQ_MIXED=split (the default), for a store/add node of two or more GGML types that v9
     takes one by one (q16, GEMV_KQ v9/v9l8, value arguments, no F32 segment), one gemv node per
     type in order of first appearance, named "<name>.<type>" (e.g. blk.3.qkv.q4_k), each with
     that type's segments, the same x, norm and eps. Segments keep their own outputs, so the
     nodes are independent. Raises ValueError on another GEMV_KQ_MIXED value, and as gemv."""
-    if GEMV_KQ_MIXED not in ("", "split"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_MIXED={GEMV_KQ_MIXED!r}: expected split or unset")
+    if GEMV_KQ_MIXED not in ("one", "split"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_MIXED={GEMV_KQ_MIXED!r}: expected split or one")
     types = list(dict.fromkeys(s.w.type_id for s in segs))
     if (GEMV_KQ_MIXED == "split" and mode != "swiglu" and len(types) > 1 and GEMV_IMPL == "q16"
             and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value"

@@ -32,9 +32,7 @@
 // MODE 0 store (+bias), 1 add, 2 SwiGLU of a gate/up pair (segments 0 and 1, equal rows).
 #include "qdot.cuh"  // (named here: module.py prefixes the I-quant tables to sources that include it)
 #include "xstage.cuh"
-#include "kwide_iq4.cuh"
-#include "kwide_iq3s.cuh"
-#include "kwide4.cuh"
+#include "kq_traits.cuh"  // Lanes8 / Lanes4, KQ<T> (kwide_iq4.cuh, kwide_iq3s.cuh, kwide4.cuh)
 #include "segs.cuh"
 
 extern __shared__ int4 smem4[];  // the staged x (xstage.cuh stage_xq layout)
@@ -63,72 +61,6 @@ static_assert(kKqPipe >= 0 && kKqPipe <= 2, "KQ_PIPE is 0, 1 or 2");
 constexpr int kKqL1pf = KQ_L1PF;
 // the prefetches sit in the default (unrotated) loops of the 8-lane rows only
 static_assert(!(kKqPipe > 0 && kKqL1pf > 0), "KQ_PIPE and KQ_L1PF are separate A/B builds");
-
-// Lane mappings of a warp: 8 lanes per super-block, one row per warp (kwide.cuh's rows), or 4
-// lanes per super-block, two rows per warp (16 lanes each; kwide4.cuh, x staged with xq_slot4).
-// grp: the lane's super-block of a round (4 per round and row), idx: its place in that block.
-// setup: block-wide preparation before the PDL wait, published by stage_xq's barriers (IQ3_S:
-// its grid table into shared memory); nothing for the others.
-struct Lanes8 {
-    static constexpr int R = 1;
-    static constexpr bool SW4 = false;
-    static __device__ __forceinline__ void setup() {}
-    static __device__ __forceinline__ int grp(int lane) { return lane >> 3; }
-    static __device__ __forceinline__ int idx(int lane) { return lane & 7; }
-};
-struct Lanes4 {
-    static constexpr int R = 2;
-    static constexpr bool SW4 = true;
-    static __device__ __forceinline__ void setup() {}
-    static __device__ __forceinline__ int grp(int lane) { return (lane >> 2) & 3; }
-    static __device__ __forceinline__ int idx(int lane) { return lane & 3; }
-};
-
-// One format's super-block step: lane constants, raw block registers, activations, the dot.
-template <int T> struct KQ : Lanes8 {
-    static constexpr int TYPE = T;
-    using Lane = WLane;
-    using Blk = WBlk<T>;
-    using X = WX;
-    static constexpr int TS = Fmt<T>::TS;
-    static __device__ __forceinline__ Lane lane(int i) { return wide_lane<T>(i); }
-    static __device__ __forceinline__ void load(const u8* b, int i, Blk& r) { wide_load<T>(b, i, r); }
-    static __device__ __forceinline__ X x(const XS& xa, int sb, int i, const Lane& w) { return wide_x(xa, sb, w); }
-    static __device__ __forceinline__ float dot(const Blk& r, const X& x, int i, const Lane&) {
-        return wide_dot<T>(r, x, i);
-    }
-};
-template <> struct KQ<T_IQ4_XS> : Lanes8 {
-    static constexpr int TYPE = T_IQ4_XS;
-    using Lane = WLaneIq4;
-    using Blk = WIq4;
-    using X = WXIq4;
-    static constexpr int TS = Fmt<T_IQ4_XS>::TS;
-    static __device__ __forceinline__ Lane lane(int i) { return wide_lane_iq4(i); }
-    static __device__ __forceinline__ void load(const u8* b, int i, Blk& r) { wide_load_iq4(b, i, r); }
-    static __device__ __forceinline__ X x(const XS& xa, int sb, int i, const Lane& w) {
-        return wide_x_iq4(xa, sb, i, w);
-    }
-    static __device__ __forceinline__ float dot(const Blk& r, const X& x, int, const Lane& w) {
-        return wide_dot_iq4(r, x, w);
-    }
-};
-template <> struct KQ<T_IQ3_S> : Lanes8 {
-    static constexpr int TYPE = T_IQ3_S;
-    using Lane = WLaneIq3;
-    using Blk = WIq3;
-    using X = WXIq3;
-    static constexpr int TS = Fmt<T_IQ3_S>::TS;
-    static __device__ __forceinline__ void setup() { iq3s_grid_setup(); }
-    static __device__ __forceinline__ Lane lane(int i) { return wide_lane_iq3s(i); }
-    static __device__ __forceinline__ void load(const u8* b, int i, Blk& r) { wide_load_iq3s(b, i, r); }
-    static __device__ __forceinline__ X x(const XS& xa, int sb, int i, const Lane& w) {
-        return wide_x_iq3s(xa, sb, i, w);
-    }
-    static __device__ __forceinline__ float dot(const Blk& r, const X& x, int, const Lane& w) {
-        return wide_dot_iq3s(r, x, w);
-    }
-};
 
 // F32 rows riding in a node of type T (qwen35's ssm_in: Q5_K q/k/v and gate with the F32 beta and
 // alpha rows, ops.kv9_kernel): lane l of nl lanes per row takes 8-value entries l, l + nl, ...
@@ -401,17 +333,24 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 }
 
 #define KQ_BLOCK_WARPS 16
-// Launch bounds: S > 1 takes minBlocks 2 (64 registers): without, ptxas gave the Q6_K S > 1
-// instances 83 registers, so 1 block of 16 warps per SM (NVRTC 13.0, sm_90). S = 1 keeps no
-// minBlocks, as measured (an explicit 1 let ptxas take 88-94 registers).
-// KQ_MINB (ops.kv9_defines, GGUF_HARNESS_GEMV_KQ_MINB): one minBlocks for every 8-lane instance,
-// for a same-run A/B of occupancy against spills (3 blocks of 16 warps = 42 registers).
-#ifdef KQ_MINB
-#define KQ_LB_1 __launch_bounds__(KQ_BLOCK_WARPS * 32, KQ_MINB)
-#define KQ_LB_2 KQ_LB_1
-#else
+// Launch bounds: minBlocks 2 (64 registers) for every 8-lane instance (KQ_MINB, default 2). Why:
+// without, ptxas gave the Q6_K S > 1 instances 83 registers, so 1 block of 16 warps per SM
+// (NVRTC 13.0, sm_90; session 8); the S = 1 instances stayed uncapped (77-94 registers) until
+// the same-run A/B of session 10 (H200, docs/perf-notes.md): minBlocks 2 at S = 1 too made
+// Q4_K [10240x5120] 14.07 -> 13.56 us, the Q6_K head 330.1 -> 319.6, the rest within 0.6 %, and
+// the 27B decode step 2.4 % faster with the mixed qkv split (7478 -> 7298 us).
+// KQ_MINB (ops.kv9_defines, GGUF_HARNESS_GEMV_KQ_MINB): one minBlocks for every 8-lane instance
+// (3 blocks of 16 warps = 42 registers, measured slower: session 8); 0 is session 9's default
+// (none at S = 1, 2 at S > 1), kept for A/B.
+#ifndef KQ_MINB
+#define KQ_MINB 2
+#endif
+#if KQ_MINB == 0
 #define KQ_LB_1 __launch_bounds__(KQ_BLOCK_WARPS * 32)
 #define KQ_LB_2 __launch_bounds__(KQ_BLOCK_WARPS * 32, 2)
+#else
+#define KQ_LB_1 __launch_bounds__(KQ_BLOCK_WARPS * 32, KQ_MINB)
+#define KQ_LB_2 KQ_LB_1
 #endif
 #define KQ_LB_4 KQ_LB_2
 // One kernel instance: name PFX_<mode>_<type>[_s2|_s4], format trait TRAIT<T>, launch bounds
