@@ -103,6 +103,10 @@ KV9_SPLITS = (1, 2, 4)
 # with F32 rows, through the TMA-fed kernels (weights copied into a shared-memory ring by a
 # producer warp; one persistent block per SM); "" (default) keeps v9. A/B, written in session 10.
 GEMV_TMA = os.environ.get("GGUF_HARNESS_GEMV_TMA", "")
+# ... only for nodes with K >= this (GGUF_HARNESS_GEMV_TMA_MIN_K; "" = every K). Why: the first
+# H200 sweep (session 10) had v10 faster on the K = 17408 / 6144 shapes (-4 to -13 %) and slower
+# on the K = 5120 ones (+1 to +9 %).
+GEMV_TMA_MIN_K = os.environ.get("GGUF_HARNESS_GEMV_TMA_MIN_K", "")
 # v9 rounds whose loads are in flight together (kernels/gemv_kq.cu KQ_UNROLL, default 2): "" keeps
 # the default build; a number selects a build with -DKQ_UNROLL=N (same-run A/B of memory-level
 # parallelism: bytes in flight per SM are at the Little's-law edge, docs/perf-notes.md session 8).
@@ -409,14 +413,17 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
 def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float, rows: int) -> Node | None:
     """The engine v10 node (kernels/gemv_tma.cu) of a checked q16 gemv call (arguments as gemv;
     rows: the node's output rows, a pair's gate rows) when GGUF_HARNESS_GEMV_TMA=1 and the node
-    is one v9 takes with a single GGML type and no F32 rows; else None (gemv goes on to v9 or
+    is one v9 takes with a single GGML type and no F32 rows, K >= GGUF_HARNESS_GEMV_TMA_MIN_K if set;
+    else None (gemv goes on to v9 or
     gemv.cu). Grid: one block per SM, at most one per row; shared memory per tma_plan.plan.
     Raises ValueError on another GGUF_HARNESS_GEMV_TMA value and on matrices not 16-byte
     aligned (bulk copies)."""
     if GEMV_TMA not in ("", "0", "1"):
         raise ValueError(f"GGUF_HARNESS_GEMV_TMA={GEMV_TMA!r}: expected 0 or 1")
+    if GEMV_TMA_MIN_K and not GEMV_TMA_MIN_K.isdigit():
+        raise ValueError(f"GGUF_HARNESS_GEMV_TMA_MIN_K={GEMV_TMA_MIN_K!r}: expected an integer")
     types = {s.w.type_id for s in segs}
-    if GEMV_TMA != "1" or len(types) != 1 or not kv9_kernel(mode, types, K, False):
+    if GEMV_TMA != "1" or len(types) != 1 or not kv9_kernel(mode, types, K, False) or K < int(GEMV_TMA_MIN_K or 0):
         return None
     from .tma_plan import TMA_WARPS, plan
     t = types.pop()
