@@ -434,19 +434,23 @@ def test_gemv_tma_routing(monkeypatch):
     """ops.gemv with GGUF_HARNESS_GEMV_TMA=1: a single-type v9 node of each mode goes to
     gemv_tma.cu's gemvtma_<mode>_<type> with one block per SM (at most one per row), 17 warps, the
     plan's kc / slot / ring offset as arguments; F32 rows beside the type, Q8_0 and mixed types
-    keep their kernels; unset keeps v9; a misaligned matrix and another value are refused."""
+    keep their kernels; a small-ring build (GGUF_HARNESS_GEMV_TMA_NST / _WARPS / _MINB / _RING)
+    compiles with its defines and plans within its ring; unset keeps v9; a misaligned matrix and
+    bad values are refused."""
     asked = _fake_module(monkeypatch)
     monkeypatch.setattr(ops.module, "smem_optin", lambda: 227 * 1024)
     for knob, val in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"),
-                      ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_IQ3S", "1"), ("GEMV_TMA", "1")):
+                      ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_IQ3S", "1"), ("GEMV_TMA", "1"), ("GEMV_TMA_MIN_K", ""),
+                      ("GEMV_TMA_NST", ""), ("GEMV_TMA_WARPS", ""), ("GEMV_TMA_MINB", ""), ("GEMV_TMA_RING", ""),
+                      ("GEMV_TMA_BPS", "")):
         monkeypatch.setattr(ops, knob, val)
     for mode, types, K, rows, want in (("store", [12], 5120, 10240, "gemvtma_store_q4_k"),
                                        ("add", [14, 14], 17408, 5120, "gemvtma_add_q6_k"),
                                        ("swiglu", [23, 23], 5120, 17408, "gemvtma_swiglu_iq4_xs"),
                                        ("store", [21], 17408, 5, "gemvtma_store_iq3_s")):
         node = _gemv_node(mode, types, K, rows, lambda i: 256 << (20 + i))
-        assert (asked[-1][0], node.kernel.name) == ("gemv_tma.cu", want)
-        assert node.grid == (min(132, rows),) and node.block == (17 * 32,)
+        assert (asked[-1][0], node.kernel.name, asked[-1][2]) == ("gemv_tma.cu", want, ())
+        assert node.grid == (min(2 * 132, rows),) and node.block == (17 * 32,)  # fake: 2 blocks per SM
         from backends.engine.tma_plan import plan
         from backends.engine.formats import FORMATS
         p = plan(K, FORMATS[types[0]].type_size, mode == "swiglu", ops.gemv_smem(K), 227 * 1024)
@@ -456,6 +460,23 @@ def test_gemv_tma_routing(monkeypatch):
         assert not node.kernel.name.startswith("gemvtma_"), (types, node.kernel.name)
     with pytest.raises(ValueError, match="16-byte aligned"):
         _gemv_node("store", [12], 5120, 64, lambda i: (256 << 20) + 8)
+    # a small-ring build: its defines, the plan of 2 stages x 8 rows under a 64 KiB ring, 9 warps
+    for knob, val in (("GEMV_TMA_NST", "2"), ("GEMV_TMA_WARPS", "8"), ("GEMV_TMA_MINB", "2"), ("GEMV_TMA_RING", "65536")):
+        monkeypatch.setattr(ops, knob, val)
+    node = _gemv_node("store", [12], 5120, 10240, lambda i: 256 << 20)
+    assert asked[-1][2] == ("TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2") and node.block == (9 * 32,)
+    p = plan(5120, 144, False, ops.gemv_smem(5120), 227 * 1024, 2, 8, 65536)
+    assert (p.kc, p.chunks) == (20, 1) and p.smem == 13440 + 16 * 2896  # 4096 B per slot: whole rows
+    assert [int(a) for a in node.args[6:]] == [p.kc, p.slot, p.ring_off] and node.smem == p.smem
+    monkeypatch.setattr(ops, "GEMV_TMA_BPS", "1")  # one block per SM (the fake module has 2 resident)
+    assert _gemv_node("store", [12], 5120, 10240, lambda i: 256 << 20).grid == (132,)
+    monkeypatch.setattr(ops, "GEMV_TMA_BPS", "")
+    for knob, bad in (("GEMV_TMA_NST", "1"), ("GEMV_TMA_WARPS", "32"), ("GEMV_TMA_MINB", "0"), ("GEMV_TMA_RING", "64k"),
+                      ("GEMV_TMA_BPS", "0")):
+        monkeypatch.setattr(ops, knob, bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_" + knob):
+            _gemv_node("store", [12], 5120, 64, lambda i: 256 << 20)
+        monkeypatch.setattr(ops, knob, "")
     monkeypatch.setattr(ops, "GEMV_TMA", "")
     assert _gemv_node("store", [12], 5120, 64, lambda i: 256 << 20).kernel.name.startswith("gemvkq_")
     monkeypatch.setattr(ops, "GEMV_TMA", "yes")

@@ -537,7 +537,11 @@ def test_gemv_nodes_mixed_split_matches_the_oracle(monkeypatch):
             _check_rows(o.get().astype(np.float64) - b, w, xn, f"qkv mixed={mixed!r} segment")
 
 
-def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(monkeypatch):
+@pytest.mark.parametrize("build", [{}, {"GEMV_TMA_NST": "2", "GEMV_TMA_WARPS": "8", "GEMV_TMA_MINB": "2",
+                                        "GEMV_TMA_RING": "65536"},
+                                   {"GEMV_TMA_NST": "3", "GEMV_TMA_WARPS": "4", "GEMV_TMA_RING": "16384"}],
+                         ids=["default", "ring64k-w8", "nst3-w4-ring16k"])
+def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     """Engine v10 (kernels/gemv_tma.cu, GGUF_HARNESS_GEMV_TMA=1): the weights reach shared memory
     through bulk copies into a ring of stages. Cases: every type at K = 512 over 9001 rows (many
     tiles per block), K = 5120 (whole rows per stage) and K = 17408 over 300 rows (rows in
@@ -546,11 +550,15 @@ def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(monkeypatch):
     (tiles straddle segments); add over two segments; SwiGLU pairs at the 27B width, over 9001
     rows and at K = 17408. Each asserted to run a gemvtma_ kernel, NaN-poisoned outputs, the v9
     tests' oracle rule, and a second launch bitwise equal (fixed lanes and order: no atomics).
-    A node with F32 rows beside the type's stays on v9."""
+    A node with F32 rows beside the type's stays on v9. build: the default ring, and small-ring
+    builds (2 stages of 8 rows in 64 KiB; 3 stages of 4 rows in 16 KiB: rows in many chunks, a
+    ring index that is not a power of two)."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
         pytest.skip("v10 is a q16 kernel")
+    for knob, val in build.items():
+        monkeypatch.setattr(eops, knob, val)
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(eops, "GEMV_KQ_IQ3S", "1")
     monkeypatch.setattr(eops, "GEMV_TMA", "1")

@@ -107,6 +107,17 @@ GEMV_TMA = os.environ.get("GGUF_HARNESS_GEMV_TMA", "")
 # H200 sweep (session 10) had v10 faster on the K = 17408 / 6144 shapes (-4 to -13 %) and slower
 # on the K = 5120 ones (+1 to +9 %).
 GEMV_TMA_MIN_K = os.environ.get("GGUF_HARNESS_GEMV_TMA_MIN_K", "")
+# v10 builds (kernels/gemv_tma.cu TMA_NST stages, TMA_WARPS consumer warps, TMA_MINB minBlocks) and
+# the most ring bytes per block (GGUF_HARNESS_GEMV_TMA_RING): "" = the defaults (4, 16, 1, as much
+# as fits). A/B for a ring that leaves room for neighbouring kernels' blocks (docs/perf-notes.md
+# session 10), e.g. NST=2 WARPS=8 MINB=2 RING=65536.
+GEMV_TMA_NST = os.environ.get("GGUF_HARNESS_GEMV_TMA_NST", "")
+GEMV_TMA_WARPS = os.environ.get("GGUF_HARNESS_GEMV_TMA_WARPS", "")
+GEMV_TMA_MINB = os.environ.get("GGUF_HARNESS_GEMV_TMA_MINB", "")
+GEMV_TMA_RING = os.environ.get("GGUF_HARNESS_GEMV_TMA_RING", "")
+# ... and blocks per SM in the grid (GGUF_HARNESS_GEMV_TMA_BPS, "" = as many as are resident): 1 with
+# a small ring leaves an SM's remaining registers and shared memory to the neighbouring kernels
+GEMV_TMA_BPS = os.environ.get("GGUF_HARNESS_GEMV_TMA_BPS", "")
 # v9 rounds whose loads are in flight together (kernels/gemv_kq.cu KQ_UNROLL, default 2): "" keeps
 # the default build; a number selects a build with -DKQ_UNROLL=N (same-run A/B of memory-level
 # parallelism: bytes in flight per SM are at the Little's-law edge, docs/perf-notes.md session 8).
@@ -410,12 +421,30 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
                 fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[] if by_value else [table])
 
 
+def tma_defines() -> tuple[str, ...]:
+    """Preprocessor defines of the gemv_tma.cu build: TMA_NST (GGUF_HARNESS_GEMV_TMA_NST, 2..8),
+    TMA_WARPS (_TMA_WARPS: 4, 8 or 16), TMA_MINB (_TMA_MINB, 1..4); unset ones are left to the
+    kernel's defaults (4, 16, 1). Raises ValueError on another value."""
+    out = []
+    for env, val, define, ok in (("GGUF_HARNESS_GEMV_TMA_NST", GEMV_TMA_NST, "TMA_NST", range(2, 9)),
+                                 ("GGUF_HARNESS_GEMV_TMA_WARPS", GEMV_TMA_WARPS, "TMA_WARPS", (4, 8, 16)),
+                                 ("GGUF_HARNESS_GEMV_TMA_MINB", GEMV_TMA_MINB, "TMA_MINB", range(1, 5))):
+        if not val:
+            continue
+        if not val.isdigit() or int(val) not in ok:
+            raise ValueError(f"{env}={val!r}: expected one of {', '.join(map(str, ok))}")
+        out.append(f"{define}={int(val)}")
+    return tuple(out)
+
+
 def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float, rows: int) -> Node | None:
     """The engine v10 node (kernels/gemv_tma.cu) of a checked q16 gemv call (arguments as gemv;
     rows: the node's output rows, a pair's gate rows) when GGUF_HARNESS_GEMV_TMA=1 and the node
     is one v9 takes with a single GGML type and no F32 rows, K >= GGUF_HARNESS_GEMV_TMA_MIN_K if set;
     else None (gemv goes on to v9 or
-    gemv.cu). Grid: one block per SM, at most one per row; shared memory per tma_plan.plan.
+    gemv.cu). Grid: the resident blocks (one per SM with the default ring; at most
+    GGUF_HARNESS_GEMV_TMA_BPS per SM if set), at most one per row;
+    shared memory per tma_plan.plan; builds per tma_defines.
     Raises ValueError on another GGUF_HARNESS_GEMV_TMA value and on matrices not 16-byte
     aligned (bulk copies)."""
     if GEMV_TMA not in ("", "0", "1"):
@@ -425,18 +454,29 @@ def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float,
     types = {s.w.type_id for s in segs}
     if GEMV_TMA != "1" or len(types) != 1 or not kv9_kernel(mode, types, K, False) or K < int(GEMV_TMA_MIN_K or 0):
         return None
-    from .tma_plan import TMA_WARPS, plan
+    from .tma_plan import TMA_NST, TMA_WARPS, plan
+    defs = tma_defines()
+    nst = int(GEMV_TMA_NST or TMA_NST)
+    warps = int(GEMV_TMA_WARPS or TMA_WARPS)
+    if GEMV_TMA_RING and not GEMV_TMA_RING.isdigit():
+        raise ValueError(f"GGUF_HARNESS_GEMV_TMA_RING={GEMV_TMA_RING!r}: expected a byte count")
     t = types.pop()
-    p = plan(K, FORMATS[t].type_size, mode == "swiglu", gemv_smem(K), module.smem_optin())
+    p = plan(K, FORMATS[t].type_size, mode == "swiglu", gemv_smem(K), module.smem_optin(), nst, warps,
+             int(GEMV_TMA_RING) if GEMV_TMA_RING else None)
     if p is None:
         return None
     for s in segs:
         if s.w.ptr % 16:
             raise ValueError(f"{s.w.name}: the TMA GEMV copies 16-byte aligned matrices")
-    k = module.kernel_in("gemv_tma.cu", f"gemvtma_{mode}_{KV9_NAMES[t]}")
+    k = module.kernel_in("gemv_tma.cu", f"gemvtma_{mode}_{KV9_NAMES[t]}", defs)
     module.allow_smem(k, p.smem)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
-    return Node(name, "gemv", k, (min(module.sm_count(), rows),), ((TMA_WARPS + 1) * 32,),
+    threads = (warps + 1) * 32
+    if GEMV_TMA_BPS and not (GEMV_TMA_BPS.isdigit() and int(GEMV_TMA_BPS) >= 1):
+        raise ValueError(f"GGUF_HARNESS_GEMV_TMA_BPS={GEMV_TMA_BPS!r}: expected a positive integer")
+    bps = module.blocks_per_sm(k, threads, p.smem)
+    grid = min(rows, min(bps, int(GEMV_TMA_BPS or bps)) * module.sm_count())
+    return Node(name, "gemv", k, (grid,), (threads,),
                 (seg_table_value(segs), x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
                  np.int32(rows), np.int32(p.kc), np.int32(p.slot), np.int32(p.ring_off)), smem=p.smem,
                 bytes=sum(s.w.nbytes for s in segs) + act, flops=2 * K * sum(s.w.rows for s in segs),

@@ -35,17 +35,21 @@ def _slot(kc: int, type_size: int) -> int:
 
 
 def plan(K: int, type_size: int, pair: bool, x_bytes: int, smem_max: int,
-         nst: int = TMA_NST, warps: int = TMA_WARPS) -> TmaPlan | None:
+         nst: int = TMA_NST, warps: int = TMA_WARPS, ring_max: int | None = None) -> TmaPlan | None:
     """The plan of a node with input length K (a multiple of 256), super-blocks of `type_size`
     bytes, `pair` True for a gate/up pair, x_bytes of staged x (ops.gemv_smem) and smem_max bytes
-    of shared memory per block (module.smem_optin()); None when not even one super-block per
-    slot fits. Raises ValueError on K not a positive multiple of 256 or a non-positive size."""
+    of shared memory per block (module.smem_optin()); nst stages of `warps` tile rows (the build's
+    TMA_NST, TMA_WARPS); ring_max: at most this many ring bytes (a small ring lets 2-3 blocks share
+    an SM). None when not even one super-block per slot fits. Raises ValueError on K not a
+    positive multiple of 256 or a non-positive size."""
     if K <= 0 or K % 256 or type_size <= 0 or x_bytes < 0:
         raise ValueError(f"TMA plan: K={K} (a positive multiple of 256), type_size={type_size}")
     nsb = K // 256
     ring_off = -(-x_bytes // RING_ALIGN) * RING_ALIGN
     slots = nst * (2 if pair else 1) * warps
     per_slot = (smem_max - STATIC_RESERVE - ring_off) // slots
+    if ring_max is not None:
+        per_slot = min(per_slot, ring_max // slots)
     kc = min(nsb, (per_slot - 16) // type_size)
     while kc > 0 and _slot(kc, type_size) > per_slot:
         kc -= 1

@@ -31,7 +31,9 @@
 // 512-byte unit; ops.gemv checks 16-byte aligned matrix starts.
 //
 // Shared memory: stage_xq's x (2.625 K bytes), then the ring: NST stages x NP matrices x NW slots
-// of slot bytes (tma_plan.py). Barriers are static.
+// of slot bytes (tma_plan.py). Barriers are static. TMA_NST, TMA_WARPS, TMA_MINB: A/B builds
+// (ops.tma_defines) with a ring small enough for 2-3 blocks per SM, i.e. room for the previous and
+// next kernels' blocks (the session-10 lesson: ~200 KB per SM cost the step its kernel overlap).
 // PTX: cp.async.bulk, mbarrier (PTX ISA 8.0, sm_90; CUDA C++ Programming Guide, "Asynchronous
 // Data Copies using the Tensor Memory Accelerator").
 #include "qdot.cuh"  // (named here: module.py prefixes the I-quant tables to sources that include it)
@@ -195,12 +197,18 @@ __device__ __forceinline__ void tma_body(const SegTable& t, const float* x, cons
     }
 }
 
+#ifndef TMA_WARPS
 #define TMA_WARPS 16  // consumer warps per block (tile rows); the block has one more, the producer
+#endif
+static_assert(TMA_WARPS == 4 || TMA_WARPS == 8 || TMA_WARPS == 16, "a pair's 2 x TMA_WARPS copies: one producer lane each");
+#ifndef TMA_MINB
+#define TMA_MINB 1  // minBlocks (ops.tma_defines): 2 or 3 with a small ring, so neighbours' blocks fit beside
+#endif
 // One instance per (mode, type): gemvtma_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs|iq3_s>.
 // Arguments: v9's (SegTable by value, x, norm, eps, K, total_rows), then kc (super-blocks per
 // chunk), slot (bytes per row slot) and ring_off (byte offset of the ring in shared memory).
 #define TMA_INSTANCE(MODE, MNAME, T, TNAME)                                                                    \
-    extern "C" __global__ void __launch_bounds__((TMA_WARPS + 1) * 32, 1)                                     \
+    extern "C" __global__ void __launch_bounds__((TMA_WARPS + 1) * 32, TMA_MINB)                              \
     gemvtma_##MNAME##_##TNAME(const SegTable t, const float* x, const float* norm, float eps, int K,            \
                               int total_rows, int kc, int slot, int ring_off) {                                 \
         tma_body<KQ<T>, MODE, TMA_WARPS>(t, x, norm, eps, K, total_rows, kc, slot, ring_off);                   \
