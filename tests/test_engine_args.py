@@ -471,6 +471,13 @@ def test_gemv_tma_routing(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_TMA_BPS", "1")  # one block per SM (the fake module has 2 resident)
     assert _gemv_node("store", [12], 5120, 10240, lambda i: 256 << 20).grid == (132,)
     monkeypatch.setattr(ops, "GEMV_TMA_BPS", "")
+    monkeypatch.setattr(ops, "GEMV_TMA_WARPS", "")  # 16 warps: minBlocks 2 refused (spills)
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_TMA_MINB=2 needs"):
+        _gemv_node("store", [12], 5120, 64, lambda i: 256 << 20)
+    monkeypatch.setattr(ops, "GEMV_TMA_MINB", "")
+    monkeypatch.setattr(ops, "GEMV_KQ", "wide")  # v10 replaces v9 only: gemv.cu's loops stay
+    assert _gemv_node("store", [12], 5120, 64, lambda i: 256 << 20).kernel.name.startswith("gemv_")
+    monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     for knob, bad in (("GEMV_TMA_NST", "1"), ("GEMV_TMA_WARPS", "32"), ("GEMV_TMA_MINB", "0"), ("GEMV_TMA_RING", "64k"),
                       ("GEMV_TMA_BPS", "0")):
         monkeypatch.setattr(ops, knob, bad)

@@ -356,7 +356,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
-    elif impl == "q16" and GEMV_ARGS == "value" and (tn := gemv_tma(name, mode, segs, x, K, norm, eps, rows)):
+    elif impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8") and (tn := gemv_tma(name, mode, segs, x, K, norm, eps, rows)):
         return tn
     elif impl == "q16" and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value" and \
             (kname := kv9_kernel(mode, types := [s.w.type_id for s in segs], K, l4 := GEMV_KQ == "v9")):
@@ -424,7 +424,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
 def tma_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_tma.cu build: TMA_NST (GGUF_HARNESS_GEMV_TMA_NST, 2..8),
     TMA_WARPS (_TMA_WARPS: 4, 8 or 16), TMA_MINB (_TMA_MINB, 1..4); unset ones are left to the
-    kernel's defaults (4, 16, 1). Raises ValueError on another value."""
+    kernel's defaults (4, 16, 1). Raises ValueError on another value, and on a MINB above 1 with
+    16 consumer warps (ptxas spills under that register cap)."""
     out = []
     for env, val, define, ok in (("GGUF_HARNESS_GEMV_TMA_NST", GEMV_TMA_NST, "TMA_NST", range(2, 9)),
                                  ("GGUF_HARNESS_GEMV_TMA_WARPS", GEMV_TMA_WARPS, "TMA_WARPS", (4, 8, 16)),
@@ -434,6 +435,11 @@ def tma_defines() -> tuple[str, ...]:
         if not val.isdigit() or int(val) not in ok:
             raise ValueError(f"{env}={val!r}: expected one of {', '.join(map(str, ok))}")
         out.append(f"{define}={int(val)}")
+    # minBlocks > 1 at 16 + 1 warps caps ptxas at 56 registers or fewer: spills in 9 of 15 instances
+    # (MINB 2) or all (3), NVRTC 13.0 sm_90; the default ring leaves one block per SM anyway
+    if GEMV_TMA_MINB and int(GEMV_TMA_MINB) * (int(GEMV_TMA_WARPS or 16) + 1) * 32 > 1024:
+        raise ValueError(f"GGUF_HARNESS_GEMV_TMA_MINB={GEMV_TMA_MINB} needs GGUF_HARNESS_GEMV_TMA_WARPS=4 or 8 "
+                         f"(at most 1024 threads per SM of minBlocks x block)")
     return tuple(out)
 
 
