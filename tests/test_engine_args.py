@@ -490,3 +490,32 @@ def test_gemv_tma_routing(monkeypatch):
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_TMA"):
         _gemv_node("store", [12], 5120, 64, lambda i: 256 << 20)
     assert "GGUF_HARNESS_GEMV_TMA" in machine.ENGINE_SWITCHES
+
+
+def test_kv9_two_rows_per_warp_build(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_P2: "1" or type names select the _p2 kernels (two rows per warp) for
+    store/add nodes of those 8-lane types, never for a gate/up pair or the 4-lane gemvkq4_ ones;
+    the build gets -DKQ_P2=1 (so its cache entry and instances are its own); the split cost model
+    sees 2 rows per warp; an unknown name is refused; unset changes nothing."""
+    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
+        monkeypatch.setattr(ops, knob, "")
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S", "1")
+    monkeypatch.setattr(ops, "GEMV_KQ_P2", "")
+    assert ops.kv9_defines() == () and ops.kv9_kernel("store", [12], 5120, lanes4=False) == "gemvkq_store_q4_k"
+    monkeypatch.setattr(ops, "GEMV_KQ_P2", "1")
+    assert ops.kv9_defines() == ("KQ_P2=1",)
+    for t, name in ops.KV9_NAMES.items():
+        assert ops.kv9_kernel("add", [t, 0], 5120, lanes4=False, split=2) == f"gemvkq_add_{name}_p2_s2"
+        assert ops.kv9_kernel("swiglu", [t, t], 5120, lanes4=False) == f"gemvkq_swiglu_{name}"
+    assert ops.kv9_kernel("store", [12], 5120, lanes4=True) == "gemvkq4_store_q4_k"
+    assert ops.kv9_rows_per_warp("gemvkq_store_q4_k_p2_s4") == 2 and ops.kv9_rows_per_warp("gemvkq_store_q4_k") == 1
+    monkeypatch.setattr(ops, "GEMV_KQ_P2", "Q4_K, iq4_xs")
+    assert ops.kv9_p2_types() == {12, 23}
+    assert ops.kv9_kernel("store", [14], 5120, lanes4=False) == "gemvkq_store_q6_k"
+    assert ops.kv9_kernel("store", [23], 5120, lanes4=False) == "gemvkq_store_iq4_xs_p2"
+    src = (ops.module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    assert "#if KQ_P2" in src and "TNAME##_p2" in src
+    monkeypatch.setattr(ops, "GEMV_KQ_P2", "q4_k,q8_0")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_P2"):
+        ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_P2" in machine.ENGINE_SWITCHES

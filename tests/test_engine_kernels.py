@@ -423,8 +423,9 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
 @pytest.mark.parametrize("split", ["auto", "4"])
 @pytest.mark.parametrize("build", [{"GEMV_KQ_PF": "1"}, {"GEMV_KQ_PIPE": "1"}, {"GEMV_KQ_PIPE": "2"},
                                    {"GEMV_KQ_PIPE": "2", "GEMV_KQ_MINB": "2"},
-                                   {"GEMV_KQ_L1PF": "1", "GEMV_KQ_MINB": "2"}, {"GEMV_KQ_L1PF": "2", "GEMV_KQ_MINB": "2"}],
-                         ids=["pf1", "pipe1", "pipe2", "pipe2-minb2", "l1pf1-minb2", "l1pf2-minb2"])
+                                   {"GEMV_KQ_L1PF": "1", "GEMV_KQ_MINB": "2"}, {"GEMV_KQ_L1PF": "2", "GEMV_KQ_MINB": "2"},
+                                   {"GEMV_KQ_P2": "1"}],
+                         ids=["pf1", "pipe1", "pipe2", "pipe2-minb2", "l1pf1-minb2", "l1pf2-minb2", "p2"])
 def test_gemv_v9_latency_builds(build, split, monkeypatch):
     """The session-9 latency A/B builds of gemv_kq.cu (ops.kv9_defines: KQ_PF, the next row's
     L2 prefetch; KQ_PIPE 1, round n + 1's blocks loaded before round n's dots; KQ_PIPE 2, also
@@ -434,11 +435,16 @@ def test_gemv_v9_latency_builds(build, split, monkeypatch):
     case of test_gemv_v9_grid_stride_segments_norm_bias: a carried block must be used by exactly
     the row it was loaded for (rows > resident warps, 3 segments with different row counts,
     F32 rows beside the type's: no carry into or out of them, SwiGLU pairs), and none where the
-    warp's part has no super-block (K = 512 with S = 4) or its last row has no successor."""
+    warp's part has no super-block (K = 512 with S = 4) or its last row has no successor.
+    p2 (session 10, GGUF_HARNESS_GEMV_KQ_P2): store/add nodes with two adjacent rows per warp, the
+    same cases: odd row counts (a warp's second row missing), rows of a pair in two segments, an
+    F32 row beside a K-quant one (one row at a time), each node asserted to run a _p2 kernel."""
     from backends.engine import ops as eops
     for knob, val in build.items():
         monkeypatch.setattr(eops, knob, val)
     assert all(f"KQ_{k[8:]}={v}" in eops.kv9_defines() for k, v in build.items())
+    if "GEMV_KQ_P2" in build:
+        assert eops.kv9_kernel("store", [12], 5120, lanes4=False) == "gemvkq_store_q4_k_p2"
     test_gemv_v9_grid_stride_segments_norm_bias("v9l8", split, monkeypatch)
 
 

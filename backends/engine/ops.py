@@ -140,6 +140,11 @@ GEMV_KQ_PIPE = os.environ.get("GGUF_HARNESS_GEMV_KQ_PIPE", "")
 # its S = 1 instances 77-87 registers unless GGUF_HARNESS_GEMV_KQ_MINB=2 caps them (no spills).
 # 8-lane rows only (GEMV_KQ=v9's 4-lane Q4_K/Q5_K kernels ignore it); not with KQ_PIPE.
 GEMV_KQ_L1PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_L1PF", "")
+# KQ_P2: store/add nodes of the listed types ("1": every 8-lane type; or names, e.g. "q4_k,iq4_xs")
+# with two adjacent rows per warp, every lane on both (kernels/gemv_kq.cu KQP2, names ..._p2). A/B
+# build, written in session 10, not yet run on a GPU; static SASS count per 32 weights and row:
+# Q4_K 99 -> 84.5, Q5_K 122 -> 111.5, IQ4_XS 132 -> 121, Q6_K 136.5 -> 134.5, IQ3_S 146 -> 148.
+GEMV_KQ_P2 = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2", "")
 
 
 def kv9_defines() -> tuple[str, ...]:
@@ -163,7 +168,25 @@ def kv9_defines() -> tuple[str, ...]:
         out.append(f"{define}={int(val)}")
     if GEMV_KQ_PIPE and GEMV_KQ_L1PF:
         raise ValueError("GGUF_HARNESS_GEMV_KQ_PIPE and GGUF_HARNESS_GEMV_KQ_L1PF: separate A/B builds, set one")
+    if kv9_p2_types():
+        out.append("KQ_P2=1")
     return tuple(out)
+
+
+def kv9_p2_types() -> frozenset[int]:
+    """GGML type ids whose store/add v9 nodes take two rows per warp (GGUF_HARNESS_GEMV_KQ_P2: "1"
+    for every 8-lane v9 type, or comma-separated names such as q4_k,iq4_xs; "" none). Raises
+    ValueError on an unknown name."""
+    if not GEMV_KQ_P2:
+        return frozenset()
+    if GEMV_KQ_P2 == "1":
+        return frozenset(KV9_NAMES)
+    by_name = {v: k for k, v in KV9_NAMES.items()}
+    names = [n.strip().lower() for n in GEMV_KQ_P2.split(",")]
+    bad = [n for n in names if n not in by_name]
+    if bad:
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_P2={GEMV_KQ_P2!r}: expected 1 or names of {', '.join(KV9_NAMES.values())}")
+    return frozenset(by_name[n] for n in names)
 
 
 # Alignment the wide loop's loads need at the weights' start (rows of whole super-blocks keep it):
@@ -217,8 +240,9 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
     multiple of 256; F32 segments beside one such type are taken in store/add nodes): such
     nodes stay on gemv.cu. lanes4: Q4_K/Q5_K take the 4-lanes-per-super-block kernels (gemvkq4_,
     two rows per warp). split: S warps share each row group (1, 2 or 4; the name's _s2 / _s4,
-    kv9_split). Raises ValueError on another split, and for an IQ3_S node on a
-    GGUF_HARNESS_GEMV_KQ_IQ3S other than 0 or 1."""
+    kv9_split). Store/add nodes of a GGUF_HARNESS_GEMV_KQ_P2 type take the _p2 kernels (two rows
+    per warp, 8 lanes per super-block). Raises ValueError on another split, and for an IQ3_S
+    node on a GGUF_HARNESS_GEMV_KQ_IQ3S other than 0 or 1."""
     if split not in KV9_SPLITS:
         raise ValueError(f"v9 split {split!r}: expected one of {KV9_SPLITS}")
     type_ids = list(type_ids)
@@ -237,7 +261,10 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
         if GEMV_KQ_IQ3S != "1":
             return None
     sfx = "" if split == 1 else f"_s{split}"
-    return (f"gemvkq4_{mode}_{name}" if lanes4 and t in KV9_L4_TYPES else f"gemvkq_{mode}_{name}") + sfx
+    if lanes4 and t in KV9_L4_TYPES:
+        return f"gemvkq4_{mode}_{name}{sfx}"
+    p2 = "_p2" if mode != "swiglu" and t in kv9_p2_types() else ""  # GGUF_HARNESS_GEMV_KQ_P2
+    return f"gemvkq_{mode}_{name}{p2}{sfx}"
 
 
 def kv9_iq3s_defines(type_ids) -> tuple[str, ...]:
@@ -278,8 +305,8 @@ def kv9_split(rows: int, K: int, rows_per_warp: int, block_slots) -> int:
 
 
 def kv9_rows_per_warp(kernel_name: str) -> int:
-    """Rows one warp takes at a time: 2 for the gemvkq4_ kernels, else 1."""
-    return 2 if kernel_name.startswith("gemvkq4_") else 1
+    """Rows one warp takes at a time: 2 for the gemvkq4_ and the _p2 kernels, else 1."""
+    return 2 if kernel_name.startswith("gemvkq4_") or "_p2" in kernel_name else 1
 
 
 PF_DEFAULT = 2           # kernels/gemv.cu PF_AHEAD when not defined

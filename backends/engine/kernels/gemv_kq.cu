@@ -234,6 +234,18 @@ template <int T> struct KQ4 : Lanes4 {
     }
 };
 
+// KQ_P2 (A/B build, ops GGUF_HARNESS_GEMV_KQ_P2=1): store/add nodes with two adjacent rows per warp,
+// every lane on both (kq_row2 as for a gate/up pair: each round's x read once for two rows). Why
+// (static SASS count, docs/perf-notes.md session 10): the Q4_K store loop spends 99 instructions
+// per lane and 32 weights, 16 of them dp2a; the IQ4_XS gate/up pair 113.5 per row against 132 for
+// its store loop: the x loads, x-slot addresses and loop control are shared by the two rows.
+template <class Q> struct KQP2 : Q {
+    static constexpr int R = 2;        // rows per warp (row groups of 2 rows), all 32 lanes on each
+    static constexpr bool P2 = true;
+};
+template <class Q> struct IsP2 { static constexpr bool v = false; };
+template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
+
 // Sum over the N lanes of each aligned group (every lane gets its group's sum; N = 32: warp_sum).
 template <int N> __device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
@@ -252,13 +264,15 @@ template <class Q, int MODE, int NW, int S>
 __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const float* norm, float eps,
                                         int K, int total_rows) {
     static_assert(NW % S == 0, "S divides the block's warps");
-    constexpr int LPR = 32 / Q::R;  // lanes per row
+    constexpr bool P2 = IsP2<Q>::v;  // two rows per warp, every lane on both (KQ_P2)
+    static_assert(!(P2 && MODE == 2), "KQ_P2 is for store/add nodes");
+    constexpr int LPR = P2 ? 32 : 32 / Q::R;  // lanes per row
     __shared__ float scratch[32];
     __shared__ float part[S > 1 ? 2 : 1][S > 1 ? NW : 1][2 * Q::R];  // [round & 1][warp][(y, up) per row]
     int4* xq = smem4;
     int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
     float* xd = (float*)(xs + K / 8);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = lane / LPR, l = lane % LPR;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = P2 ? 0 : lane / LPR, l = lane % LPR;
     const int G = NW / S, g = warp / S, ws = warp - g * S;  // row groups per block, this warp's
     const int rpb = Q::R * G, first = rpb * blockIdx.x + Q::R * g + h, step = rpb * gridDim.x;
     // A row's 128-byte lines to L2 (each of the S parts a share of them; a gate/up pair both rows).
@@ -293,8 +307,27 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         int r = live ? row : 0, si = 0;
         int nr = row + step;  // this lane's next row (KQ_PIPE 2, KQ_L1PF), if it has one
         const bool nlive = (kKqPipe > 1 || kKqL1pf > 0) && nr < total_rows;
-        float y, up = 0.f;
-        if constexpr (MODE == 2) {
+        float y, up = 0.f;  // up: a pair's up row, or (KQ_P2) the warp's second row
+        int r1 = 0, si1 = 0;  // KQ_P2: the second row (segment-local) and its segment
+        const bool live1 = P2 && row + 1 < total_rows;
+        if constexpr (P2) {
+            // rows row, row + 1 (their segments may differ; a missing second row repeats the first)
+            r1 = live1 ? row + 1 : r;
+            si = find_seg(t, r);
+            si1 = find_seg(t, r1);
+            const u8* p0 = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
+            const u8* p1 = (const u8*)t.s[si1].w + (size_t)t.row_bytes[si1] * r1;
+            if (t.s[si].type == Q::TYPE && t.s[si1].type == Q::TYPE) {
+                const float2 v = kq_row2<Q>(p0, p1, xa, w, nsb, sb0, st, i);
+                y = group_sum<32>(v.x);
+                up = group_sum<32>(v.y);
+            } else {  // an F32 row among them (qwen35's ssm_in): one row at a time
+                y = group_sum<32>(t.s[si].type == Q::TYPE ? kq_row<Q>(p0, xa, w, nsb, sb0, st, i)
+                                                          : f32_row<Q::SW4>(p0, xa, K, l + 32 * ws, 32 * S));
+                up = group_sum<32>(t.s[si1].type == Q::TYPE ? kq_row<Q>(p1, xa, w, nsb, sb0, st, i)
+                                                            : f32_row<Q::SW4>(p1, xa, K, l + 32 * ws, 32 * S));
+            }
+        } else if constexpr (MODE == 2) {
             const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
                                         (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, sb0, st, i,
                                         &carry, nlive ? (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * nr : nullptr,
@@ -319,16 +352,23 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             float* pp = part[round & 1][warp];
             if (l == 0) {
                 pp[2 * h] = y;
-                if (MODE == 2) pp[2 * h + 1] = up;
+                if (MODE == 2 || P2) pp[2 * h + 1] = up;
             }
             __syncthreads();
             if (ws == 0)
                 for (int s = 1; s < S; ++s) {
                     y += part[round & 1][warp + s][2 * h];
-                    if (MODE == 2) up += part[round & 1][warp + s][2 * h + 1];
+                    if (MODE == 2 || P2) up += part[round & 1][warp + s][2 * h + 1];
                 }
         }
-        if (live && l == 0 && ws == 0) store_row<MODE>(t.s[si], r, y * rs, up * rs);
+        if constexpr (P2) {
+            if (l == 0 && ws == 0) {
+                if (live) store_row<MODE>(t.s[si], r, y * rs, 0.f);
+                if (live1) store_row<MODE>(t.s[si1], r1, up * rs, 0.f);
+            }
+        } else if (live && l == 0 && ws == 0) {
+            store_row<MODE>(t.s[si], r, y * rs, up * rs);
+        }
     }
 }
 
@@ -373,6 +413,18 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 // group); the iq3_s ones unless GGUF_HARNESS_GEMV_KQ_IQ3S=0 (ops.kv9_kernel)
 KQ_MODES(T_Q4_K, q4_k) KQ_MODES(T_Q5_K, q5_k) KQ_MODES(T_Q6_K, q6_k) KQ_MODES(T_IQ4_XS, iq4_xs)
 KQ_MODES(T_IQ3_S, iq3_s)
+
+#ifndef KQ_P2
+#define KQ_P2 0
+#endif
+#if KQ_P2
+// kernel names: gemvkq_<store|add>_<type>_p2[_s2|_s4] (two rows per warp; the -DKQ_P2=1 build only)
+template <int T> using KQ_P2T = KQP2<KQ<T>>;
+#define KQ_P2_MODES(T, TNAME) KQ_SPLITS(gemvkq, KQ_P2T, KQ_LB8, 0, store, T, TNAME##_p2) \
+    KQ_SPLITS(gemvkq, KQ_P2T, KQ_LB8, 1, add, T, TNAME##_p2)
+KQ_P2_MODES(T_Q4_K, q4_k) KQ_P2_MODES(T_Q5_K, q5_k) KQ_P2_MODES(T_Q6_K, q6_k) KQ_P2_MODES(T_IQ4_XS, iq4_xs)
+KQ_P2_MODES(T_IQ3_S, iq3_s)
+#endif
 
 // minBlocks per type: Q4_K 2 (56-64 registers either way); Q5_K 1, since ptxas held the
 // store/add instances at 64 registers with a 28-byte spill otherwise (NVRTC 13.0, sm_90).
