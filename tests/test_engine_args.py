@@ -442,7 +442,7 @@ def test_gemv_tma_routing(monkeypatch):
     for knob, val in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"),
                       ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_IQ3S", "1"), ("GEMV_TMA", "1"), ("GEMV_TMA_MIN_K", ""),
                       ("GEMV_TMA_NST", ""), ("GEMV_TMA_WARPS", ""), ("GEMV_TMA_MINB", ""), ("GEMV_TMA_RING", ""),
-                      ("GEMV_TMA_BPS", "")):
+                      ("GEMV_TMA_BPS", ""), ("GEMV_TMA_RPW", "")):
         monkeypatch.setattr(ops, knob, val)
     for mode, types, K, rows, want in (("store", [12], 5120, 10240, "gemvtma_store_q4_k"),
                                        ("add", [14, 14], 17408, 5120, "gemvtma_add_q6_k"),
@@ -468,6 +468,18 @@ def test_gemv_tma_routing(monkeypatch):
     p = plan(5120, 144, False, ops.gemv_smem(5120), 227 * 1024, 2, 8, 65536)
     assert (p.kc, p.chunks) == (20, 1) and p.smem == 13440 + 16 * 2896  # 4096 B per slot: whole rows
     assert [int(a) for a in node.args[6:]] == [p.kc, p.slot, p.ring_off] and node.smem == p.smem
+    # two rows per warp: 16 tile rows of a store node (2 stages x 16 slots of <= 2048 B: 14 blocks fit,
+    # 12 taken, chunks of 12 and 8), a
+    # gate/up pair keeps one row of each matrix per warp
+    monkeypatch.setattr(ops, "GEMV_TMA_RPW", "2")
+    node = _gemv_node("store", [12], 5120, 10240, lambda i: 256 << 20)
+    assert asked[-1][2] == ("TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2", "TMA_RPW=2")
+    p2 = plan(5120, 144, False, ops.gemv_smem(5120), 227 * 1024, 2, 16, 65536)
+    assert [int(a) for a in node.args[6:]] == [p2.kc, p2.slot, p2.ring_off] and (p2.kc, p2.chunks) == (12, 2)
+    node = _gemv_node("swiglu", [23, 23], 5120, 512, lambda i: 256 << (20 + i))
+    pp = plan(5120, 136, True, ops.gemv_smem(5120), 227 * 1024, 2, 8, 65536)
+    assert [int(a) for a in node.args[6:]] == [pp.kc, pp.slot, pp.ring_off]
+    monkeypatch.setattr(ops, "GEMV_TMA_RPW", "")
     monkeypatch.setattr(ops, "GEMV_TMA_BPS", "1")  # one block per SM (the fake module has 2 resident)
     assert _gemv_node("store", [12], 5120, 10240, lambda i: 256 << 20).grid == (132,)
     monkeypatch.setattr(ops, "GEMV_TMA_BPS", "")
@@ -479,7 +491,7 @@ def test_gemv_tma_routing(monkeypatch):
     assert _gemv_node("store", [12], 5120, 64, lambda i: 256 << 20).kernel.name.startswith("gemv_")
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     for knob, bad in (("GEMV_TMA_NST", "1"), ("GEMV_TMA_WARPS", "32"), ("GEMV_TMA_MINB", "0"), ("GEMV_TMA_RING", "64k"),
-                      ("GEMV_TMA_BPS", "0")):
+                      ("GEMV_TMA_BPS", "0"), ("GEMV_TMA_RPW", "3")):
         monkeypatch.setattr(ops, knob, bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_" + knob):
             _gemv_node("store", [12], 5120, 64, lambda i: 256 << 20)

@@ -545,8 +545,10 @@ def test_gemv_nodes_mixed_split_matches_the_oracle(monkeypatch):
 
 @pytest.mark.parametrize("build", [{}, {"GEMV_TMA_NST": "2", "GEMV_TMA_WARPS": "8", "GEMV_TMA_MINB": "2",
                                         "GEMV_TMA_RING": "65536"},
-                                   {"GEMV_TMA_NST": "3", "GEMV_TMA_WARPS": "4", "GEMV_TMA_RING": "16384"}],
-                         ids=["default", "ring64k-w8", "nst3-w4-ring16k"])
+                                   {"GEMV_TMA_NST": "3", "GEMV_TMA_WARPS": "4", "GEMV_TMA_RING": "16384"},
+                                   {"GEMV_TMA_RPW": "2"}, {"GEMV_TMA_RPW": "2", "GEMV_TMA_NST": "2", "GEMV_TMA_WARPS": "8",
+                                                           "GEMV_TMA_RING": "65536"}],
+                         ids=["default", "ring64k-w8", "nst3-w4-ring16k", "rpw2", "rpw2-ring64k-w8"])
 def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     """Engine v10 (kernels/gemv_tma.cu, GGUF_HARNESS_GEMV_TMA=1): the weights reach shared memory
     through bulk copies into a ring of stages. Cases: every type at K = 512 over 9001 rows (many
@@ -558,7 +560,8 @@ def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     tests' oracle rule, and a second launch bitwise equal (fixed lanes and order: no atomics).
     A node with F32 rows beside the type's stays on v9. build: the default ring, and small-ring
     builds (2 stages of 8 rows in 64 KiB; 3 stages of 4 rows in 16 KiB: rows in many chunks, a
-    ring index that is not a power of two)."""
+    ring index that is not a power of two), and two rows per warp (TMA_RPW 2: a warp's second row
+    missing at odd row counts, the rows of a warp in two segments)."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":

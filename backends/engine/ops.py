@@ -115,6 +115,8 @@ GEMV_TMA_NST = os.environ.get("GGUF_HARNESS_GEMV_TMA_NST", "")
 GEMV_TMA_WARPS = os.environ.get("GGUF_HARNESS_GEMV_TMA_WARPS", "")
 GEMV_TMA_MINB = os.environ.get("GGUF_HARNESS_GEMV_TMA_MINB", "")
 GEMV_TMA_RING = os.environ.get("GGUF_HARNESS_GEMV_TMA_RING", "")
+# rows per consumer warp of store/add nodes (TMA_RPW: "" or 1, or 2 = two rows sharing each round's x)
+GEMV_TMA_RPW = os.environ.get("GGUF_HARNESS_GEMV_TMA_RPW", "")
 # ... and blocks per SM in the grid (GGUF_HARNESS_GEMV_TMA_BPS, "" = as many as are resident): 1 with
 # a small ring leaves an SM's remaining registers and shared memory to the neighbouring kernels
 GEMV_TMA_BPS = os.environ.get("GGUF_HARNESS_GEMV_TMA_BPS", "")
@@ -450,13 +452,14 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
 
 def tma_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_tma.cu build: TMA_NST (GGUF_HARNESS_GEMV_TMA_NST, 2..8),
-    TMA_WARPS (_TMA_WARPS: 4, 8 or 16), TMA_MINB (_TMA_MINB, 1..4); unset ones are left to the
-    kernel's defaults (4, 16, 1). Raises ValueError on another value, and on a MINB above 1 with
+    TMA_WARPS (_TMA_WARPS: 4, 8 or 16), TMA_MINB (_TMA_MINB, 1..4), TMA_RPW (_TMA_RPW: 1 or 2);
+    unset ones are left to the kernel's defaults (4, 16, 1, 1). Raises ValueError on another value, and on a MINB above 1 with
     16 consumer warps (ptxas spills under that register cap)."""
     out = []
     for env, val, define, ok in (("GGUF_HARNESS_GEMV_TMA_NST", GEMV_TMA_NST, "TMA_NST", range(2, 9)),
                                  ("GGUF_HARNESS_GEMV_TMA_WARPS", GEMV_TMA_WARPS, "TMA_WARPS", (4, 8, 16)),
-                                 ("GGUF_HARNESS_GEMV_TMA_MINB", GEMV_TMA_MINB, "TMA_MINB", range(1, 5))):
+                                 ("GGUF_HARNESS_GEMV_TMA_MINB", GEMV_TMA_MINB, "TMA_MINB", range(1, 5)),
+                                 ("GGUF_HARNESS_GEMV_TMA_RPW", GEMV_TMA_RPW, "TMA_RPW", (1, 2))):
         if not val:
             continue
         if not val.isdigit() or int(val) not in ok:
@@ -491,10 +494,11 @@ def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float,
     defs = tma_defines()
     nst = int(GEMV_TMA_NST or TMA_NST)
     warps = int(GEMV_TMA_WARPS or TMA_WARPS)
+    tile_rows = warps * (int(GEMV_TMA_RPW or 1) if mode != "swiglu" else 1)  # gemv_tma.cu kTileRows
     if GEMV_TMA_RING and not GEMV_TMA_RING.isdigit():
         raise ValueError(f"GGUF_HARNESS_GEMV_TMA_RING={GEMV_TMA_RING!r}: expected a byte count")
     t = types.pop()
-    p = plan(K, FORMATS[t].type_size, mode == "swiglu", gemv_smem(K), module.smem_optin(), nst, warps,
+    p = plan(K, FORMATS[t].type_size, mode == "swiglu", gemv_smem(K), module.smem_optin(), nst, tile_rows,
              int(GEMV_TMA_RING) if GEMV_TMA_RING else None)
     if p is None:
         return None

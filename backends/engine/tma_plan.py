@@ -39,7 +39,7 @@ def plan(K: int, type_size: int, pair: bool, x_bytes: int, smem_max: int,
     """The plan of a node with input length K (a multiple of 256), super-blocks of `type_size`
     bytes, `pair` True for a gate/up pair, x_bytes of staged x (ops.gemv_smem) and smem_max bytes
     of shared memory per block (module.smem_optin()); nst stages of `warps` tile rows (the build's
-    TMA_NST, TMA_WARPS); ring_max: at most this many ring bytes (a small ring lets 2-3 blocks share
+    TMA_NST, and TMA_WARPS x TMA_RPW for a store/add node); ring_max: at most this many ring bytes (a small ring lets 2-3 blocks share
     an SM). None when not even one super-block per slot fits. Raises ValueError on K not a
     positive multiple of 256 or a non-positive size."""
     if K <= 0 or K % 256 or type_size <= 0 or x_bytes < 0:

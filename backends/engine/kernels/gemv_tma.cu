@@ -19,7 +19,9 @@
 // rows). Those rows go in tiles of NW consecutive rows (warp w: tile row w), each tile in chunks
 // of kc super-blocks (the last chunk of a row may be shorter); one stage = one chunk of every row
 // of the tile (x2 for a gate/up pair), one cp.async.bulk per row and matrix, all completing on
-// the stage's "full" mbarrier; the consumers free a stage through its "empty" mbarrier.
+// the stage's "full" mbarrier; the consumers free a stage through its "empty" mbarrier. With
+// TMA_RPW 2 (store/add nodes) a tile is 2 NW rows and warp w takes rows 2w and 2w + 1 with one x
+// read per round (as gemv_kq.cu's KQ_P2).
 // A lane keeps its row's partial in a register across the chunks of a tile, so the sums are
 // deterministic (fixed lanes, fixed order: no atomics), as the engine's bitwise-rerun check needs.
 //
@@ -47,6 +49,12 @@ extern __shared__ int4 smem4[];  // x (stage_xq layout), then the stage ring at 
 #define TMA_NST 4  // stages in the ring
 #endif
 constexpr int kNst = TMA_NST;
+#ifndef TMA_RPW
+#define TMA_RPW 1  // rows per consumer warp in store/add nodes (2: kernels/gemv_kq.cu KQ_P2's sharing of x)
+#endif
+static_assert(TMA_RPW == 1 || TMA_RPW == 2, "TMA_RPW is 1 or 2");
+// Tile rows of a node: NW consumer warps x rows per warp (a gate/up pair: one row of each matrix).
+template <int MODE, int NW> constexpr int kTileRows = NW * (MODE == 2 ? 1 : TMA_RPW);
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
@@ -87,16 +95,17 @@ template <class Q, int MODE> __device__ __forceinline__ const u8* chunk_src(cons
     return (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row + (size_t)sb * Q::TS;
 }
 
-// The producer: lane l < NP NW issues the copy of tile row l % NW of matrix l / NW; lane 0 arms
-// the stage's full barrier with the stage's bytes first (a warp sum of the copies' sizes).
+// The producer: lane l < NP TR issues the copy of tile row l % TR of matrix l / TR (TR tile rows);
+// lane 0 arms the stage's full barrier with the stage's bytes first (a warp sum of the copies' sizes).
 template <class Q, int MODE, int NW>
 __device__ __forceinline__ void produce(const SegTable& t, const TmaPlan& p, int n, u32 ring, u32 full) {
-    constexpr int NP = MODE == 2 ? 2 : 1;
+    constexpr int NP = MODE == 2 ? 2 : 1, TR = kTileRows<MODE, NW>;
+    static_assert(NP * TR <= 32, "one producer lane per copy");
     const int lane = threadIdx.x & 31, tile = n / p.nch, c = n - tile * p.nch, s = n % kNst;
-    const int row = p.r0 + NW * tile + lane % NW, m = lane / NW;
+    const int row = p.r0 + TR * tile + lane % TR, m = lane / TR;
     u32 bytes = 0;
     const u8* a = nullptr;
-    if (lane < NP * NW && row < p.r1) {
+    if (lane < NP * TR && row < p.r1) {
         u32 len;
         const u8* src = chunk_src<Q, MODE>(t, p, row, m, c, len);
         a = (const u8*)((size_t)src & ~(size_t)15);
@@ -105,13 +114,13 @@ __device__ __forceinline__ void produce(const SegTable& t, const TmaPlan& p, int
     const u32 total = __reduce_add_sync(0xffffffffu, bytes);
     if (lane == 0) mbar_expect_tx(full + 8 * s, total);
     __syncwarp();
-    if (bytes) bulk_copy(ring + ((s * NP + m) * NW + lane % NW) * p.slot, a, bytes, full + 8 * s);
+    if (bytes) bulk_copy(ring + ((s * NP + m) * TR + lane % TR) * p.slot, a, bytes, full + 8 * s);
 }
 
 template <class Q, int MODE, int NW>
 __device__ __forceinline__ void tma_body(const SegTable& t, const float* x, const float* norm, float eps, int K,
                                          int total_rows, int kc, int slot, int ring_off) {
-    constexpr int NP = MODE == 2 ? 2 : 1;
+    constexpr int NP = MODE == 2 ? 2 : 1, TR = kTileRows<MODE, NW>, RPW = TR / NW;
     __shared__ float scratch[32];
     __shared__ __align__(8) unsigned long long bars[2 * kNst];  // [full x NST, empty x NST]
     int4* xq = smem4;
@@ -125,7 +134,7 @@ __device__ __forceinline__ void tma_body(const SegTable& t, const float* x, cons
     p.kc = kc;
     p.nch = (p.nsb + kc - 1) / kc;
     p.slot = (u32)slot;
-    const int nst = (p.r1 - p.r0 + NW - 1) / NW * p.nch;  // stages of this block
+    const int nst = (p.r1 - p.r0 + TR - 1) / TR * p.nch;  // stages of this block
     const u32 full = smem_addr(bars), empty = full + 8 * kNst, ring = smem_addr(smem4) + (u32)ring_off;
     if (threadIdx.x == 0) {
         for (int s = 0; s < kNst; ++s) {
@@ -153,8 +162,8 @@ __device__ __forceinline__ void tma_body(const SegTable& t, const float* x, cons
     const int grp = Q::grp(lane), i = Q::idx(lane);
     const typename Q::Lane w = Q::lane(i);
     for (int n = 0, tile = 0; n < nst; ++tile) {
-        const int row = p.r0 + NW * tile + warp;
-        const bool live = row < p.r1;
+        const int row = p.r0 + TR * tile + RPW * warp;  // RPW 2: rows row, row + 1 (slots RPW warp + 0, 1)
+        const bool live = row < p.r1, live1 = RPW == 2 && row + 1 < p.r1;
         float a0 = 0.f, a1 = 0.f;
         for (int c = 0; c < p.nch; ++c, ++n) {
             const int s = n % kNst;
@@ -163,10 +172,16 @@ __device__ __forceinline__ void tma_body(const SegTable& t, const float* x, cons
                 u32 len;
                 const int sb0 = c * p.kc, cnt = min(p.kc, p.nsb - sb0);
                 const u8* src0 = chunk_src<Q, MODE>(t, p, row, 0, c, len);
-                const u8* b0 = (const u8*)smem4 + ring_off + ((s * NP) * NW + warp) * p.slot + ((size_t)src0 & 15);
-                if constexpr (MODE == 2) {
-                    const u8* src1 = chunk_src<Q, MODE>(t, p, row, 1, c, len);
-                    const u8* b1 = (const u8*)smem4 + ring_off + ((s * NP + 1) * NW + warp) * p.slot + ((size_t)src1 & 15);
+                const u8* b0 = (const u8*)smem4 + ring_off + ((s * NP) * TR + RPW * warp) * p.slot + ((size_t)src0 & 15);
+                if constexpr (MODE == 2 || RPW == 2) {
+                    // the pair's up row (matrix 1, same tile row), or the warp's second row (a
+                    // missing one: the first again, not stored)
+                    const u8* b1 = b0;
+                    if (MODE == 2 || live1) {
+                        const u8* src1 = chunk_src<Q, MODE>(t, p, MODE == 2 ? row : row + 1, MODE == 2 ? 1 : 0, c, len);
+                        b1 = (const u8*)smem4 + ring_off + ((s * NP + (MODE == 2)) * TR + RPW * warp + (MODE != 2)) * p.slot +
+                             ((size_t)src1 & 15);
+                    }
 #pragma unroll 2
                     for (int k = grp; k < cnt; k += 4) {
                         typename Q::Blk g, u;
@@ -189,10 +204,15 @@ __device__ __forceinline__ void tma_body(const SegTable& t, const float* x, cons
             if (lane == 0) mbar_arrive(empty + 8 * s);
         }
         if (live) {  // warp-uniform
-            const float y = warp_sum(a0), up = MODE == 2 ? warp_sum(a1) : 0.f;
+            const float y = warp_sum(a0), up = MODE == 2 || RPW == 2 ? warp_sum(a1) : 0.f;
             int r = row;
             const int si = MODE == 2 ? 0 : find_seg(t, r);
-            if (lane == 0) store_row<MODE>(t.s[si], r, y * rs, up * rs);
+            if (lane == 0) store_row<MODE>(t.s[si], r, y * rs, MODE == 2 ? up * rs : 0.f);
+            if (RPW == 2 && live1) {
+                int r1 = row + 1;
+                const int si1 = find_seg(t, r1);
+                if (lane == 0) store_row<MODE>(t.s[si1], r1, up * rs, 0.f);
+            }
         }
     }
 }
