@@ -531,3 +531,24 @@ def test_kv9_two_rows_per_warp_build(monkeypatch):
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_P2"):
         ops.kv9_defines()
     assert "GGUF_HARNESS_GEMV_KQ_P2" in machine.ENGINE_SWITCHES
+
+
+def test_iq4_xil_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_IQ4_XIL=1 adds -DIQ4_XIL=1 to the gemv_kq.cu and gemv_tma.cu builds and
+    leaves an IQ4_XS node with F32 rows to gemv.cu (f32_row reads x in the natural order); other
+    values are refused; unset changes nothing."""
+    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF",
+                 "GEMV_KQ_P2", "GEMV_TMA_NST", "GEMV_TMA_WARPS", "GEMV_TMA_MINB", "GEMV_TMA_RPW"):
+        monkeypatch.setattr(ops, knob, "")
+    monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "")
+    assert ops.kv9_defines() == () and ops.tma_defines() == ()
+    assert ops.kv9_kernel("store", [23, 0], 5120, lanes4=False) == "gemvkq_store_iq4_xs"
+    monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "1")
+    assert ops.kv9_defines() == ("IQ4_XIL=1",) and ops.tma_defines() == ("IQ4_XIL=1",)
+    assert ops.kv9_kernel("store", [23, 0], 5120, lanes4=False) is None
+    assert ops.kv9_kernel("swiglu", [23, 23], 5120, lanes4=False) == "gemvkq_swiglu_iq4_xs"
+    assert ops.kv9_kernel("store", [12, 0], 5120, lanes4=False) == "gemvkq_store_q4_k"
+    monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "2")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_IQ4_XIL"):
+        ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_IQ4_XIL" in machine.ENGINE_SWITCHES

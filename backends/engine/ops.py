@@ -147,6 +147,10 @@ GEMV_KQ_L1PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_L1PF", "")
 # build, written in session 10, not yet run on a GPU; static SASS count per 32 weights and row:
 # Q4_K 99 -> 84.5, Q5_K 122 -> 111.5, IQ4_XS 132 -> 121, Q6_K 136.5 -> 134.5, IQ3_S 146 -> 148.
 GEMV_KQ_P2 = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2", "")
+# IQ4_XIL: IQ4_XS rows of v9 / v10 with x staged in interleaved halves (kernels/kwide_iq4.cuh), two
+# fewer prmt per 8 weights, results bitwise equal to the default build's. "1" on; A/B build,
+# written in session 10, not yet run on a GPU. IQ4_XS nodes with F32 rows then stay on gemv.cu.
+GEMV_IQ4_XIL = os.environ.get("GGUF_HARNESS_GEMV_IQ4_XIL", "")
 
 
 def kv9_defines() -> tuple[str, ...]:
@@ -172,7 +176,15 @@ def kv9_defines() -> tuple[str, ...]:
         raise ValueError("GGUF_HARNESS_GEMV_KQ_PIPE and GGUF_HARNESS_GEMV_KQ_L1PF: separate A/B builds, set one")
     if kv9_p2_types():
         out.append("KQ_P2=1")
-    return tuple(out)
+    return tuple(out) + iq4_xil_defines()
+
+
+def iq4_xil_defines() -> tuple[str, ...]:
+    """("IQ4_XIL=1",) when GGUF_HARNESS_GEMV_IQ4_XIL=1, () when unset or 0 (gemv_kq.cu and
+    gemv_tma.cu builds); ValueError on another value."""
+    if GEMV_IQ4_XIL not in ("", "0", "1"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_IQ4_XIL={GEMV_IQ4_XIL!r}: expected 0 or 1")
+    return ("IQ4_XIL=1",) if GEMV_IQ4_XIL == "1" else ()
 
 
 def kv9_p2_types() -> frozenset[int]:
@@ -256,6 +268,8 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
     t = types.pop()
     name = KV9_NAMES.get(t)
     if name is None:
+        return None
+    if t == IQ4_XS and 0 in type_ids and iq4_xil_defines():  # f32_row reads x in natural order
         return None
     if t == IQ3_S:  # GEMV_KQ_IQ3S (default on)
         if GEMV_KQ_IQ3S not in ("0", "1"):
@@ -465,6 +479,7 @@ def tma_defines() -> tuple[str, ...]:
         if not val.isdigit() or int(val) not in ok:
             raise ValueError(f"{env}={val!r}: expected one of {', '.join(map(str, ok))}")
         out.append(f"{define}={int(val)}")
+    out += iq4_xil_defines()
     # minBlocks > 1 at 16 + 1 warps caps ptxas at 56 registers or fewer: spills in 9 of 15 instances
     # (MINB 2) or all (3), NVRTC 13.0 sm_90; the default ring leaves one block per SM anyway
     if GEMV_TMA_MINB and int(GEMV_TMA_MINB) * (int(GEMV_TMA_WARPS or 16) + 1) * 32 > 1024:

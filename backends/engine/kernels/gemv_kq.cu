@@ -289,7 +289,8 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
     pdl_trigger();
-    const float rs = stage_xq<Q::SW4>(x, norm, eps, K, xq, xs, xd, scratch);  // barriers inside
+    // barriers inside; IQ4_XS rows of an IQ4_XIL build take x with interleaved halves (kwide_iq4.cuh)
+    const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS>(x, norm, eps, K, xq, xs, xd, scratch);
     const XS xa = xs_addr(xq, xs, xd);
     const int grp = Q::grp(lane), i = Q::idx(lane), nsb = K >> 8;
     const int sb0 = grp + 4 * ws, st = 4 * S;

@@ -72,6 +72,19 @@
 #pragma once
 #include "kwide.cuh"
 
+// IQ4_XIL (A/B build, ops GGUF_HARNESS_GEMV_IQ4_XIL=1; gemv_kq.cu and gemv_tma.cu only): x staged
+// with each 32-value block's halves interleaved (xstage.cuh stage_xq IL: entry 4b + k holds values
+// 4k, 4k + 16, 4k + 1, 4k + 17, .., 4k + 3, 4k + 19 of block b), so a qs word's two lookups t0, t1
+// (values of nibbles 0-3 and 4-7: lo b0, hi b0, lo b1, hi b1 = values t, t + 16, t + 1, t + 17)
+// are dp2a operands as they are: no separating prmt pair (2 of the 8 prmt per 8 weights), and odd
+// lanes, which read their runs in the other order for the bank swizzle, swap their two 8-byte qs
+// loads instead of the selector. The integer sums are the same products in another order (exact),
+// so the results equal the default build's bit for bit.
+#ifndef IQ4_XIL
+#define IQ4_XIL 0
+#endif
+constexpr bool kIq4Xil = IQ4_XIL;
+
 // prmt.b32 without mode: byte n of the result = byte (c >> 4n) & 7 of the pair (b:a); the
 // caller keeps bit 3 of the 4 selector nibbles clear (it would replicate the byte's sign).
 // (__byte_perm masks its selector with 0x7777 itself: one more instruction per call.)
@@ -90,6 +103,14 @@ __device__ __forceinline__ void iq4_lut8(u32 w, u32 sel, u32& f, u32& s) {
     const u32 t1 = prmt(prmt(IQ4NL_K0, IQ4NL_K1, c >> 16), prmt(IQ4NL_K2, IQ4NL_K3, c >> 16), h >> 16);
     f = prmt(t0, t1, sel);
     s = prmt(t0, t1, sel ^ 0x1111u);
+}
+
+// The two lookups of iq4_lut8 before its last step: t0 = kvalues of nibbles 0-3 of w, t1 of 4-7.
+__device__ __forceinline__ void iq4_lut2(u32 w, u32& t0, u32& t1) {
+    const u32 c = w & 0x77777777u;
+    const u32 h = ((w >> 1) & 0x44444444u) | 0x32103210u;
+    t0 = prmt(prmt(IQ4NL_K0, IQ4NL_K1, c), prmt(IQ4NL_K2, IQ4NL_K3, c), h);
+    t1 = prmt(prmt(IQ4NL_K0, IQ4NL_K1, c >> 16), prmt(IQ4NL_K2, IQ4NL_K3, c >> 16), h >> 16);
 }
 
 // A lane's constants: shared-memory slots of its 4 xq entries in load order (first run, then
@@ -132,13 +153,30 @@ struct WIq4 { uint2 h, a, b; };
 __device__ __forceinline__ void wide_load_iq4(const u8* blk, int i, WIq4& r) {
     r.h = *(const uint2*)blk;
     const uint2* q = (const uint2*)(blk + 8 + 16 * i);  // 8-byte aligned (see the header)
-    r.a = q[0];
-    r.b = q[1];
+    if constexpr (kIq4Xil) {  // odd lanes take their words 2, 3 first (wide_lane_iq4's load order)
+        const int sw = i & 1;
+        r.a = q[sw];
+        r.b = q[sw ^ 1];
+    } else {
+        r.a = q[0];
+        r.b = q[1];
+    }
 }
 
 // dequantize_row_iq4_xs: y = d (ls - 32) kv. Lane's partial of one super-block, times the x
 // block scale (the caller sums lanes).
 __device__ __forceinline__ float wide_dot_iq4(const WIq4& r, const WXIq4& x, const WLaneIq4& w) {
+    if constexpr (kIq4Xil) {  // word o of the (swapped) run against the lane's load o of x
+        u32 t[8];
+        iq4_lut2(r.a.x, t[0], t[1]);
+        iq4_lut2(r.a.y, t[2], t[3]);
+        iq4_lut2(r.b.x, t[4], t[5]);
+        iq4_lut2(r.b.y, t[6], t[7]);
+        const int tt = dot8c(x.s1, t[6], t[7], dot8c(x.s0, t[4], t[5], dot8c(x.f1, t[2], t[3], dot8c(x.f0, t[0], t[1], 0))));
+        const int ls = (int)((r.h.y >> w.shl) & 15u) | (int)(((r.h.x >> w.shh) & 3u) << 4);
+        const float dl = h2f((u16)(r.h.x & 0xffffu)) * (float)(ls - 32);
+        return x.d * dl * (float)tt;
+    }
     u32 f[4], s[4];
     iq4_lut8(r.a.x, w.sel, f[0], s[0]);
     iq4_lut8(r.a.y, w.sel, f[1], s[1]);

@@ -32,7 +32,10 @@
 // float rounding at code ties); without a norm it returns 1. The block reduction's
 // barriers also publish the shared-memory codes.
 // SW4: entries at xq_slot4 (the 4-lanes-per-super-block rows of kwide4.cuh) instead of xq_slot.
-template <bool SW4 = false>
+// IL: each 32-value block's halves interleaved (kwide_iq4.cuh IQ4_XIL): entry 4b + k holds values
+// 4k, 4k + 16, 4k + 1, 4k + 17, 4k + 2, 4k + 18, 4k + 3, 4k + 19 of block b (the same 32 values per
+// block: scales, flush and NaN marks unchanged; the entry sums xs are of those 8 codes).
+template <bool SW4 = false, bool IL = false>
 __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const float* __restrict__ norm,
                                           float eps, int K, int4* xq, int* xs, float* xd, float* scratch) {
     const bool vec = (K & 7) == 0;
@@ -45,7 +48,18 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
     for (int c0 = 0; c0 < nch; c0 += blockDim.x) {
         const int c = c0 + threadIdx.x, i0 = 8 * c;
         float v[8];
-        if (vec && i0 + 8 <= K) {
+        // value index of the entry's code j (IL: block 32 (c >> 2), quad c & 3, halves interleaved)
+        auto at = [&](int j) { return IL ? 32 * (c >> 2) + 4 * (c & 3) + (j >> 1) + 16 * (j & 1) : i0 + j; };
+        if (IL && vec && 32 * (c >> 2) + 32 <= K) {
+            const int f = 8 * (c >> 2) + (c & 3);  // float4 of values 4k..4k+3; +4: 4k+16..
+            const float4 a = ((const float4*)x)[f], b = ((const float4*)x)[f + 4];
+            v[0] = a.x; v[1] = b.x; v[2] = a.y; v[3] = b.y; v[4] = a.z; v[5] = b.z; v[6] = a.w; v[7] = b.w;
+            if (norm) {
+                const float4 na = ((const float4*)norm)[f], nb = ((const float4*)norm)[f + 4];
+                ss += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] + v[6] * v[6] + v[7] * v[7];
+                v[0] *= na.x; v[1] *= nb.x; v[2] *= na.y; v[3] *= nb.y; v[4] *= na.z; v[5] *= nb.z; v[6] *= na.w; v[7] *= nb.w;
+            }
+        } else if (!IL && vec && i0 + 8 <= K) {
             const float4 a = ((const float4*)x)[2 * c], b = ((const float4*)x)[2 * c + 1];
             v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
             if (norm) {
@@ -56,10 +70,11 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
         } else {
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
-                v[k] = i0 + k < K ? x[i0 + k] : 0.f;
+                const int ik = at(k);
+                v[k] = ik < K ? x[ik] : 0.f;
                 if (norm) {
                     ss += v[k] * v[k];
-                    v[k] = i0 + k < K ? v[k] * norm[i0 + k] : 0.f;
+                    v[k] = ik < K ? v[k] * norm[ik] : 0.f;
                 }
             }
         }
