@@ -156,8 +156,9 @@ GEMV_IQ4_XIL = os.environ.get("GGUF_HARNESS_GEMV_IQ4_XIL", "")
 def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_PF -> KQ_PF, GEMV_KQ_PIPE -> KQ_PIPE,
-    GEMV_KQ_L1PF -> KQ_L1PF; unset: the kernel's defaults). Raises ValueError unless each is empty
-    or an integer 1..8 (PIPE: 1 or 2; MINB: 0..8), and for PIPE with L1PF (the kernel has no build of both)."""
+    GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, then iq4_xil_defines(); unset: the kernel's
+    defaults). Raises ValueError unless each is empty or an integer 1..8 (PIPE: 1 or 2; MINB:
+    0..8), for PIPE with L1PF (the kernel has no build of both), and as kv9_p2_types."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL"),
@@ -399,8 +400,9 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
-    elif impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8") and (tn := gemv_tma(name, mode, segs, x, K, norm, eps, rows)):
-        return tn
+    elif (impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8")
+          and (tn := gemv_tma(name, mode, segs, x, K, norm, eps, rows))):
+        return tn  # engine v10 (GGUF_HARNESS_GEMV_TMA=1)
     elif impl == "q16" and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value" and \
             (kname := kv9_kernel(mode, types := [s.w.type_id for s in segs], K, l4 := GEMV_KQ == "v9")):
         for s in segs:  # F32 rows: 16-byte loads (gemv_kq.cu f32_row)
@@ -466,9 +468,10 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
 
 def tma_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_tma.cu build: TMA_NST (GGUF_HARNESS_GEMV_TMA_NST, 2..8),
-    TMA_WARPS (_TMA_WARPS: 4, 8 or 16), TMA_MINB (_TMA_MINB, 1..4), TMA_RPW (_TMA_RPW: 1 or 2);
-    unset ones are left to the kernel's defaults (4, 16, 1, 1). Raises ValueError on another value, and on a MINB above 1 with
-    16 consumer warps (ptxas spills under that register cap)."""
+    TMA_WARPS (_TMA_WARPS: 4, 8 or 16), TMA_MINB (_TMA_MINB, 1..4), TMA_RPW (_TMA_RPW: 1 or 2),
+    and iq4_xil_defines(); unset ones are left to the kernel's defaults (4, 16, 1, 1). Raises
+    ValueError on another value, and on a MINB above 1 with 16 consumer warps (ptxas spills
+    under that register cap)."""
     out = []
     for env, val, define, ok in (("GGUF_HARNESS_GEMV_TMA_NST", GEMV_TMA_NST, "TMA_NST", range(2, 9)),
                                  ("GGUF_HARNESS_GEMV_TMA_WARPS", GEMV_TMA_WARPS, "TMA_WARPS", (4, 8, 16)),
@@ -491,13 +494,11 @@ def tma_defines() -> tuple[str, ...]:
 def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float, rows: int) -> Node | None:
     """The engine v10 node (kernels/gemv_tma.cu) of a checked q16 gemv call (arguments as gemv;
     rows: the node's output rows, a pair's gate rows) when GGUF_HARNESS_GEMV_TMA=1 and the node
-    is one v9 takes with a single GGML type and no F32 rows, K >= GGUF_HARNESS_GEMV_TMA_MIN_K if set;
-    else None (gemv goes on to v9 or
-    gemv.cu). Grid: the resident blocks (one per SM with the default ring; at most
-    GGUF_HARNESS_GEMV_TMA_BPS per SM if set), at most one per row;
-    shared memory per tma_plan.plan; builds per tma_defines.
-    Raises ValueError on another GGUF_HARNESS_GEMV_TMA value and on matrices not 16-byte
-    aligned (bulk copies)."""
+    is one v9 takes with a single GGML type and no F32 rows (and K >= GGUF_HARNESS_GEMV_TMA_MIN_K
+    if set); else None, and gemv goes on to v9 or gemv.cu. Grid: the resident blocks (one per SM
+    with the default ring; at most GGUF_HARNESS_GEMV_TMA_BPS per SM if set), at most one per row;
+    shared memory per tma_plan.plan; the build per tma_defines. Raises ValueError on bad switch
+    values and on matrices not 16-byte aligned (bulk copies)."""
     if GEMV_TMA not in ("", "0", "1"):
         raise ValueError(f"GGUF_HARNESS_GEMV_TMA={GEMV_TMA!r}: expected 0 or 1")
     if GEMV_TMA_MIN_K and not GEMV_TMA_MIN_K.isdigit():
@@ -538,8 +539,8 @@ def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float,
 def gemv_nodes(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | None = None,
                eps: float = 0.0) -> list[Node]:
     """The node(s) of y = W x over `segs` (arguments as gemv): [gemv(...)], or with
-    GGUF_HARNESS_GEMV_KQ_MIXED=split (the default), for a store/add node of two or more GGML types that v9
-    takes one by one (q16, GEMV_KQ v9/v9l8, value arguments, no F32 segment), one gemv node per
+    GGUF_HARNESS_GEMV_KQ_MIXED=split (the default), for a store/add node of two or more GGML
+    types that v9 takes one by one (q16, GEMV_KQ v9/v9l8, value arguments, no F32 segment), one gemv node per
     type in order of first appearance, named "<name>.<type>" (e.g. blk.3.qkv.q4_k), each with
     that type's segments, the same x, norm and eps. Segments keep their own outputs, so the
     nodes are independent. Raises ValueError on another GEMV_KQ_MIXED value, and as gemv."""
