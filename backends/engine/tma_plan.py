@@ -2,8 +2,8 @@
 many super-blocks of each row one pipeline stage holds, and where the stage ring sits.
 
 A block holds stage_xq's x (ops.gemv_smem(K) bytes), then a ring of TMA_NST stages; a stage
-holds one chunk of kc super-blocks of each of the block's TMA_WARPS tile rows, for NP matrices
-(2 for a gate/up pair). A row chunk's slot is the chunk's bytes rounded up to 16 plus 16 more:
+holds one chunk of kc super-blocks of each of the block's tile rows (TMA_WARPS x TMA_RPW; a
+gate/up pair TMA_WARPS), for NP matrices (2 for a pair). A row chunk's slot is the chunk's bytes rounded up to 16 plus 16 more:
 the copy starts at the chunk's address rounded down to 16 and ends rounded up to 16
 (gemv_tma.cu header), so it spans at most roundup16(kc * type_size) + 16 bytes.
 

@@ -32,8 +32,8 @@
 // matrix's end: inside the arena's 256-byte padding (arena.py ALIGN) or a CuPy allocation's
 // 512-byte unit; ops.gemv checks 16-byte aligned matrix starts.
 //
-// Shared memory: stage_xq's x (2.625 K bytes), then the ring: NST stages x NP matrices x NW slots
-// of slot bytes (tma_plan.py). Barriers are static. TMA_NST, TMA_WARPS, TMA_MINB: A/B builds
+// Shared memory: stage_xq's x (2.625 K bytes), then the ring: NST stages x NP matrices x TR slots
+// (TR = kTileRows: NW x TMA_RPW, a pair NW) of slot bytes (tma_plan.py). Barriers are static. TMA_NST, TMA_WARPS, TMA_MINB: A/B builds
 // (ops.tma_defines) with a ring small enough for 2-3 blocks per SM, i.e. room for the previous and
 // next kernels' blocks (the session-10 lesson: ~200 KB per SM cost the step its kernel overlap).
 // PTX: cp.async.bulk, mbarrier (PTX ISA 8.0, sm_90; CUDA C++ Programming Guide, "Asynchronous
@@ -78,7 +78,7 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// Where stage n is in block b's sequence: tile (NW rows from r0 + NW tile), chunk of kc blocks.
+// Where stage n is in block b's sequence: tile (TR rows from r0 + TR tile), chunk of kc blocks.
 struct TmaPlan {
     int r0, r1;   // the block's rows [r0, r1)
     int nsb, kc;  // super-blocks per row, per chunk
