@@ -68,6 +68,27 @@ def _check_rows(y, w, x, what):
     assert v["ok"], f"{what}: {v}"
 
 
+def _normed_biased_segments(cp, eops, t, keep):
+    """A qkv-like node of GGML type t at K = 1024: 3 segments of 19, 3 and 40 rows with biases
+    behind a fused RMSNorm (find_seg per row), NaN-poisoned outputs. Returns K, the rng (for
+    more draws), x, the norm weight on the device, x normalised in float64, [(raw, dequantised)]
+    per segment, the outputs, the biases and the ops.Seg list (device buffers kept in keep)."""
+    K = 1024
+    rng = np.random.default_rng(t)
+    x = rng.normal(size=K).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
+    xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
+    mats = [_matrix(t, r, K, 50 + r) for r in (19, 3, 40)]
+    outs = [nan_poisoned(cp, r) for r in (19, 3, 40)]
+    biases = [rng.normal(size=r).astype(np.float32) for r in (19, 3, 40)]
+    bdev = [cp.asarray(b) for b in biases]
+    keep.extend(bdev)
+    segs = [eops.Seg(device_tensor(cp, f"m{j}", raw, t, (K, raw.shape[0]), keep), o, int(b.data.ptr))
+            for j, ((raw, _), o, b) in enumerate(zip(mats, outs, bdev))]
+    return K, rng, x, nw_dev, xn, mats, outs, biases, segs
+
+
 @pytest.mark.parametrize("name", list(TYPES))
 def test_gemv_store_every_format_and_odd_shape(name):
     cp = cupy_or_skip()
@@ -366,18 +387,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
             assert ran(node, "store", [t], K), node.kernel.name
             node.launch()
             _check_rows(out.get().astype(np.float64), w, x, f"v9 {name} [{rows}x{K}]")
-        K = 1024
-        rng = np.random.default_rng(t)
-        x = rng.normal(size=K).astype(np.float32)
-        nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
-        nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
-        xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
-        mats = [_matrix(t, r, K, 50 + r) for r in (19, 3, 40)]
-        outs = [nan_poisoned(cp, r) for r in (19, 3, 40)]
-        biases = [rng.normal(size=r).astype(np.float32) for r in (19, 3, 40)]
-        bdev = [cp.asarray(b) for b in biases]
-        segs = [eops.Seg(device_tensor(cp, f"m{j}", raw, t, (K, raw.shape[0]), keep), o, int(b.data.ptr))
-                for j, ((raw, _), o, b) in enumerate(zip(mats, outs, bdev))]
+        K, rng, x, nw_dev, xn, mats, outs, biases, segs = _normed_biased_segments(cp, eops, t, keep)
         eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6).launch()
         for (raw, w), o, b in zip(mats, outs, biases):
             _check_rows(o.get().astype(np.float64) - b, w, xn, f"v9 {name} segment with bias and norm")
@@ -597,18 +607,7 @@ def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
                              cp.asarray(x), K)
             (y,) = run_twice(node, [out], f"v10 {name} [{rows}x{K}]")
             _check_rows(y.astype(np.float64), w, x, f"v10 {name} [{rows}x{K}]")
-        K = 1024
-        rng = np.random.default_rng(t)
-        x = rng.normal(size=K).astype(np.float32)
-        nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
-        nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
-        xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
-        mats = [_matrix(t, r, K, 50 + r) for r in (19, 3, 40)]
-        outs = [nan_poisoned(cp, r) for r in (19, 3, 40)]
-        biases = [rng.normal(size=r).astype(np.float32) for r in (19, 3, 40)]
-        bdev = [cp.asarray(b) for b in biases]
-        segs = [eops.Seg(device_tensor(cp, f"m{j}", raw, t, (K, raw.shape[0]), keep), o, int(b.data.ptr))
-                for j, ((raw, _), o, b) in enumerate(zip(mats, outs, bdev))]
+        K, rng, x, nw_dev, xn, mats, outs, biases, segs = _normed_biased_segments(cp, eops, t, keep)
         ys = run_twice(eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6), outs, f"v10 {name} qkv")
         for (raw, w), y, b in zip(mats, ys, biases):
             _check_rows(y.astype(np.float64) - b, w, xn, f"v10 {name} segment with bias and norm")
@@ -656,7 +655,7 @@ def test_iq4_xil_build_is_bitwise_equal_to_the_default(monkeypatch):
     nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
     nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
     xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
-    (rg, wg), (ru, wu) = _matrix(t, 301, K, seed=5), _matrix(t, 301, K, seed=6)
+    (rg, wg), (ru, _) = _matrix(t, 301, K, seed=5), _matrix(t, 301, K, seed=6)
     g_dev = device_tensor(cp, "g", rg, t, (K, 301), keep)
     u_dev = device_tensor(cp, "u", ru, t, (K, 301), keep)
     for tma in ("", "1"):
