@@ -68,6 +68,30 @@ def _check_rows(y, w, x, what):
     assert v["ok"], f"{what}: {v}"
 
 
+def _add_node(cp, eops, t, mats, x, rng, keep):
+    """An "add" node over the segments `mats` ([(raw, dequantised)] of type t) onto random values
+    (the residual stream; find_seg per row). Returns the node, the device accumulators and the
+    values they started from."""
+    K = x.size
+    bases = [rng.normal(size=raw.shape[0]).astype(np.float32) for raw, _ in mats]
+    accs = [cp.asarray(b) for b in bases]
+    node = eops.gemv("o", "add", [eops.Seg(device_tensor(cp, f"a{j}", raw, t, (K, raw.shape[0]), keep), a)
+                                  for j, ((raw, _), a) in enumerate(zip(mats, accs))], cp.asarray(x), K)
+    return node, accs, bases
+
+
+def _swiglu_node(cp, eops, t, rows, K, rng, keep):
+    """A gate/up SwiGLU node of two random [rows x K] matrices of type t on a random x. Returns
+    the node, its NaN-poisoned output and the float64 reference silu(Wg x) * (Wu x) on the x the
+    kernels see."""
+    (rg, wg), (ru, wu) = _matrix(t, rows, K, seed=rows + 1), _matrix(t, rows, K, seed=rows + 2)
+    x = rng.normal(size=K).astype(np.float32)
+    h = nan_poisoned(cp, rows)
+    node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K, rows), keep), h),
+                                     eops.Seg(device_tensor(cp, "u", ru, t, (K, rows), keep), h)], cp.asarray(x), K)
+    return node, h, ops.swiglu(wg @ _x_seen(x), wu @ _x_seen(x))
+
+
 def _normed_biased_segments(cp, eops, t, keep):
     """A qkv-like node of GGML type t at K = 1024: 3 segments of 19, 3 and 40 rows with biases
     behind a fused RMSNorm (find_seg per row), NaN-poisoned outputs. Returns K, the rng (for
@@ -409,25 +433,16 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
         for f, o in zip(f32s, fouts):
             _check_rows(o.get().astype(np.float64), f.astype(np.float64), xn, f"v9 {name} ssm_in-like F32 segment")
         # add onto random values over two segments (the residual stream; find_seg per row)
-        bases = [rng.normal(size=r).astype(np.float32) for r in (19, 3)]
-        accs = [cp.asarray(b) for b in bases]
-        node = eops.gemv("o", "add", [eops.Seg(device_tensor(cp, f"a{j}", raw, t, (K, raw.shape[0]), keep), a)
-                                      for j, ((raw, _), a) in enumerate(zip(mats[:2], accs))], cp.asarray(x), K)
+        node, accs, bases = _add_node(cp, eops, t, mats[:2], x, rng, keep)
         assert ran(node, "add", [t], K), node.kernel.name
         node.launch()
         for (raw, w), a, b in zip(mats[:2], accs, bases):
             _check_rows(a.get().astype(np.float64) - b, w, x, f"v9 {name} add, two segments")
         # SwiGLU pairs: the 27B width (K = 5120) and more rows than resident warps (grid stride)
         for rows, K2 in ((23, 5120), (9001, 256)):
-            (rg, wg), (ru, wu) = _matrix(t, rows, K2, seed=rows + 1), _matrix(t, rows, K2, seed=rows + 2)
-            x2 = rng.normal(size=K2).astype(np.float32)
-            h = nan_poisoned(cp, rows)
-            node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K2, rows), keep), h),
-                                             eops.Seg(device_tensor(cp, "u", ru, t, (K2, rows), keep), h)],
-                             cp.asarray(x2), K2)
+            node, h, ref = _swiglu_node(cp, eops, t, rows, K2, rng, keep)
             assert ran(node, "swiglu", [t, t], K2), node.kernel.name
             node.launch()
-            ref = ops.swiglu(wg @ _x_seen(x2), wu @ _x_seen(x2))
             np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
                                        err_msg=f"v9 {name} swiglu [{rows}x{K2}]")
 
@@ -616,23 +631,14 @@ def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
                                              eops.Seg(device_tensor(cp, "f", f32.view(np.uint8), 0, (K, 5), keep),
                                                       nan_poisoned(cp, 5))], cp.asarray(x), K)
         assert node.kernel.name.startswith("gemvkq"), node.kernel.name
-        bases = [rng.normal(size=r).astype(np.float32) for r in (19, 3)]
-        accs = [cp.asarray(b) for b in bases]
-        node = eops.gemv("o", "add", [eops.Seg(device_tensor(cp, f"a{j}", raw, t, (K, raw.shape[0]), keep), a)
-                                      for j, ((raw, _), a) in enumerate(zip(mats[:2], accs))], cp.asarray(x), K)
+        node, accs, bases = _add_node(cp, eops, t, mats[:2], x, rng, keep)
         assert node.kernel.name == f"gemvtma_add_{eops.KV9_NAMES[t]}", node.kernel.name
         node.launch()
         for (raw, w), a, b in zip(mats[:2], accs, bases):
             _check_rows(a.get().astype(np.float64) - b, w, x, f"v10 {name} add, two segments")
         for rows, K2 in ((23, 5120), (9001, 256), (70, 17408)):
-            (rg, wg), (ru, wu) = _matrix(t, rows, K2, seed=rows + 1), _matrix(t, rows, K2, seed=rows + 2)
-            x2 = rng.normal(size=K2).astype(np.float32)
-            h = nan_poisoned(cp, rows)
-            node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K2, rows), keep), h),
-                                             eops.Seg(device_tensor(cp, "u", ru, t, (K2, rows), keep), h)],
-                             cp.asarray(x2), K2)
+            node, h, ref = _swiglu_node(cp, eops, t, rows, K2, rng, keep)
             (y,) = run_twice(node, [h], f"v10 {name} swiglu [{rows}x{K2}]")
-            ref = ops.swiglu(wg @ _x_seen(x2), wu @ _x_seen(x2))
             np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
                                        err_msg=f"v10 {name} swiglu [{rows}x{K2}]")
 

@@ -240,10 +240,9 @@ template <int T> struct KQ4 : Lanes4 {
 // per lane and 32 weights, 16 of them dp2a; the IQ4_XS gate/up pair 113.5 per row against 132 for
 // its store loop: the x loads, x-slot addresses and loop control are shared by the two rows.
 template <class Q> struct KQP2 : Q {
-    static constexpr int R = 2;        // rows per warp (row groups of 2 rows), all 32 lanes on each
-    static constexpr bool P2 = true;
+    static constexpr int R = 2;  // rows per warp (row groups of 2 rows), all 32 lanes on each
 };
-template <class Q> struct IsP2 { static constexpr bool v = false; };
+template <class Q> struct IsP2 { static constexpr bool v = false; };  // kq_body's test for KQP2
 template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 
 // Sum over the N lanes of each aligned group (every lane gets its group's sum; N = 32: warp_sum).
