@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import re
 import struct
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -534,21 +537,28 @@ def test_kv9_two_rows_per_warp_build(monkeypatch):
 
 
 def test_iq4_xil_switch(monkeypatch):
-    """GGUF_HARNESS_GEMV_IQ4_XIL=1 adds -DIQ4_XIL=1 to the gemv_kq.cu and gemv_tma.cu builds and
-    leaves an IQ4_XS node with F32 rows to gemv.cu (f32_row reads x in the natural order); other
-    values are refused; unset changes nothing."""
+    """GGUF_HARNESS_GEMV_IQ4_XIL: 1 or unset (the default since session 11) builds gemv_kq.cu and
+    gemv_tma.cu with the kernels' own IQ4_XIL default (no define), "0" or "" with -DIQ4_XIL=0; an
+    IQ4_XS node with F32 rows stays on gemv_kq.cu either way (f32_row reads the interleaved
+    staging in the natural order); other values are refused."""
     for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF",
                  "GEMV_KQ_P2", "GEMV_TMA_NST", "GEMV_TMA_WARPS", "GEMV_TMA_MINB", "GEMV_TMA_RPW"):
         monkeypatch.setattr(ops, knob, "")
-    monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "")
+    for off in ("", "0"):
+        monkeypatch.setattr(ops, "GEMV_IQ4_XIL", off)
+        assert ops.kv9_defines() == ("IQ4_XIL=0",) and ops.tma_defines() == ("IQ4_XIL=0",)
+        assert ops.kv9_kernel("store", [23, 0], 5120, lanes4=False) == "gemvkq_store_iq4_xs"
+    monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "1")
     assert ops.kv9_defines() == () and ops.tma_defines() == ()
     assert ops.kv9_kernel("store", [23, 0], 5120, lanes4=False) == "gemvkq_store_iq4_xs"
-    monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "1")
-    assert ops.kv9_defines() == ("IQ4_XIL=1",) and ops.tma_defines() == ("IQ4_XIL=1",)
-    assert ops.kv9_kernel("store", [23, 0], 5120, lanes4=False) is None
     assert ops.kv9_kernel("swiglu", [23, 23], 5120, lanes4=False) == "gemvkq_swiglu_iq4_xs"
     assert ops.kv9_kernel("store", [12, 0], 5120, lanes4=False) == "gemvkq_store_q4_k"
     monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "2")
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_IQ4_XIL"):
         ops.kv9_defines()
+    # unset means on: a fresh interpreter without the variable
+    env = {k: v for k, v in os.environ.items() if k != "GGUF_HARNESS_GEMV_IQ4_XIL"}
+    out = subprocess.run([sys.executable, "-c", "from backends.engine import ops; print(ops.GEMV_IQ4_XIL, ops.iq4_xil_defines())"],
+                         env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["1", "()"], out
     assert "GGUF_HARNESS_GEMV_IQ4_XIL" in machine.ENGINE_SWITCHES

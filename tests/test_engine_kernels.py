@@ -398,7 +398,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
     def ran(node, mode, types, K):
         name = node.kernel.name
         want = kv9_name(mode, types, K)
-        if want is None:  # a build that leaves this node to gemv.cu (IQ4_XIL: IQ4_XS with F32 rows)
+        if want is None:  # a node v9 does not take stays on gemv.cu
             return name.startswith("gemv_")
         return name == want if split != "auto" else re.sub(r"_s[24]$", "", name) == want
     for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S"):
@@ -451,8 +451,8 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
 @pytest.mark.parametrize("build", [{"GEMV_KQ_PF": "1"}, {"GEMV_KQ_PIPE": "1"}, {"GEMV_KQ_PIPE": "2"},
                                    {"GEMV_KQ_PIPE": "2", "GEMV_KQ_MINB": "2"},
                                    {"GEMV_KQ_L1PF": "1", "GEMV_KQ_MINB": "2"}, {"GEMV_KQ_L1PF": "2", "GEMV_KQ_MINB": "2"},
-                                   {"GEMV_KQ_P2": "1"}, {"GEMV_IQ4_XIL": "1"}],
-                         ids=["pf1", "pipe1", "pipe2", "pipe2-minb2", "l1pf1-minb2", "l1pf2-minb2", "p2", "iq4xil"])
+                                   {"GEMV_KQ_P2": "1"}, {"GEMV_IQ4_XIL": "0"}],
+                         ids=["pf1", "pipe1", "pipe2", "pipe2-minb2", "l1pf1-minb2", "l1pf2-minb2", "p2", "iq4-natural"])
 def test_gemv_v9_latency_builds(build, split, monkeypatch):
     """The session-9 latency A/B builds of gemv_kq.cu (ops.kv9_defines: KQ_PF, the next row's
     L2 prefetch; KQ_PIPE 1, round n + 1's blocks loaded before round n's dots; KQ_PIPE 2, also
@@ -645,10 +645,15 @@ def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
 
 def test_iq4_xil_build_is_bitwise_equal_to_the_default(monkeypatch):
     """GGUF_HARNESS_GEMV_IQ4_XIL=1 (kernels/kwide_iq4.cuh: x staged with interleaved halves, the
-    qs words' lookups used as they are) sums the same integer products in another order, so its
-    IQ4_XS outputs must equal the default build's bit for bit: v9 store and gate/up nodes at the
-    27B widths behind a fused RMSNorm, and the same through v10 (GGUF_HARNESS_GEMV_TMA=1); each
-    output also checked against the oracle rule."""
+    qs words' lookups used as they are) sums the same integer products in another order, the
+    RMSNorm's sum of squares in the default's order (xstage.cuh) and F32 rows beside IQ4_XS ones
+    in the default's order too (gemv_kq.cu f32_row), so its IQ4_XS outputs must equal the default
+    build's bit for bit: v9 store and gate/up nodes at the 27B widths behind a fused RMSNorm, for
+    several activation vectors (a sum of squares in another order changes 1/rms in the last bit
+    for most of them: session 11's first XIL build did, and the 27B logits differed), an
+    ssm_in-like node (IQ4_XS and F32 rows, which must stay on gemv_kq.cu), and the store and
+    gate/up nodes through v10 (GGUF_HARNESS_GEMV_TMA=1); each output also checked against the
+    oracle rule."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
@@ -657,26 +662,38 @@ def test_iq4_xil_build_is_bitwise_equal_to_the_default(monkeypatch):
     t, keep = TYPES["IQ4_XS"], []
     rng = np.random.default_rng(23)
     K = 5120
-    x = rng.normal(size=K).astype(np.float32)
+    xs = [rng.normal(size=K).astype(np.float32) * s for s in (1.0, 0.3, 7.0, 1.0)]
     nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
     nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
-    xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
     (rg, wg), (ru, _) = _matrix(t, 301, K, seed=5), _matrix(t, 301, K, seed=6)
     g_dev = device_tensor(cp, "g", rg, t, (K, 301), keep)
     u_dev = device_tensor(cp, "u", ru, t, (K, 301), keep)
+    f32 = (rng.normal(size=(7, K)) * 0.05).astype(np.float32)
+    f_dev = device_tensor(cp, "f", f32.view(np.uint8), 0, (K, 7), keep)
     for tma in ("", "1"):
         monkeypatch.setattr(eops, "GEMV_TMA", tma)
         got = {}
         for xil in ("", "1"):
             monkeypatch.setattr(eops, "GEMV_IQ4_XIL", xil)
-            y, h = nan_poisoned(cp, 301), nan_poisoned(cp, 301)
-            n1 = eops.gemv("s", "store", [eops.Seg(g_dev, y)], cp.asarray(x), K, nw_dev, 1e-6)
-            n2 = eops.gemv("f", "swiglu", [eops.Seg(g_dev, h), eops.Seg(u_dev, h)], cp.asarray(x), K, nw_dev, 1e-6)
-            want = "gemvtma_" if tma else "gemvkq_"
-            assert n1.kernel.name.startswith(want) and n2.kernel.name.startswith(want), (n1.kernel.name, n2.kernel.name)
-            n1.launch()
-            n2.launch()
-            got[xil] = (y.get(), h.get())
-            _check_rows(got[xil][0].astype(np.float64), wg, xn, f"IQ4_XIL={xil!r} tma={tma!r} store")
-        assert np.array_equal(got[""][0], got["1"][0]), f"tma={tma!r}: store differs"
-        assert np.array_equal(got[""][1], got["1"][1]), f"tma={tma!r}: swiglu differs"
+            got[xil] = []
+            for x in xs:
+                xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
+                y, h = nan_poisoned(cp, 301), nan_poisoned(cp, 301)
+                n1 = eops.gemv("s", "store", [eops.Seg(g_dev, y)], cp.asarray(x), K, nw_dev, 1e-6)
+                n2 = eops.gemv("f", "swiglu", [eops.Seg(g_dev, h), eops.Seg(u_dev, h)], cp.asarray(x), K, nw_dev, 1e-6)
+                want = "gemvtma_" if tma else "gemvkq_"
+                assert n1.kernel.name.startswith(want) and n2.kernel.name.startswith(want), (n1.kernel.name, n2.kernel.name)
+                # IQ4_XS with F32 rows: v9 in either build (v10 takes no F32 rows)
+                ys, yf = nan_poisoned(cp, 301), nan_poisoned(cp, 7)
+                n3 = eops.gemv("ssm_in", "store", [eops.Seg(g_dev, ys), eops.Seg(f_dev, yf)], cp.asarray(x), K,
+                               nw_dev, 1e-6)
+                assert n3.kernel.name.startswith("gemvkq_"), n3.kernel.name
+                for n in (n1, n2, n3):
+                    n.launch()
+                got[xil].append((y.get(), h.get(), ys.get(), yf.get()))
+                _check_rows(got[xil][-1][0].astype(np.float64), wg, xn, f"IQ4_XIL={xil!r} tma={tma!r} store")
+                _check_rows(got[xil][-1][3].astype(np.float64), f32.astype(np.float64), xn,
+                            f"IQ4_XIL={xil!r} F32 rows")
+        for i, (a, b) in enumerate(zip(got[""], got["1"])):
+            for what, u, v in zip(("store", "swiglu", "ssm_in IQ4_XS", "ssm_in F32"), a, b):
+                assert np.array_equal(u, v), f"tma={tma!r} x #{i}: {what} differs"

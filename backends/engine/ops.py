@@ -148,9 +148,10 @@ GEMV_KQ_L1PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_L1PF", "")
 # Q4_K 99 -> 84.5, Q5_K 122 -> 111.5, IQ4_XS 132 -> 121, Q6_K 136.5 -> 134.5, IQ3_S 146 -> 148.
 GEMV_KQ_P2 = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2", "")
 # IQ4_XIL: IQ4_XS rows of v9 / v10 with x staged in interleaved halves (kernels/kwide_iq4.cuh), two
-# fewer prmt per 8 weights, results bitwise equal to the default build's. "1" on; A/B build,
-# written in session 10, not yet run on a GPU. IQ4_XS nodes with F32 rows then stay on gemv.cu.
-GEMV_IQ4_XIL = os.environ.get("GGUF_HARNESS_GEMV_IQ4_XIL", "")
+# fewer prmt per 8 weights, results bitwise equal to the default build's (the RMSNorm's sum of
+# squares and the F32 rows of a node (gemv_kq.cu f32_row) keep the natural order). The default
+# since session 11 (the 27B step -2.4 %); "0" (or "") gives the natural-order build back.
+GEMV_IQ4_XIL = os.environ.get("GGUF_HARNESS_GEMV_IQ4_XIL", "1")
 
 
 def kv9_defines() -> tuple[str, ...]:
@@ -181,11 +182,12 @@ def kv9_defines() -> tuple[str, ...]:
 
 
 def iq4_xil_defines() -> tuple[str, ...]:
-    """("IQ4_XIL=1",) when GGUF_HARNESS_GEMV_IQ4_XIL=1, () when unset or 0 (gemv_kq.cu and
-    gemv_tma.cu builds); ValueError on another value."""
+    """Defines of the gemv_kq.cu and gemv_tma.cu builds for GGUF_HARNESS_GEMV_IQ4_XIL: () when 1 or
+    unset (the kernels' default, kwide_iq4.cuh), ("IQ4_XIL=0",) when "0" or "" (x staged in the
+    natural order); ValueError on another value."""
     if GEMV_IQ4_XIL not in ("", "0", "1"):
         raise ValueError(f"GGUF_HARNESS_GEMV_IQ4_XIL={GEMV_IQ4_XIL!r}: expected 0 or 1")
-    return ("IQ4_XIL=1",) if GEMV_IQ4_XIL == "1" else ()
+    return () if GEMV_IQ4_XIL == "1" else ("IQ4_XIL=0",)
 
 
 def kv9_p2_types() -> frozenset[int]:
@@ -269,8 +271,6 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
     t = types.pop()
     name = KV9_NAMES.get(t)
     if name is None:
-        return None
-    if t == IQ4_XS and 0 in type_ids and iq4_xil_defines():  # f32_row reads x in natural order
         return None
     if t == IQ3_S:  # GEMV_KQ_IQ3S (default on)
         if GEMV_KQ_IQ3S not in ("0", "1"):

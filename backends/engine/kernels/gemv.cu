@@ -25,7 +25,12 @@
 // stays far more accurate than llama.cpp (tests/test_engine_kernels.py derives the bound).
 #include "qdot.cuh"
 #include "kwide.cuh"
+// gemv.cu stages x in the natural order (stage_xq<SW4 = false, IL = false>): the IQ4_XS wide dot of
+// kwide_iq4.cuh must read it so (its IQ4_XIL default is gemv_kq.cu's and gemv_tma.cu's)
+#undef IQ4_XIL
+#define IQ4_XIL 0
 #include "kwide_iq4.cuh"
+static_assert(!kIq4Xil, "gemv.cu stages x in the natural order");
 #include "segs.cuh"
 #include "xstage.cuh"  // stage_xq (the layout comment is there), prefetch_l2 / prefetch_bytes
 

@@ -66,20 +66,41 @@ static_assert(!(kKqPipe > 0 && kKqL1pf > 0), "KQ_PIPE and KQ_L1PF are separate A
 // alpha rows, ops.kv9_kernel): lane l of nl lanes per row takes 8-value entries l, l + nl, ...
 // against the staged codes (swizzle of the kernel's staging) and their block scales, as
 // gemv.cu's per-8 float loop (fdot8) does. Rows are 16-byte aligned (K % 256 == 0, arena.py).
-template <bool SW4> __device__ __forceinline__ float f32_row(const u8* row, const XS& xa, int K, int l, int nl) {
+// IL (an IQ4_XIL build's IQ4_XS node, xstage.cuh): the natural entry c = 4b + m (values 8m..8m+7
+// of block b) is the low (m < 2) or high (m >= 2) halves of the words of the staged entries
+// 4b + 2 (m & 1) and the one after; the products are summed in the default's order, so the row
+// is the default build's bit for bit.
+template <bool SW4, bool IL = false>
+__device__ __forceinline__ float f32_row(const u8* row, const XS& xa, int K, int l, int nl) {
     float acc = 0.f;
     for (int c = l; c < K / 8; c += nl) {
         const float4 a = ((const float4*)row)[2 * c], b = ((const float4*)row)[2 * c + 1];
-        const int4 q = lds128(xa.q + 16 * (SW4 ? xq_slot4(c) : xq_slot(c)));
-        float d = a.x * (float)(short)(q.x & 0xffff);
-        d = fmaf(a.y, (float)(q.x >> 16), d);
-        d = fmaf(a.z, (float)(short)(q.y & 0xffff), d);
-        d = fmaf(a.w, (float)(q.y >> 16), d);
-        d = fmaf(b.x, (float)(short)(q.z & 0xffff), d);
-        d = fmaf(b.y, (float)(q.z >> 16), d);
-        d = fmaf(b.z, (float)(short)(q.w & 0xffff), d);
-        d = fmaf(b.w, (float)(q.w >> 16), d);
-        acc = fmaf(d, lds32f(xa.d + 4 * (c >> 2)), acc);
+        if constexpr (IL) {
+            const int e0 = (c & ~3) + 2 * (c & 1), sh = c & 2 ? 0 : 16;  // sh: low halves up first
+            const int4 p = lds128(xa.q + 16 * (SW4 ? xq_slot4(e0) : xq_slot(e0)));
+            const int4 q = lds128(xa.q + 16 * (SW4 ? xq_slot4(e0 + 1) : xq_slot(e0 + 1)));
+            // (w << sh) >> 16: the signed 16-bit code of the chosen half, as (short) / >> 16 below
+            float d = a.x * (float)((int)((unsigned)p.x << sh) >> 16);
+            d = fmaf(a.y, (float)((int)((unsigned)p.y << sh) >> 16), d);
+            d = fmaf(a.z, (float)((int)((unsigned)p.z << sh) >> 16), d);
+            d = fmaf(a.w, (float)((int)((unsigned)p.w << sh) >> 16), d);
+            d = fmaf(b.x, (float)((int)((unsigned)q.x << sh) >> 16), d);
+            d = fmaf(b.y, (float)((int)((unsigned)q.y << sh) >> 16), d);
+            d = fmaf(b.z, (float)((int)((unsigned)q.z << sh) >> 16), d);
+            d = fmaf(b.w, (float)((int)((unsigned)q.w << sh) >> 16), d);
+            acc = fmaf(d, lds32f(xa.d + 4 * (c >> 2)), acc);
+        } else {
+            const int4 q = lds128(xa.q + 16 * (SW4 ? xq_slot4(c) : xq_slot(c)));
+            float d = a.x * (float)(short)(q.x & 0xffff);
+            d = fmaf(a.y, (float)(q.x >> 16), d);
+            d = fmaf(a.z, (float)(short)(q.y & 0xffff), d);
+            d = fmaf(a.w, (float)(q.y >> 16), d);
+            d = fmaf(b.x, (float)(short)(q.z & 0xffff), d);
+            d = fmaf(b.y, (float)(q.z >> 16), d);
+            d = fmaf(b.z, (float)(short)(q.w & 0xffff), d);
+            d = fmaf(b.w, (float)(q.w >> 16), d);
+            acc = fmaf(d, lds32f(xa.d + 4 * (c >> 2)), acc);
+        }
     }
     return acc;
 }
@@ -323,9 +344,9 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
                 up = group_sum<32>(v.y);
             } else {  // an F32 row among them (qwen35's ssm_in): one row at a time
                 y = group_sum<32>(t.s[si].type == Q::TYPE ? kq_row<Q>(p0, xa, w, nsb, sb0, st, i)
-                                                          : f32_row<Q::SW4>(p0, xa, K, l + 32 * ws, 32 * S));
+                                                          : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS>(p0, xa, K, l + 32 * ws, 32 * S));
                 up = group_sum<32>(t.s[si1].type == Q::TYPE ? kq_row<Q>(p1, xa, w, nsb, sb0, st, i)
-                                                            : f32_row<Q::SW4>(p1, xa, K, l + 32 * ws, 32 * S));
+                                                            : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS>(p1, xa, K, l + 32 * ws, 32 * S));
             }
         } else if constexpr (MODE == 2) {
             const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
@@ -345,7 +366,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
             y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, sb0, st, i, &carry, np)
-                                                       : f32_row<Q::SW4>(rp, xa, K, l + LPR * ws, LPR * S));
+                                                       : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS>(rp, xa, K, l + LPR * ws, LPR * S));
         }
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes
                       // the next round's barrier, so the round after that may overwrite it

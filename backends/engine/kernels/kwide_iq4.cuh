@@ -72,7 +72,8 @@
 #pragma once
 #include "kwide.cuh"
 
-// IQ4_XIL (A/B build, ops GGUF_HARNESS_GEMV_IQ4_XIL=1; gemv_kq.cu and gemv_tma.cu only): x staged
+// IQ4_XIL (the default of gemv_kq.cu and gemv_tma.cu since session 11; ops GGUF_HARNESS_GEMV_IQ4_XIL=0
+// builds them with IQ4_XIL=0; gemv.cu stages x in the natural order and sets 0 itself): x staged
 // with each 32-value block's halves interleaved (xstage.cuh stage_xq IL: entry 4b + k holds values
 // 4k, 4k + 16, 4k + 1, 4k + 17, .., 4k + 3, 4k + 19 of block b), so a qs word's two lookups t0, t1
 // (values of nibbles 0-3 and 4-7: lo b0, hi b0, lo b1, hi b1 = values t, t + 16, t + 1, t + 17)
@@ -81,7 +82,7 @@
 // loads instead of the selector. The integer sums are the same products in another order (exact),
 // so the results equal the default build's bit for bit.
 #ifndef IQ4_XIL
-#define IQ4_XIL 0
+#define IQ4_XIL 1
 #endif
 constexpr bool kIq4Xil = IQ4_XIL;
 

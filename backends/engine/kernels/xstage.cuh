@@ -55,8 +55,11 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
             const float4 a = ((const float4*)x)[f], b = ((const float4*)x)[f + 4];
             v[0] = a.x; v[1] = b.x; v[2] = a.y; v[3] = b.y; v[4] = a.z; v[5] = b.z; v[6] = a.w; v[7] = b.w;
             if (norm) {
+                // the sum of squares over the natural entry c (values 8c..8c+7) in the default's
+                // order, so rs (and with it every output) is the default build's bit for bit
+                const float4 ra = ((const float4*)x)[2 * c], rb = ((const float4*)x)[2 * c + 1];
+                ss += ra.x * ra.x + ra.y * ra.y + ra.z * ra.z + ra.w * ra.w + rb.x * rb.x + rb.y * rb.y + rb.z * rb.z + rb.w * rb.w;
                 const float4 na = ((const float4*)norm)[f], nb = ((const float4*)norm)[f + 4];
-                ss += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3] + v[4] * v[4] + v[5] * v[5] + v[6] * v[6] + v[7] * v[7];
                 v[0] *= na.x; v[1] *= nb.x; v[2] *= na.y; v[3] *= nb.y; v[4] *= na.z; v[5] *= nb.z; v[6] *= na.w; v[7] *= nb.w;
             }
         } else if (!IL && vec && i0 + 8 <= K) {
@@ -73,7 +76,12 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
                 const int ik = at(k);
                 v[k] = ik < K ? x[ik] : 0.f;
                 if (norm) {
-                    ss += v[k] * v[k];
+                    if constexpr (IL) {  // natural order, as above
+                        const float xn = i0 + k < K ? x[i0 + k] : 0.f;
+                        ss += xn * xn;
+                    } else {
+                        ss += v[k] * v[k];
+                    }
                     v[k] = ik < K ? v[k] * norm[ik] : 0.f;
                 }
             }
