@@ -536,6 +536,25 @@ def test_kv9_two_rows_per_warp_build(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_P2" in machine.ENGINE_SWITCHES
 
 
+def test_kv9_two_rows_per_warp_only_up_to_max_k(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_P2_MAX_K=N keeps the _p2 kernels to nodes with K <= N (the 27B's
+    K = 17408 ffn_down lost with them); unset: every K; a non-positive or non-integer value is
+    refused."""
+    monkeypatch.setattr(ops, "GEMV_KQ_P2", "q5_k,q6_k")
+    monkeypatch.setattr(ops, "GEMV_KQ_P2_MAX_K", "")
+    assert ops.kv9_kernel("store", [13], 17408, lanes4=False) == "gemvkq_store_q5_k_p2"
+    monkeypatch.setattr(ops, "GEMV_KQ_P2_MAX_K", "6144")
+    assert ops.kv9_kernel("store", [13], 6144, lanes4=False) == "gemvkq_store_q5_k_p2"
+    assert ops.kv9_kernel("add", [14, 14], 5120, lanes4=False) == "gemvkq_add_q6_k_p2"
+    assert ops.kv9_kernel("store", [13], 17408, lanes4=False) == "gemvkq_store_q5_k"
+    assert ops.kv9_kernel("add", [12], 5120, lanes4=False) == "gemvkq_add_q4_k"  # not a P2 type
+    for bad in ("0", "-5", "6k"):
+        monkeypatch.setattr(ops, "GEMV_KQ_P2_MAX_K", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_P2_MAX_K"):
+            ops.kv9_kernel("store", [13], 6144, lanes4=False)
+    assert "GGUF_HARNESS_GEMV_KQ_P2_MAX_K" in machine.ENGINE_SWITCHES
+
+
 def test_iq4_xil_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_IQ4_XIL: 1 or unset (the default since session 11) builds gemv_kq.cu and
     gemv_tma.cu with the kernels' own IQ4_XIL default (no define), "0" or "" with -DIQ4_XIL=0; an

@@ -147,6 +147,9 @@ GEMV_KQ_L1PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_L1PF", "")
 # build, written in session 10, not yet run on a GPU; static SASS count per 32 weights and row:
 # Q4_K 99 -> 84.5, Q5_K 122 -> 111.5, IQ4_XS 132 -> 121, Q6_K 136.5 -> 134.5, IQ3_S 146 -> 148.
 GEMV_KQ_P2 = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2", "")
+# KQ_P2_MAX_K=N: the _p2 kernels only for nodes with K <= N (session 11's 27B nodes: P2 gained on
+# the K = 5120 / 6144 Q5_K and Q6_K nodes, the head -11.5 %, and lost on the K = 17408 ffn_down).
+GEMV_KQ_P2_MAX_K = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2_MAX_K", "")
 # IQ4_XIL: IQ4_XS rows of v9 / v10 with x staged in interleaved halves (kernels/kwide_iq4.cuh), two
 # fewer prmt per 8 weights, results bitwise equal to the default build's (the RMSNorm's sum of
 # squares and the F32 rows of a node (gemv_kq.cu f32_row) keep the natural order). The default
@@ -188,6 +191,16 @@ def iq4_xil_defines() -> tuple[str, ...]:
     if GEMV_IQ4_XIL not in ("", "0", "1"):
         raise ValueError(f"GGUF_HARNESS_GEMV_IQ4_XIL={GEMV_IQ4_XIL!r}: expected 0 or 1")
     return () if GEMV_IQ4_XIL == "1" else ("IQ4_XIL=0",)
+
+
+def kv9_p2_max_k() -> float:
+    """Largest K whose store/add nodes of a kv9_p2_types() type take the _p2 kernels
+    (GGUF_HARNESS_GEMV_KQ_P2_MAX_K; unset: every K). Raises ValueError unless a positive integer."""
+    if not GEMV_KQ_P2_MAX_K:
+        return float("inf")
+    if not GEMV_KQ_P2_MAX_K.isdigit() or int(GEMV_KQ_P2_MAX_K) < 1:
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_P2_MAX_K={GEMV_KQ_P2_MAX_K!r}: expected a positive integer")
+    return int(GEMV_KQ_P2_MAX_K)
 
 
 def kv9_p2_types() -> frozenset[int]:
@@ -280,7 +293,7 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
     sfx = "" if split == 1 else f"_s{split}"
     if lanes4 and t in KV9_L4_TYPES:
         return f"gemvkq4_{mode}_{name}{sfx}"
-    p2 = "_p2" if mode != "swiglu" and t in kv9_p2_types() else ""  # GGUF_HARNESS_GEMV_KQ_P2
+    p2 = "_p2" if mode != "swiglu" and t in kv9_p2_types() and K <= kv9_p2_max_k() else ""  # GGUF_HARNESS_GEMV_KQ_P2
     return f"gemvkq_{mode}_{name}{p2}{sfx}"
 
 
