@@ -10,9 +10,12 @@ Rows (times in microseconds per decode step; delta = us_B / us_A - 1, negative i
   - "sum of nodes", then one row per node group of the timing method both files have (graph,
     else eager): nodes of one name without the layer prefix and one format (e.g. all 48
     "ffn_down [Q4_K]"), the sum of their per-node medians, largest |us_B - us_A| first.
-    Per-node figures carry no spread in the file (each is already a median of replays).
+    noise of a group (and of the sum) = (sum of each node's slowest replay - sum of each
+    node's fastest) / sum of the medians, from the per-node replay samples (us_samples, >= 3
+    per node; recorded since session 11 for the graph method): the most the group's sum could
+    move if every node's replay noise went the same way; the max over A and B is used.
 Verdict: SAME if |delta| <= max(threshold, noise), else FASTER / SLOWER; without a recorded
-spread (node groups, older step figures) the threshold alone decides and the row says so.
+spread (eager node times, older files) the threshold alone decides and the row says so.
 Checks: groups or node counts present on one side only are structural changes ("new",
 "missing", "count"), never correctness failures: a nodes result checks no outputs.
 Comparability: two files of different model SHA256 are not an A/B of the engine (ConfigError,
@@ -58,14 +61,34 @@ def verdict(a_us, b_us, noise, threshold: float) -> dict:
     return {"a_us": a_us, "b_us": b_us, "delta": delta, "noise": noise, "tolerance": tol, "verdict": v}
 
 
-def groups(rows: list[dict]) -> dict[str, tuple[int, float]]:
-    """{"op [fmt]": (node count, summed us)} of one method's node rows."""
-    acc: dict[str, list[float]] = defaultdict(list)
+def node_range(row: dict) -> tuple[float, float] | None:
+    """(fastest, slowest) of a node row's replay samples (us_samples), None with fewer than 3
+    finite positive ones."""
+    xs = [x for x in (_finite(s) for s in row.get("us_samples") or []) if x is not None and x > 0]
+    return (min(xs), max(xs)) if len(xs) >= 3 else None
+
+
+def group_noise(rows: list[dict]) -> float | None:
+    """(sum of slowest - sum of fastest replays) / sum of medians of node rows; None when a
+    row has no range (node_range) or the medians sum to 0."""
+    ranges = [node_range(r) for r in rows]
+    total = sum(_finite(r.get("us")) or 0.0 for r in rows)
+    if not rows or any(x is None for x in ranges) or total <= 0:
+        return None
+    return (sum(hi for _, hi in ranges) - sum(lo for lo, _ in ranges)) / total
+
+
+def groups(rows: list[dict]) -> dict[str, tuple[int, float, float | None]]:
+    """{"op [fmt]": (node count, summed us, group_noise)} of one method's node rows."""
+    acc: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         fmt = r.get("fmt") or ""
-        acc[f"{split_name(str(r.get('name')))[1]}" + (f" [{fmt}]" if fmt else "")].append(
-            _finite(r.get("us")) or 0.0)
-    return {k: (len(v), sum(v)) for k, v in acc.items()}
+        acc[f"{split_name(str(r.get('name')))[1]}" + (f" [{fmt}]" if fmt else "")].append(r)
+    return {k: (len(v), sum(_finite(r.get("us")) or 0.0 for r in v), group_noise(v)) for k, v in acc.items()}
+
+
+def _both(na: float | None, nb: float | None) -> float | None:
+    return None if na is None or nb is None else max(na, nb)
 
 
 def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False) -> KernelsAB:
@@ -105,17 +128,19 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
         notes.append("no node timing method in both files: only the step is compared")
         return KernelsAB(perf, checks, notes, kind="nodes")
     ra, rb = ma[method].get("nodes") or [], mb[method].get("nodes") or []
+    sn = _both(group_noise(ra), group_noise(rb))
     perf.append(KernelPerf("sum", "sum of nodes", method,
-                           **verdict(ma[method].get("sum_us"), mb[method].get("sum_us"), None, threshold),
-                           note=NO_SPREAD))
+                           **verdict(ma[method].get("sum_us"), mb[method].get("sum_us"), sn, threshold),
+                           note="" if sn is not None else NO_SPREAD))
     ga, gb = groups(ra), groups(rb)
     rows = []
     for name in ga.keys() & gb.keys():
-        (ca, ua), (cb, ub) = ga[name], gb[name]
+        (ca, ua, noa), (cb, ub, nob) = ga[name], gb[name]
         if ca != cb:
             checks.append(KernelCheck(name, "node count", str(ca), str(cb), "count"))
-        rows.append(KernelPerf(name, f"{name} x{cb}", method, **verdict(ua, ub, None, threshold),
-                               note=NO_SPREAD))
+        gn = _both(noa, nob)
+        rows.append(KernelPerf(name, f"{name} x{cb}", method, **verdict(ua, ub, gn, threshold),
+                               note="" if gn is not None else NO_SPREAD))
     rows.sort(key=lambda p: -abs((p.b_us or 0) - (p.a_us or 0)))
     perf += rows
     checks += [KernelCheck(n, "node group", "present", "missing", "missing") for n in sorted(ga.keys() - gb.keys())]

@@ -4,7 +4,8 @@ Two timings per node (backends/engine/executor.py):
   eager  one eager run with a CUDA event pair around every node, behind a kernel that holds
          the stream until every launch is queued, so host launch time is not measured;
   graph  every node replayed back to back in a CUDA graph of its own: its cost inside a
-         graph (launch latency included; weights hot in L2 when they fit in it).
+         graph (launch latency included; weights hot in L2 when they fit in it); the median
+         of 5 replays, the replays kept per node (us_samples) for harness ab's spread.
 Next to them the step time of the captured step graph (chained replays, as decoding runs);
 step - sum(node times) is what per-node figures do not show: dependency gaps between
 kernels, and weights that are cold in a real step.

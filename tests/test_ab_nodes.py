@@ -63,6 +63,38 @@ def test_without_samples_the_threshold_decides_and_says_so():
     assert step.verdict == "SAME"
 
 
+def _with_samples(doc, spread):
+    """The doc with every graph node given 5 replay samples spanning +-spread/2 of its median."""
+    for r in doc["nodes"]["methods"]["graph"]["nodes"]:
+        u = r["us"]
+        r["us_samples"] = [u * (1 - spread / 2), u * (1 - spread / 4), u, u * (1 + spread / 4), u * (1 + spread / 2)]
+    return doc
+
+
+def test_node_replay_samples_give_groups_and_the_sum_a_spread():
+    """With per-node replay samples (us_samples) a group's noise is (sum of slowest - sum of
+    fastest) / sum of medians, the max of A's and B's: the IQ3_S pair 3 % slower is SAME when
+    the replays spread 5 %, SLOWER when they spread 0.5 %, and no row says 'threshold only';
+    one node without samples leaves its group (and the sum) to the threshold again."""
+    slow = [(n, f, 103.0 if "gate_up" in n else us) for n, f, us in BASE]
+    for spread, want in ((0.05, "SAME"), (0.005, "SLOWER")):
+        a = _with_samples(_doc(BASE, 500.0, [499.0, 500.0, 501.0]), spread)
+        b = _with_samples(_doc(slow, 500.0, [499.0, 500.0, 501.0]), spread)
+        by = _by_label(ab_nodes.compare_nodes(a, b, threshold=0.02))
+        row = by["ffn_gate_up [IQ3_S+IQ3_S]"]
+        assert abs(row.noise - spread) < 1e-12 and row.verdict == want and row.note == ""
+        assert by["sum of nodes"].note == "" and abs(by["sum of nodes"].noise - spread) < 1e-12
+    # groups add their nodes' extremes: 2 ffn_down nodes of spread s -> group spread s
+    a = _with_samples(_doc(BASE, 500.0), 0.04)
+    assert abs(ab_nodes.groups(a["nodes"]["methods"]["graph"]["nodes"])["ffn_down [Q4_K]"][2] - 0.04) < 1e-12
+    del a["nodes"]["methods"]["graph"]["nodes"][0]["us_samples"]
+    b = _with_samples(_doc(BASE, 500.0), 0.04)
+    by = _by_label(ab_nodes.compare_nodes(a, b))
+    assert by["ffn_down [Q4_K]"].noise is None and by["ffn_down [Q4_K]"].note == ab_nodes.NO_SPREAD
+    assert by["sum of nodes"].note == ab_nodes.NO_SPREAD
+    assert by["output [Q6_K]"].note == "" and by["output [Q6_K]"].verdict == "SAME"
+
+
 def test_structure_changes_are_checks_not_failures_and_switches_are_noted():
     a = _doc(BASE, 500.0, switches={"GGUF_HARNESS_GEMV_KQ_IQ3S": "0"})
     nodes_b = [r for r in BASE if r[0] != "output"] + [("blk.2.ffn_down", "Q4_K", 20.0),

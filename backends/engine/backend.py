@@ -199,20 +199,21 @@ class EngineBackend:
         return out
 
     def node_times(self, token: int = 0, method: str = "eager") -> list[dict]:
-        """Per-node time of one decode step: [{name, kind, fmt, us, bytes, gb_s}].
+        """Per-node time of one decode step: [{name, kind, fmt, us, us_samples, bytes, gb_s}].
         method "eager": one eager run with a CUDA event pair around every node (host launch
-        gaps are not inside the pairs); "graph": every node replayed back to back in a CUDA
-        graph of its own (executor.time_nodes_graph), as it runs inside the step graph."""
+        gaps are not inside the pairs; us_samples = [us]); "graph": every node replayed back to
+        back in a CUDA graph of its own (executor.time_nodes_graph), as it runs inside the step
+        graph (us = the median of us_samples, one per replay)."""
         self.bufs.state.set(np.array([token, self.pos, 0, 0], np.int32), stream=self.stream)
         if method == "eager":
-            timed = self.step_exec.time_nodes()
+            timed = [(n, us, [us]) for n, us in self.step_exec.time_nodes()]
         elif method == "graph":
             timed = self.step_exec.time_nodes_graph(restore=(self.bufs.state, self.bufs.x, self.bufs.key))
         else:
             raise ConfigError(f"node timing method {method!r}: expected eager or graph")
         rows = []
-        for n, us in timed:
-            rows.append({"name": n.name, "kind": n.kind, "fmt": n.fmt, "us": us,
+        for n, us, samples in timed:
+            rows.append({"name": n.name, "kind": n.kind, "fmt": n.fmt, "us": us, "us_samples": list(samples),
                          "bytes": n.bytes, "gb_s": n.bytes / us / 1e3 if us > 0 else None})
         return rows
 

@@ -95,10 +95,13 @@ class Executor:
         return [(n, 1e3 * cp.cuda.get_elapsed_time(a, b))
                 for n, a, b in zip(self.nodes, evs, evs[1:])]
 
-    def time_nodes_graph(self, reps: int = 20, samples: int = 5, restore=()) -> list[tuple[Node, float]]:
-        """(node, microseconds per launch) with each node captured `reps` times back to back
-        in its own CUDA graph: the cost of the node as it runs inside the step graph (launch
-        latency and tail included, no host gaps). Median of `samples` replays. Nodes write
+    def time_nodes_graph(self, reps: int = 20, samples: int = 5,
+                         restore=()) -> list[tuple[Node, float, list[float]]]:
+        """(node, microseconds per launch, the `samples` replays' microseconds per launch) with
+        each node captured `reps` times back to back in its own CUDA graph: the cost of the node
+        as it runs inside the step graph (launch latency and tail included, no host gaps). The
+        median of `samples` replays; the samples themselves give A/B verdicts their spread
+        (harness/ab_nodes.py). Nodes write
         their outputs `reps` times (an "add" node adds reps times); `restore` lists device
         arrays (state, residual stream) copied back after each node so values stay sane."""
         import cupy as cp
@@ -123,7 +126,7 @@ class Executor:
                     ts.append(1e3 * cp.cuda.get_elapsed_time(ev0, ev1) / reps)
                 for a, b in zip(restore, saved):
                     a[...] = b
-                out.append((n, sorted(ts)[len(ts) // 2]))
+                out.append((n, sorted(ts)[len(ts) // 2], ts))
         self.stream.synchronize()
         return out
 
