@@ -323,6 +323,15 @@ def test_v9_unroll_build_defines(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ2_UNROLL", "")
     monkeypatch.setattr(ops, "GEMV_KQ_MINB", "3")
     assert ops.kv9_defines() == ("KQ_MINB=3",)
+    # the IQ3_S instances' own minBlocks (kKqMinBlocks; -1 in the kernel: KQ_MINB's)
+    assert "#define KQ_MINB_IQ3S -1" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    monkeypatch.setattr(ops, "GEMV_KQ_MINB_IQ3S", "0")
+    assert ops.kv9_defines() == ("KQ_MINB=3", "KQ_MINB_IQ3S=0")
+    monkeypatch.setattr(ops, "GEMV_KQ_MINB_IQ3S", "9")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_MINB_IQ3S"):
+        ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_MINB_IQ3S", "")
+    assert "GGUF_HARNESS_GEMV_KQ_MINB_IQ3S" in machine.ENGINE_SWITCHES
     assert "#ifndef KQ_MINB\n#define KQ_MINB 2" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
     monkeypatch.setattr(ops, "GEMV_KQ_MINB", "0")  # session 9's launch bounds, for A/B
     assert ops.kv9_defines() == ("KQ_MINB=0",)

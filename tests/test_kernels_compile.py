@@ -30,8 +30,11 @@ SOURCES += [("gemv_kq.cu", ("KQ_IQ3S_GRID=0",)), ("gemv_kq.cu", ("KQ_IQ3S_GRID=1
 # the latency A/B builds (ops.kv9_defines: GGUF_HARNESS_GEMV_KQ_PF / _KQ_PIPE / _KQ_L1PF / _KQ_MINB)
 SOURCES += [("gemv_kq.cu", ("KQ_PF=1", "KQ_PIPE=1")), ("gemv_kq.cu", ("KQ_PIPE=2", "KQ_MINB=2")),
             ("gemv_kq.cu", ("KQ_L1PF=2", "KQ_MINB=2"))]
-# the small-ring v10 builds (ops.tma_defines: GGUF_HARNESS_GEMV_TMA_NST / _WARPS / _MINB)
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1",)), ("gemv_kq.cu", ("IQ4_XIL=0",)), ("gemv_tma.cu", ("IQ4_XIL=0",))]  # two rows per warp (ops GGUF_HARNESS_GEMV_KQ_P2)
+# two rows per warp (GGUF_HARNESS_GEMV_KQ_P2), the natural-order IQ4_XS staging
+# (GGUF_HARNESS_GEMV_IQ4_XIL=0), the IQ3_S instances' own minBlocks (_KQ_MINB_IQ3S)
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1",)), ("gemv_kq.cu", ("IQ4_XIL=0",)), ("gemv_tma.cu", ("IQ4_XIL=0",)),
+            ("gemv_kq.cu", ("KQ_MINB_IQ3S=0",))]
+# the small-ring v10 builds (ops.tma_defines: GGUF_HARNESS_GEMV_TMA_NST / _WARPS / _MINB / _RPW)
 SOURCES += [("gemv_tma.cu", ("TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2")), ("gemv_tma.cu", ("TMA_NST=3", "TMA_WARPS=4")),
             ("gemv_tma.cu", ("TMA_RPW=2",)), ("gemv_tma.cu", ("TMA_RPW=2", "TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2"))]
 

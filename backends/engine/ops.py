@@ -129,6 +129,10 @@ GEMV_KQ2_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ2_UNROLL", "")
 # minBlocks of every 8-lane v9 instance (KQ_MINB; unset: the kernel's default 2, measured best in
 # session 10; 0: session 9's default, none at S = 1 and 2 at S > 1), A/B
 GEMV_KQ_MINB = os.environ.get("GGUF_HARNESS_GEMV_KQ_MINB", "")
+# KQ_MINB_IQ3S: the same for the IQ3_S instances alone (kernels/gemv_kq.cu kKqMinBlocks; A/B,
+# session 11: MINB 2 cost the 27B IQ3_S gate/up nodes 5.2 % in session 10's step A/B; with 0 the
+# gate/up instance keeps its 57 registers, the store/add ones spill 20 bytes under ptxas 13.0).
+GEMV_KQ_MINB_IQ3S = os.environ.get("GGUF_HARNESS_GEMV_KQ_MINB_IQ3S", "")
 # L2 prefetch of the row KQ_PF grid strides ahead at the start of each row (KQ_PF; unset: 0, none
 # beyond each warp's first row). A/B only: measured slower (docs/perf-notes.md session 9).
 GEMV_KQ_PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF", "")
@@ -159,7 +163,8 @@ GEMV_IQ4_XIL = os.environ.get("GGUF_HARNESS_GEMV_IQ4_XIL", "1")
 
 def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
-    -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_PF -> KQ_PF, GEMV_KQ_PIPE -> KQ_PIPE,
+    -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
+    GEMV_KQ_PIPE -> KQ_PIPE,
     GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, then iq4_xil_defines(); unset: the kernel's
     defaults). Raises ValueError unless each is empty or an integer 1..8 (PIPE: 1 or 2; MINB:
     0..8), for PIPE with L1PF (the kernel has no build of both), and as kv9_p2_types."""
@@ -167,13 +172,14 @@ def kv9_defines() -> tuple[str, ...]:
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ_MINB", GEMV_KQ_MINB, "KQ_MINB"),
+                             ("GGUF_HARNESS_GEMV_KQ_MINB_IQ3S", GEMV_KQ_MINB_IQ3S, "KQ_MINB_IQ3S"),
                              ("GGUF_HARNESS_GEMV_KQ_PF", GEMV_KQ_PF, "KQ_PF"),
                              ("GGUF_HARNESS_GEMV_KQ_PIPE", GEMV_KQ_PIPE, "KQ_PIPE"),
                              ("GGUF_HARNESS_GEMV_KQ_L1PF", GEMV_KQ_L1PF, "KQ_L1PF")):
         if not val:
             continue
         hi = 2 if define == "KQ_PIPE" else 8
-        lo = 0 if define == "KQ_MINB" else 1
+        lo = 0 if define in ("KQ_MINB", "KQ_MINB_IQ3S") else 1
         if not val.isdigit() or not lo <= int(val) <= hi:
             raise ValueError(f"{env}={val!r}: expected an integer {lo}..{hi}")
         out.append(f"{define}={int(val)}")

@@ -406,14 +406,14 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 #ifndef KQ_MINB
 #define KQ_MINB 2
 #endif
-#if KQ_MINB == 0
-#define KQ_LB_1 __launch_bounds__(KQ_BLOCK_WARPS * 32)
-#define KQ_LB_2 __launch_bounds__(KQ_BLOCK_WARPS * 32, 2)
-#else
-#define KQ_LB_1 __launch_bounds__(KQ_BLOCK_WARPS * 32, KQ_MINB)
-#define KQ_LB_2 KQ_LB_1
+// KQ_MINB_IQ3S (ops GGUF_HARNESS_GEMV_KQ_MINB_IQ3S; A/B): the same choice for the IQ3_S instances
+// alone (-1, the default: KQ_MINB's). Session 10: MINB 2 cost the 27B IQ3_S gate/up nodes 5.2 %
+// while it won elsewhere. (__launch_bounds__(n, 0) compiles as __launch_bounds__(n): same SASS.)
+#ifndef KQ_MINB_IQ3S
+#define KQ_MINB_IQ3S -1
 #endif
-#define KQ_LB_4 KQ_LB_2
+template <int T> constexpr int kKqMinB = T == T_IQ3_S && KQ_MINB_IQ3S >= 0 ? KQ_MINB_IQ3S : KQ_MINB;
+template <int S, int T> constexpr int kKqMinBlocks = kKqMinB<T> == 0 ? (S == 1 ? 0 : 2) : kKqMinB<T>;
 // One kernel instance: name PFX_<mode>_<type>[_s2|_s4], format trait TRAIT<T>, launch bounds
 // LB(S, T) (KQ_LB8 / KQ_LB4), kq_body with S warps per row group.
 #define KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, S, SNAME)                              \
@@ -428,7 +428,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, 4, _s4)
 #define KQ_ALL_MODES(PFX, TRAIT, LB, T, TNAME) KQ_SPLITS(PFX, TRAIT, LB, 0, store, T, TNAME)      \
     KQ_SPLITS(PFX, TRAIT, LB, 1, add, T, TNAME) KQ_SPLITS(PFX, TRAIT, LB, 2, swiglu, T, TNAME)
-#define KQ_LB8(S, T) KQ_LB_##S
+#define KQ_LB8(S, T) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKqMinBlocks<S, T>)
 #define KQ_MODES(T, TNAME) KQ_ALL_MODES(gemvkq, KQ, KQ_LB8, T, TNAME)
 // kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs|iq3_s>[_s2|_s4] (S warps per row
 // group); the iq3_s ones unless GGUF_HARNESS_GEMV_KQ_IQ3S=0 (ops.kv9_kernel)
