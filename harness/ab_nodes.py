@@ -10,10 +10,12 @@ Rows (times in microseconds per decode step; delta = us_B / us_A - 1, negative i
   - "sum of nodes", then one row per node group of the timing method both files have (graph,
     else eager): nodes of one name without the layer prefix and one format (e.g. all 48
     "ffn_down [Q4_K]"), the sum of their per-node medians, largest |us_B - us_A| first.
-    noise of a group (and of the sum) = (sum of each node's slowest replay - sum of each
-    node's fastest) / sum of the medians, from the per-node replay samples (us_samples, >= 3
-    per node; recorded since session 11 for the graph method): the most the group's sum could
-    move if every node's replay noise went the same way; the max over A and B is used.
+    noise of a group (and of the sum) = sqrt(sum over its nodes of (slowest replay - fastest
+    replay)^2) / sum of the medians, from the per-node replay samples (us_samples, >= 3 per
+    node; recorded since session 11 for the graph method): each node replays in a graph of its
+    own at its own time, so their noise is taken as independent and the ranges add in
+    quadrature (a plain sum would let ~400 nodes' ranges hide a real change of the sum); the
+    max over A and B is used.
 Verdict: SAME if |delta| <= max(threshold, noise), else FASTER / SLOWER; without a recorded
 spread (eager node times, older files) the threshold alone decides and the row says so.
 Checks: groups or node counts present on one side only are structural changes ("new",
@@ -23,6 +25,7 @@ as harness.ab.compare refuses run results; force compares them with a note).
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from .ab_kernels import KernelCheck, KernelPerf, KernelsAB, _finite
@@ -63,19 +66,19 @@ def verdict(a_us, b_us, noise, threshold: float) -> dict:
 
 def node_range(row: dict) -> tuple[float, float] | None:
     """(fastest, slowest) of a node row's replay samples (us_samples), None with fewer than 3
-    finite positive ones."""
+    finite positive ones or without a finite positive median (us)."""
+    us = _finite(row.get("us"))
     xs = [x for x in (_finite(s) for s in row.get("us_samples") or []) if x is not None and x > 0]
-    return (min(xs), max(xs)) if len(xs) >= 3 else None
+    return (min(xs), max(xs)) if len(xs) >= 3 and us is not None and us > 0 else None
 
 
 def group_noise(rows: list[dict]) -> float | None:
-    """(sum of slowest - sum of fastest replays) / sum of medians of node rows; None when a
-    row has no range (node_range) or the medians sum to 0."""
+    """sqrt(sum of (slowest - fastest replay)^2) / sum of medians of node rows (module
+    docstring); None when a row has no range (node_range)."""
     ranges = [node_range(r) for r in rows]
-    total = sum(_finite(r.get("us")) or 0.0 for r in rows)
-    if not rows or any(x is None for x in ranges) or total <= 0:
+    if not rows or any(x is None for x in ranges):
         return None
-    return (sum(hi for _, hi in ranges) - sum(lo for lo, _ in ranges)) / total
+    return math.sqrt(sum((hi - lo) ** 2 for lo, hi in ranges)) / sum(_finite(r.get("us")) for r in rows)
 
 
 def groups(rows: list[dict]) -> dict[str, tuple[int, float, float | None]]:

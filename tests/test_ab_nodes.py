@@ -72,10 +72,11 @@ def _with_samples(doc, spread):
 
 
 def test_node_replay_samples_give_groups_and_the_sum_a_spread():
-    """With per-node replay samples (us_samples) a group's noise is (sum of slowest - sum of
-    fastest) / sum of medians, the max of A's and B's: the IQ3_S pair 3 % slower is SAME when
-    the replays spread 5 %, SLOWER when they spread 0.5 %, and no row says 'threshold only';
-    one node without samples leaves its group (and the sum) to the threshold again."""
+    """With per-node replay samples (us_samples) a group's noise is sqrt(sum of the nodes'
+    (slowest - fastest)^2) / sum of medians, the max of A's and B's: the IQ3_S pair (one node)
+    3 % slower is SAME when its replays spread 5 %, SLOWER when they spread 0.5 %, and no row
+    says 'threshold only'; one node without samples (or without a valid median) leaves its
+    group (and the sum) to the threshold again."""
     slow = [(n, f, 103.0 if "gate_up" in n else us) for n, f, us in BASE]
     for spread, want in ((0.05, "SAME"), (0.005, "SLOWER")):
         a = _with_samples(_doc(BASE, 500.0, [499.0, 500.0, 501.0]), spread)
@@ -83,10 +84,15 @@ def test_node_replay_samples_give_groups_and_the_sum_a_spread():
         by = _by_label(ab_nodes.compare_nodes(a, b, threshold=0.02))
         row = by["ffn_gate_up [IQ3_S+IQ3_S]"]
         assert abs(row.noise - spread) < 1e-12 and row.verdict == want and row.note == ""
-        assert by["sum of nodes"].note == "" and abs(by["sum of nodes"].noise - spread) < 1e-12
-    # groups add their nodes' extremes: 2 ffn_down nodes of spread s -> group spread s
+        # the sum: ranges 20 s, 20 s, 100 s (103 s in B), 300 s in quadrature over 440 (443) us
+        want_sum = max(spread * (20 ** 2 * 2 + u ** 2 + 300 ** 2) ** 0.5 / (340 + u) for u in (100.0, 103.0))
+        assert by["sum of nodes"].note == "" and abs(by["sum of nodes"].noise - want_sum) < 1e-12
+    # independent ranges add in quadrature: 2 ffn_down nodes of spread s -> group spread s / sqrt(2)
     a = _with_samples(_doc(BASE, 500.0), 0.04)
-    assert abs(ab_nodes.groups(a["nodes"]["methods"]["graph"]["nodes"])["ffn_down [Q4_K]"][2] - 0.04) < 1e-12
+    g = ab_nodes.groups(a["nodes"]["methods"]["graph"]["nodes"])["ffn_down [Q4_K]"]
+    assert abs(g[2] - 0.04 / 2 ** 0.5) < 1e-12
+    bad = dict(a["nodes"]["methods"]["graph"]["nodes"][0], us=float("nan"))
+    assert ab_nodes.node_range(bad) is None and ab_nodes.group_noise([bad]) is None
     del a["nodes"]["methods"]["graph"]["nodes"][0]["us_samples"]
     b = _with_samples(_doc(BASE, 500.0), 0.04)
     by = _by_label(ab_nodes.compare_nodes(a, b))

@@ -17,6 +17,17 @@ from backends.engine import ops
 from harness import machine
 
 
+
+@pytest.fixture(autouse=True)
+def _default_build_switches(monkeypatch):
+    """Every ops build switch at its default (unset), whatever the shell exports: the tests
+    set the ones they are about."""
+    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_MINB_IQ3S", "GEMV_KQ_PF",
+                 "GEMV_KQ_PIPE", "GEMV_KQ_L1PF", "GEMV_KQ_P2", "GEMV_KQ_P2_MAX_K"):
+        monkeypatch.setattr(ops, knob, "")
+    monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "1")
+
+
 def test_table_matches_the_c_struct_layout():
     assert ops.TABLE_DT.itemsize == 152 and ops.SEG_DT.itemsize == 32
     segs = [ops.Seg(NS(ptr=1000 + i, type_id=6 + i, rows=9 + i, row_bytes=22 * i + 5),
@@ -561,6 +572,10 @@ def test_kv9_two_rows_per_warp_only_up_to_max_k(monkeypatch):
         monkeypatch.setattr(ops, "GEMV_KQ_P2_MAX_K", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_P2_MAX_K"):
             ops.kv9_kernel("store", [13], 6144, lanes4=False)
+        monkeypatch.setattr(ops, "GEMV_KQ_P2", "")  # refused at build time even without P2
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_P2_MAX_K"):
+            ops.kv9_defines()
+        monkeypatch.setattr(ops, "GEMV_KQ_P2", "q5_k,q6_k")
     assert "GGUF_HARNESS_GEMV_KQ_P2_MAX_K" in machine.ENGINE_SWITCHES
 
 

@@ -187,6 +187,7 @@ def kv9_defines() -> tuple[str, ...]:
         raise ValueError("GGUF_HARNESS_GEMV_KQ_PIPE and GGUF_HARNESS_GEMV_KQ_L1PF: separate A/B builds, set one")
     if kv9_p2_types():
         out.append("KQ_P2=1")
+    kv9_p2_max_k()  # refuse a bad GGUF_HARNESS_GEMV_KQ_P2_MAX_K before any build, P2 or not
     return tuple(out) + iq4_xil_defines()
 
 

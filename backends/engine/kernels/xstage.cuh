@@ -76,7 +76,11 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
                 const int ik = at(k);
                 v[k] = ik < K ? x[ik] : 0.f;
                 if (norm) {
-                    if constexpr (IL) {  // natural order, as above
+                    // IL: natural order, but one square at a time, where the natural build sums a
+                    // full in-bounds entry as one 8-term expression: bitwise equal to it only for
+                    // K % 32 == 0 (every IL caller: IQ4_XS rows, K % 256 == 0; this branch then
+                    // sees only the padding entries, c >= K / 8)
+                    if constexpr (IL) {
                         const float xn = i0 + k < K ? x[i0 + k] : 0.f;
                         ss += xn * xn;
                     } else {
