@@ -148,8 +148,9 @@ GEMV_KQ_PIPE = os.environ.get("GGUF_HARNESS_GEMV_KQ_PIPE", "")
 GEMV_KQ_L1PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_L1PF", "")
 # KQ_P2: store/add nodes of the listed types ("1": every 8-lane type; or names, e.g. "q4_k,iq4_xs")
 # with two adjacent rows per warp, every lane on both (kernels/gemv_kq.cu KQP2, names ..._p2). A/B
-# build, written in session 10, not yet run on a GPU; static SASS count per 32 weights and row:
-# Q4_K 99 -> 84.5, Q5_K 122 -> 111.5, IQ4_XS 132 -> 121, Q6_K 136.5 -> 134.5, IQ3_S 146 -> 148.
+# build; static SASS count per 32 weights and row: Q4_K 99 -> 84.5, Q5_K 122 -> 111.5, IQ4_XS
+# 132 -> 121, Q6_K 136.5 -> 134.5, IQ3_S 146 -> 148. Measured in session 11: the head -11 %, Q4_K
+# [10240x5120] +7 %, [1024x5120] Q6_K +35 % (docs/perf-notes.md).
 GEMV_KQ_P2 = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2", "")
 # KQ_P2_MAX_K=N: the _p2 kernels only for nodes with K <= N (session 11's 27B nodes: P2 gained on
 # the K = 5120 / 6144 Q5_K and Q6_K nodes, the head -11.5 %, and lost on the K = 17408 ffn_down).
@@ -164,10 +165,10 @@ GEMV_IQ4_XIL = os.environ.get("GGUF_HARNESS_GEMV_IQ4_XIL", "1")
 def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
-    GEMV_KQ_PIPE -> KQ_PIPE,
-    GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, then iq4_xil_defines(); unset: the kernel's
-    defaults). Raises ValueError unless each is empty or an integer 1..8 (PIPE: 1 or 2; MINB:
-    0..8), for PIPE with L1PF (the kernel has no build of both), and as kv9_p2_types."""
+    GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, then
+    iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
+    integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
+    both), and as kv9_p2_types and kv9_p2_max_k."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL"),
