@@ -20,10 +20,11 @@ from harness import machine
 
 @pytest.fixture(autouse=True)
 def _default_build_switches(monkeypatch):
-    """Every ops build switch at its default (unset), whatever the shell exports: the tests
-    set the ones they are about."""
+    """Every gemv_kq.cu / gemv_tma.cu build switch at its default (unset), whatever the shell
+    exports: the tests set the ones they are about."""
     for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_MINB_IQ3S", "GEMV_KQ_PF",
-                 "GEMV_KQ_PIPE", "GEMV_KQ_L1PF", "GEMV_KQ_P2", "GEMV_KQ_P2_MAX_K"):
+                 "GEMV_KQ_PIPE", "GEMV_KQ_L1PF", "GEMV_KQ_P2", "GEMV_KQ_P2_MAX_K", "GEMV_TMA_NST",
+                 "GEMV_TMA_WARPS", "GEMV_TMA_MINB", "GEMV_TMA_RING", "GEMV_TMA_RPW", "GEMV_TMA_BPS"):
         monkeypatch.setattr(ops, knob, "")
     monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "1")
 
@@ -227,9 +228,6 @@ def _v9_launches(monkeypatch, cases, ptr_of=lambda i: 1 << 20 + i):
     monkeypatch.setattr(ops, "GEMV_ARGS", "value")
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "auto")
-    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PIPE",
-                 "GEMV_KQ_L1PF"):  # the default build
-        monkeypatch.setattr(ops, knob, "")
     got = []
     for mode, types in cases:
         node = _gemv_node(mode, types, 5120, 64, ptr_of)
@@ -400,8 +398,6 @@ def test_gemv_nodes_split_mixed_types_only_when_asked(monkeypatch):
     for knob, val in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"),
                       ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_IQ3S", "1")):
         monkeypatch.setattr(ops, knob, val)
-    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
-        monkeypatch.setattr(ops, knob, "")
 
     def segs(types, K=5120, rows=64):
         out = []
@@ -532,8 +528,6 @@ def test_kv9_two_rows_per_warp_build(monkeypatch):
     store/add nodes of those 8-lane types, never for a gate/up pair or the 4-lane gemvkq4_ ones;
     the build gets -DKQ_P2=1 (so its cache entry and instances are its own); the split cost model
     sees 2 rows per warp; an unknown name is refused; unset changes nothing."""
-    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
-        monkeypatch.setattr(ops, knob, "")
     monkeypatch.setattr(ops, "GEMV_KQ_IQ3S", "1")
     monkeypatch.setattr(ops, "GEMV_KQ_P2", "")
     assert ops.kv9_defines() == () and ops.kv9_kernel("store", [12], 5120, lanes4=False) == "gemvkq_store_q4_k"
@@ -584,9 +578,6 @@ def test_iq4_xil_switch(monkeypatch):
     gemv_tma.cu with the kernels' own IQ4_XIL default (no define), "0" or "" with -DIQ4_XIL=0; an
     IQ4_XS node with F32 rows stays on gemv_kq.cu either way (f32_row reads the interleaved
     staging in the natural order); other values are refused."""
-    for knob in ("GEMV_KQ_UNROLL", "GEMV_KQ2_UNROLL", "GEMV_KQ_MINB", "GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF",
-                 "GEMV_KQ_P2", "GEMV_TMA_NST", "GEMV_TMA_WARPS", "GEMV_TMA_MINB", "GEMV_TMA_RPW"):
-        monkeypatch.setattr(ops, knob, "")
     for off in ("", "0"):
         monkeypatch.setattr(ops, "GEMV_IQ4_XIL", off)
         assert ops.kv9_defines() == ("IQ4_XIL=0",) and ops.tma_defines() == ("IQ4_XIL=0",)

@@ -75,6 +75,8 @@ __device__ __forceinline__ float f32_row(const u8* row, const XS& xa, int K, int
     float acc = 0.f;
     for (int c = l; c < K / 8; c += nl) {
         const float4 a = ((const float4*)row)[2 * c], b = ((const float4*)row)[2 * c + 1];
+        // two fma chains, not one over a code array: the merged form changed the default
+        // build's SASS (42 instances, session 11), this one leaves it as measured
         if constexpr (IL) {
             const int e0 = (c & ~3) + 2 * (c & 1), sh = c & 2 ? 0 : 16;  // sh: low halves up first
             const int4 p = lds128(xa.q + 16 * (SW4 ? xq_slot4(e0) : xq_slot(e0)));
