@@ -63,15 +63,18 @@ def round_q8_k(x) -> np.ndarray:
 
 
 Q16_FLUSH = 1e-30  # kernels/gemv.cu XQ_FLUSH
+Q16_MMA_MAX = 32639  # kernels/gemv_mma.cu MMA_XMAX = 127 * 256 + 127
 
 
-def round_q16(x) -> np.ndarray:
+def round_q16(x, qmax: int = 32767) -> np.ndarray:
     """x [..., k] -> float64 values after the engine's GEMV input rounding (engine v4,
     backends/engine/kernels/gemv.cu stage_xq), float32 arithmetic as the kernel does it:
     per 32-value block of each row (the last one zero-padded) amax = max|x|, q =
     round-half-even(x * (32767 / amax)) as int16, value = q * (amax / 32767).
     |value - x| <= amax / 65534 (up to float32 rounding of the scale). Blocks with
-    amax <= Q16_FLUSH become zeros (32767 / amax would overflow float32 below ~1e-34)."""
+    amax <= Q16_FLUSH become zeros (32767 / amax would overflow float32 below ~1e-34).
+    qmax: the largest code (32767; the engine v11 tensor-core GEMV, kernels/gemv_mma.cu, uses
+    Q16_MMA_MAX = 32639 so each code splits into two int8 bytes), the bound then amax / (2 qmax)."""
     x = np.asarray(x, dtype=np.float64).astype(F32)
     shape, k = x.shape, x.shape[-1]
     rows = x.reshape(-1, k)
@@ -80,20 +83,20 @@ def round_q16(x) -> np.ndarray:
     # np.where evaluates both branches: the flushed blocks' 32767 / amax may divide by zero or
     # overflow there, and is discarded
     with np.errstate(divide="ignore", over="ignore"):
-        inv = np.where(amax > F32(Q16_FLUSH), F32(32767) / amax, F32(0)).astype(F32)
+        inv = np.where(amax > F32(Q16_FLUSH), F32(qmax) / amax, F32(0)).astype(F32)
     q = np.rint((b * inv).astype(F32))
-    d = (amax / F32(32767)).astype(F32).astype(np.float64)
+    d = (amax / F32(qmax)).astype(F32).astype(np.float64)
     return (q * d).reshape(rows.shape[0], -1)[:, :k].reshape(shape)
 
 
-def q16_error_bound(x) -> np.ndarray:
-    """Per-value bound [k] of |round_q16(x) - x|: amax of the value's 32-block / 65534, plus
-    float32 rounding of the scale (2^-23 relative)."""
+def q16_error_bound(x, qmax: int = 32767) -> np.ndarray:
+    """Per-value bound [k] of |round_q16(x, qmax) - x|: amax of the value's 32-block / (2 qmax)
+    (65534 for the default), plus float32 rounding of the scale (2^-23 relative)."""
     x = np.asarray(x, dtype=np.float64).reshape(-1)
     k = x.size
     b = np.concatenate([np.abs(x), np.zeros(-k % 32)]).reshape(-1, 32)
     amax = np.repeat(b.max(axis=-1), 32)[:k]
-    return np.where(amax.astype(F32) > F32(Q16_FLUSH), amax * (1 / 65534 + 2.0 ** -22), amax)
+    return np.where(amax.astype(F32) > F32(Q16_FLUSH), amax * (1 / (2 * qmax) + 2.0 ** -22), amax)
 
 
 # llama.cpp's CUDA mul_mat_vec_q input (ggml-cuda/quantize.cu quantize_q8_1, vecdotq.cuh), the

@@ -29,10 +29,13 @@ EPILOGUE_REL = 1e-6  # float32 silu(g) * u in the kernel
 
 
 def x_seen(x, impl: str = "q16") -> np.ndarray:
-    """x [K] as the GEMV kernels see it (float64): rounded to int16 codes for impl "q16",
+    """x [K] as the GEMV kernels see it (float64): rounded to int16 codes for impl "q16" ("mma":
+    the v11 tensor-core kernels' codes of at most 32639),
     to llama.cpp's q8_1 values for "q8_1", unrounded for "f32"."""
     if impl == "q16":
         return actquant.round_q16(x)
+    if impl == "mma":  # engine v11 (kernels/gemv_mma.cu): codes up to 32639, not 32767
+        return actquant.round_q16(x, actquant.Q16_MMA_MAX)
     if impl == "q8_1":
         return actquant.round_q8_1(x)
     return np.asarray(x, np.float64)
@@ -131,9 +134,10 @@ def check_store(y, w: np.ndarray, x, row_ids=None, impl: str = "q16", raw=None,
         return _merge(_verdict(y, ref, bound + q8_1_allowance(w, parts, offs, norm is not None),
                                ids, "vs q8_1 (llama.cpp-rounded) oracle"))
     a = _verdict(y, w @ x_seen(x64, impl), bound, ids, "vs rounded-x oracle")
-    if impl != "q16":
+    if impl not in ("q16", "mma"):
         return _merge(a)
-    exact = bound + np.abs(w) @ actquant.q16_error_bound(x64)
+    qmax = actquant.Q16_MMA_MAX if impl == "mma" else 32767
+    exact = bound + np.abs(w) @ actquant.q16_error_bound(x64, qmax)
     return _merge(a, _verdict(y, w @ x64, exact, ids, "vs exact oracle"))
 
 

@@ -37,6 +37,8 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1",)), ("gemv_kq.cu", ("IQ4_XIL=0",)), ("gemv
 # the small-ring v10 builds (ops.tma_defines: GGUF_HARNESS_GEMV_TMA_NST / _WARPS / _MINB / _RPW)
 SOURCES += [("gemv_tma.cu", ("TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2")), ("gemv_tma.cu", ("TMA_NST=3", "TMA_WARPS=4")),
             ("gemv_tma.cu", ("TMA_RPW=2",)), ("gemv_tma.cu", ("TMA_RPW=2", "TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2"))]
+# the v11 block shapes (backends/engine/gemv_mma.py mma_defines: GGUF_HARNESS_GEMV_MMA_WARPS / _UNROLL / _MINB)
+SOURCES += [("gemv_mma.cu", ("MMA_WARPS=4", "MMA_UNROLL=1")), ("gemv_mma.cu", ("MMA_WARPS=16", "MMA_UNROLL=3", "MMA_MINB=1"))]
 
 
 def _nvrtc():

@@ -13,6 +13,7 @@ from . import module
 from .arena import DeviceTensor
 from .executor import Node
 from .formats import ENGINE_TYPES, FORMATS, check_type
+from .gemv_mma import gemv_mma
 
 WARPS = 4            # rows per GEMV block (kernels/gemv.cu WARPS)
 MAX_SEG = 4          # kernels/gemv.cu MAX_SEG
@@ -421,6 +422,9 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
+    elif (impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8")
+          and (mn := gemv_mma(name, mode, segs, x, K, norm, eps, rows))):
+        return mn  # engine v11 (GGUF_HARNESS_GEMV_MMA, gemv_mma.py)
     elif (impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8")
           and (tn := gemv_tma(name, mode, segs, x, K, norm, eps, rows))):
         return tn  # engine v10 (GGUF_HARNESS_GEMV_TMA=1)
