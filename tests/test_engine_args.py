@@ -550,6 +550,22 @@ def test_kv9_two_rows_per_warp_build(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_P2" in machine.ENGINE_SWITCHES
 
 
+def test_kv9_two_rows_per_warp_default_is_q6_k_up_to_6144():
+    """With neither switch exported the engine builds P2 for q6_k nodes with K <= 6144 (the
+    session-12 default: the 27B's head and qkv.q6_k nodes); "0" turns it off."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_HARNESS_GEMV_KQ_P2")}
+    code = ("from backends.engine import ops; print(sorted(ops.kv9_p2_types()), ops.kv9_p2_max_k(), "
+            "ops.kv9_kernel('store', [14], 5120, lanes4=False), ops.kv9_kernel('store', [14], 17408, lanes4=False))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[14]", "6144", "gemvkq_store_q6_k_p2", "gemvkq_store_q6_k"], out
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "GGUF_HARNESS_GEMV_KQ_P2": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split()[:1] == ["[]"] and "gemvkq_store_q6_k_p2" not in out, out
+
+
 def test_kv9_two_rows_per_warp_only_up_to_max_k(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_P2_MAX_K=N keeps the _p2 kernels to nodes with K <= N (the 27B's
     K = 17408 ffn_down lost with them); unset: every K; a non-positive or non-integer value is

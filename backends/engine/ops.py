@@ -152,10 +152,14 @@ GEMV_KQ_L1PF = os.environ.get("GGUF_HARNESS_GEMV_KQ_L1PF", "")
 # build; static SASS count per 32 weights and row: Q4_K 99 -> 84.5, Q5_K 122 -> 111.5, IQ4_XS
 # 132 -> 121, Q6_K 136.5 -> 134.5, IQ3_S 146 -> 148. Measured in session 11: the head -11 %, Q4_K
 # [10240x5120] +7 %, [1024x5120] Q6_K +35 % (docs/perf-notes.md).
-GEMV_KQ_P2 = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2", "")
+# Default since session 12: q6_k with K <= 6144 (the output head -11 %, qkv.q6_k -6 %; the 27B
+# step -0.66 %, -0.69 %, -0.77 % in three same-session A/Bs, docs/perf-notes.md sessions 11-12);
+# "0" or "" turns P2 off.
+GEMV_KQ_P2 = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2", "q6_k")
 # KQ_P2_MAX_K=N: the _p2 kernels only for nodes with K <= N (session 11's 27B nodes: P2 gained on
 # the K = 5120 / 6144 Q5_K and Q6_K nodes, the head -11.5 %, and lost on the K = 17408 ffn_down).
-GEMV_KQ_P2_MAX_K = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2_MAX_K", "")
+# Default 6144 (with the default P2 types); "" = every K.
+GEMV_KQ_P2_MAX_K = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2_MAX_K", "6144")
 # IQ4_XIL: IQ4_XS rows of v9 / v10 with x staged in interleaved halves (kernels/kwide_iq4.cuh), two
 # fewer prmt per 8 weights, results bitwise equal to the default build's (the RMSNorm's sum of
 # squares and the F32 rows of a node (gemv_kq.cu f32_row) keep the natural order). The default
@@ -214,9 +218,9 @@ def kv9_p2_max_k() -> float:
 
 def kv9_p2_types() -> frozenset[int]:
     """GGML type ids whose store/add v9 nodes take two rows per warp (GGUF_HARNESS_GEMV_KQ_P2: "1"
-    for every 8-lane v9 type, or comma-separated names such as q4_k,iq4_xs; "" none). Raises
-    ValueError on an unknown name."""
-    if not GEMV_KQ_P2:
+    for every 8-lane v9 type, or comma-separated names such as q4_k,iq4_xs; "" or "0" none; unset:
+    q6_k, the default). Raises ValueError on an unknown name."""
+    if GEMV_KQ_P2 in ("", "0"):
         return frozenset()
     if GEMV_KQ_P2 == "1":
         return frozenset(KV9_NAMES)
