@@ -46,3 +46,22 @@ def test_round_q16_rows_are_independent():
     r = round_q16(x)
     for i in range(3):
         np.testing.assert_array_equal(r[i], round_q16(x[i]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(arrays(np.float32, st.integers(1, 200), elements=finite))
+def test_round_q16_mma_codes_split_into_two_s8_bytes(x):
+    """The v11 rounding (kernels/gemv_mma.cu: codes capped at Q16_MMA_MAX = 127 * 256 + 127):
+    within its own bound, and every code q has hi = (q + 128) >> 8 and lo = q - 256 hi in s8,
+    which the kernel's B operand needs (32767, the q16 kernels' cap, would not)."""
+    from oracles.actquant import Q16_MMA_MAX
+    r = round_q16(x, Q16_MMA_MAX)
+    assert (np.abs(r - x.astype(np.float64)) <= q16_error_bound(x, Q16_MMA_MAX)).all()
+    b = np.concatenate([x.astype(np.float64), np.zeros(-x.size % 32)]).reshape(-1, 32)
+    amax = np.abs(b).max(axis=1, keepdims=True).astype(np.float32)
+    d = np.where(amax > 1e-30, amax / np.float32(Q16_MMA_MAX), 1).astype(np.float32).astype(np.float64)
+    q = np.rint(np.concatenate([r, np.zeros(-x.size % 32)]).reshape(-1, 32) / d).astype(np.int64)
+    assert np.abs(q).max() <= Q16_MMA_MAX
+    hi = (q + 128) >> 8
+    lo = q - 256 * hi
+    assert hi.min() >= -128 and hi.max() <= 127 and lo.min() >= -128 and lo.max() <= 127
