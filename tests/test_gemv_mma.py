@@ -14,9 +14,9 @@ import pytest
 from gpu_util import cupy_or_skip, device_tensor, nan_poisoned
 
 from backends.engine import gemv_mma as gm
-from oracles import gemv_check, ops
-from oracles.blocks import random_blocks
-from oracles.dequant import dequantize, get_format
+from test_engine_kernels import _matrix, _normed_biased_segments  # random blocks; the qkv-like node
+
+from oracles import gemv_check
 
 Q4_K, Q5_K, Q6_K, IQ4_XS = 12, 13, 14, 23
 
@@ -88,13 +88,6 @@ def test_routing(monkeypatch):
 
 # ---- GPU ----
 
-def _matrix(type_id, rows, K, seed):
-    rng = np.random.default_rng(seed)
-    f = get_format(type_id)
-    raw = random_blocks(type_id, rows * K // f.block_size, rng).reshape(rows, -1)
-    return raw, dequantize(raw.reshape(-1), type_id, (rows, K)).astype(np.float64)
-
-
 def _check(y, w, x, what):
     v = gemv_check.check_store(np.asarray(y, np.float64), w, x, impl="mma")
     assert v["ok"], f"{what}: {v}"
@@ -140,20 +133,8 @@ def test_gemv_mma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
                              cp.asarray(x), K)
             (y,) = _run_twice(node, [out], f"v11 {t} [{rows}x{K}]")
             _check(y, w, x, f"v11 {t} [{rows}x{K}]")
-        # qkv-like: 3 segments with biases behind a fused RMSNorm
-        K = 1024
-        rng = np.random.default_rng(t)
-        x = rng.normal(size=K).astype(np.float32)
-        nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
-        nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
-        xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
-        mats = [_matrix(t, r, K, 50 + r) for r in (19, 3, 40)]
-        outs = [nan_poisoned(cp, r) for r in (19, 3, 40)]
-        biases = [rng.normal(size=r).astype(np.float32) for r in (19, 3, 40)]
-        bdev = [cp.asarray(b) for b in biases]
-        keep.extend(bdev)
-        segs = [eops.Seg(device_tensor(cp, f"m{j}", raw, t, (K, raw.shape[0]), keep), o, int(b.data.ptr))
-                for j, ((raw, _), o, b) in enumerate(zip(mats, outs, bdev))]
+        # qkv-like: 3 segments of 19, 3 and 40 rows with biases behind a fused RMSNorm (K = 1024)
+        K, rng, x, nw_dev, xn, mats, outs, biases, segs = _normed_biased_segments(cp, eops, t, keep)
         ys = _run_twice(eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6), outs, f"v11 {t} qkv")
         for (raw, w), y, b in zip(mats, ys, biases):
             _check(y.astype(np.float64) - b, w, xn, f"v11 {t} segment with bias and norm")
