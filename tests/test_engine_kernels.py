@@ -571,6 +571,21 @@ def test_gemv_nodes_mixed_split_matches_the_oracle(monkeypatch):
             _check_rows(o.get().astype(np.float64) - b, w, xn, f"qkv mixed={mixed!r} segment")
 
 
+def _run_twice(node, outs, what, prefix):
+    """Launch `node` (its kernel's name must start with `prefix`) twice, the outputs refilled with
+    NaN in between; assert the second launch's outputs equal the first's bit for bit (fixed lanes
+    and order, no atomics). Returns the first launch's outputs (numpy)."""
+    assert node.kernel.name.startswith(prefix), (what, node.kernel.name)
+    node.launch()
+    first = [o.get() for o in outs]
+    for o in outs:
+        o.fill(np.nan)
+    node.launch()
+    for a, o in zip(first, outs):
+        assert np.array_equal(a, o.get(), equal_nan=True), f"{what}: second launch differs"
+    return first
+
+
 @pytest.mark.parametrize("build", [{}, {"GEMV_TMA_NST": "2", "GEMV_TMA_WARPS": "8", "GEMV_TMA_MINB": "2",
                                         "GEMV_TMA_RING": "65536"},
                                    {"GEMV_TMA_NST": "3", "GEMV_TMA_WARPS": "4", "GEMV_TMA_RING": "16384"},
@@ -602,15 +617,7 @@ def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     keep = []
 
     def run_twice(node, outs, what):
-        assert node.kernel.name.startswith("gemvtma_"), (what, node.kernel.name)
-        node.launch()
-        first = [o.get() for o in outs]
-        for o in outs:
-            o.fill(np.nan)
-        node.launch()
-        for a, o in zip(first, outs):
-            assert np.array_equal(a, o.get(), equal_nan=True), f"{what}: second launch differs"
-        return first
+        return _run_twice(node, outs, what, "gemvtma_")
 
     for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S"):
         t = TYPES[name]

@@ -14,7 +14,8 @@ import pytest
 from gpu_util import cupy_or_skip, device_tensor, nan_poisoned
 
 from backends.engine import gemv_mma as gm
-from test_engine_kernels import _matrix, _normed_biased_segments  # random blocks; the qkv-like node
+# random blocks, the qkv-like node, two launches compared bit for bit
+from test_engine_kernels import _matrix, _normed_biased_segments, _run_twice
 
 from oracles import gemv_check
 
@@ -93,18 +94,6 @@ def _check(y, w, x, what):
     assert v["ok"], f"{what}: {v}"
 
 
-def _run_twice(node, outs, what):
-    assert node.kernel.name.startswith("gemvmma_"), (what, node.kernel.name)
-    node.launch()
-    first = [o.get() for o in outs]
-    for o in outs:
-        o.fill(np.nan)
-    node.launch()
-    for a, o in zip(first, outs):
-        assert np.array_equal(a, o.get(), equal_nan=True), f"{what}: second launch differs"
-    return first
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("build", [{}, {"GEMV_MMA_WARPS": "4", "GEMV_MMA_UNROLL": "1"},
                                    {"GEMV_MMA_WARPS": "16", "GEMV_MMA_UNROLL": "3", "GEMV_MMA_MINB": "1"}],
@@ -131,11 +120,11 @@ def test_gemv_mma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
             out = nan_poisoned(cp, rows)
             node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep), out)],
                              cp.asarray(x), K)
-            (y,) = _run_twice(node, [out], f"v11 {t} [{rows}x{K}]")
+            (y,) = _run_twice(node, [out], f"v11 {t} [{rows}x{K}]", "gemvmma_")
             _check(y, w, x, f"v11 {t} [{rows}x{K}]")
         # qkv-like: 3 segments of 19, 3 and 40 rows with biases behind a fused RMSNorm (K = 1024)
         K, rng, x, nw_dev, xn, mats, outs, biases, segs = _normed_biased_segments(cp, eops, t, keep)
-        ys = _run_twice(eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6), outs, f"v11 {t} qkv")
+        ys = _run_twice(eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6), outs, f"v11 {t} qkv", "gemvmma_")
         for (raw, w), y, b in zip(mats, ys, biases):
             _check(y.astype(np.float64) - b, w, xn, f"v11 {t} segment with bias and norm")
         # F32 rows beside the type's: v9
@@ -161,7 +150,7 @@ def test_gemv_mma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
             node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K2, rows), keep), h),
                                              eops.Seg(device_tensor(cp, "u", ru, t, (K2, rows), keep), h)],
                              cp.asarray(x2), K2)
-            (y,) = _run_twice(node, [h], f"v11 {t} swiglu [{rows}x{K2}]")
+            (y,) = _run_twice(node, [h], f"v11 {t} swiglu [{rows}x{K2}]", "gemvmma_")
             v = gemv_check.check_swiglu(y, wg, wu, x2, impl="mma")
             assert v["ok"], f"v11 {t} swiglu [{rows}x{K2}]: {v}"
         # a NaN in x: every row non-finite (the block's scale carries it)

@@ -98,18 +98,9 @@ __device__ __forceinline__ float stage_x8(const float* __restrict__ x, const flo
                 v[k] *= n[k];
             }
         }
-        float am = 0.f;
-        int bad = 0;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            am = fmaxf(am, fabsf(v[k]));
-            bad |= !finite_f32(v[k]);
-        }
-        // the 4 threads 4b' .. 4b' + 3 of a warp hold one 32-value block (entries 4 b + j)
-        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
-        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
-        bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
-        bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+        float am;
+        int bad;
+        block_amax_bad(v, am, bad);  // over the 4 threads of the block (entries 4 b + j)
         const float id = am > XQ_FLUSH ? MMA_XMAX / am : 0.f;
         u32 hi0 = 0, hi1 = 0, lo0 = 0, lo1 = 0;
         int s = 0;

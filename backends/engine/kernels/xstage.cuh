@@ -17,6 +17,23 @@
 #endif
 #define XQ_FLUSH 1e-30f  // blocks with max |x| below this become zeros (XQ_MAX / amax overflows ~1e-34)
 
+// Largest |v| and whether any value is NaN/Inf, over a thread's 8 values and then the 4 lanes
+// 4j..4j+3 that hold one 32-value block (every lane of the 4 gets the block's); shared by
+// stage_xq and gemv_mma.cu's stage_x8.
+__device__ __forceinline__ void block_amax_bad(const float (&v)[8], float& am, int& bad) {
+    am = 0.f;
+    bad = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        am = fmaxf(am, fabsf(v[k]));
+        bad |= !finite_f32(v[k]);
+    }
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+    bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+    bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+}
+
 // Shared-memory layout for K values, Kp = K rounded up to 256 (zero codes beyond K):
 //   int4  xq[Kp / 8]   8 int16 codes per entry; entry c (values 8c..8c+7) is stored at slot
 //                      xq_slot(c) (kwide.cuh: a bit swizzle inside each group of 8 entries
@@ -90,18 +107,9 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
                 }
             }
         }
-        float am = 0.f;
-        int bad = 0;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            am = fmaxf(am, fabsf(v[k]));
-            bad |= !finite_f32(v[k]);
-        }
-        // the 4 lanes 4j..4j+3 hold one 32-value block
-        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
-        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
-        bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
-        bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+        float am;
+        int bad;
+        block_amax_bad(v, am, bad);
 #ifdef ACT_Q8_1
         float bs = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
         bs += __shfl_xor_sync(0xffffffffu, bs, 1);
