@@ -11,6 +11,7 @@ A compile takes 1-60 s per source (gemv.cu is the long one: every format's row l
 from __future__ import annotations
 
 import ctypes
+import re
 import importlib.util
 from pathlib import Path
 
@@ -57,8 +58,9 @@ def _nvrtc():
     pytest.skip("NVRTC not installed (pip install nvidia-cuda-nvrtc==13.0.88)")
 
 
-def compile_source(lib, name: str, defines: tuple[str, ...] = ()) -> tuple[int, str]:
-    """(NVRTC result code, compile log) of kernels/<name> as the engine builds it."""
+def compile_source(lib, name: str, defines: tuple[str, ...] = (), ptx: list | None = None) -> tuple[int, str]:
+    """(NVRTC result code, compile log) of kernels/<name> as the engine builds it; with a list
+    `ptx`, the generated PTX text is appended to it on success."""
     code = module.source_code(name).encode()
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), code, name.encode(), 0, None, None) == 0
@@ -70,6 +72,11 @@ def compile_source(lib, name: str, defines: tuple[str, ...] = ()) -> tuple[int, 
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
+        if ptx is not None and rc == 0:
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, buf)
+            ptx.append(buf.value.decode())
         return rc, log.value.decode(errors="replace")
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
@@ -79,6 +86,31 @@ def compile_source(lib, name: str, defines: tuple[str, ...] = ()) -> tuple[int, 
 def test_kernel_source_compiles_with_nvrtc(name, defines):
     rc, log = compile_source(_nvrtc(), name, defines)
     assert rc == 0, f"{name} {defines}: NVRTC error {rc}\n{log}"
+
+
+def _min_ctas(ptx: str) -> dict[str, int | None]:
+    """Each kernel entry of a PTX text -> its .minnctapersm (launch bounds' minBlocks), None if absent."""
+    out = {}
+    for m in re.finditer(r"\.entry (\w+)\((?:.|\n)*?\n\{", ptx):
+        head = m.group(0)
+        mc = re.search(r"\.minnctapersm (\d+)", head)
+        out[m.group(1)] = int(mc.group(1)) if mc else None
+    return out
+
+
+def test_v9_iq3s_swiglu_instance_alone_has_no_min_blocks():
+    """Session 12's default (kernels/gemv_kq.cu kKqMinB per mode): the IQ3_S SwiGLU instance with
+    one warp per row group has no minBlocks (the 27B's IQ3_S gate/up nodes -5.3 % without it), every
+    other 8-lane instance keeps KQ_MINB's 2, and KQ_MINB_IQ3S=2 puts it back."""
+    lib = _nvrtc()
+    for defines, want in (((), None), (("KQ_MINB_IQ3S=2",), 2)):
+        ptx: list = []
+        rc, log = compile_source(lib, "gemv_kq.cu", defines, ptx)
+        assert rc == 0, log
+        mins = _min_ctas(ptx[0])
+        assert mins["gemvkq_swiglu_iq3_s"] == want, (defines, mins["gemvkq_swiglu_iq3_s"])
+        others = {k: v for k, v in mins.items() if k.startswith("gemvkq_") and k != "gemvkq_swiglu_iq3_s"}
+        assert len(others) > 40 and set(others.values()) == {2}, (defines, others)
 
 
 def test_a_broken_source_fails_to_compile(monkeypatch):

@@ -130,9 +130,10 @@ GEMV_KQ2_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_KQ2_UNROLL", "")
 # minBlocks of every 8-lane v9 instance (KQ_MINB; unset: the kernel's default 2, measured best in
 # session 10; 0: session 9's default, none at S = 1 and 2 at S > 1), A/B
 GEMV_KQ_MINB = os.environ.get("GGUF_HARNESS_GEMV_KQ_MINB", "")
-# KQ_MINB_IQ3S: the same for the IQ3_S instances alone (kernels/gemv_kq.cu kKqMinBlocks; A/B,
-# session 11: MINB 2 cost the 27B IQ3_S gate/up nodes 5.2 % in session 10's step A/B; with 0 the
-# gate/up instance keeps its 57 registers, the store/add ones spill 20 bytes under ptxas 13.0).
+# KQ_MINB_IQ3S: when set, the same for every IQ3_S instance (kernels/gemv_kq.cu kKqMinBlocks; A/B).
+# Unset: KQ_MINB's for the IQ3_S store/add instances, none for the IQ3_S SwiGLU ones (the default
+# since session 12: the 27B IQ3_S gate/up nodes -5.3 %, the step -0.3 % twice; with 0 the gate/up
+# instance keeps its 57 registers, the store/add ones spill 20 bytes under ptxas 13.0).
 GEMV_KQ_MINB_IQ3S = os.environ.get("GGUF_HARNESS_GEMV_KQ_MINB_IQ3S", "")
 # L2 prefetch of the row KQ_PF grid strides ahead at the start of each row (KQ_PF; unset: 0, none
 # beyond each warp's first row). A/B only: measured slower (docs/perf-notes.md session 9).

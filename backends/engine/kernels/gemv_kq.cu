@@ -408,18 +408,22 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 #ifndef KQ_MINB
 #define KQ_MINB 2
 #endif
-// KQ_MINB_IQ3S (ops GGUF_HARNESS_GEMV_KQ_MINB_IQ3S; A/B): the same choice for the IQ3_S instances
-// alone (-1, the default: KQ_MINB's). Session 10: MINB 2 cost the 27B IQ3_S gate/up nodes 5.2 %
-// while it won elsewhere. (__launch_bounds__(n, 0) compiles as __launch_bounds__(n): same SASS.)
+// KQ_MINB_IQ3S (ops GGUF_HARNESS_GEMV_KQ_MINB_IQ3S; A/B): when set, the same choice for every IQ3_S
+// instance. Session 10: MINB 2 cost the 27B IQ3_S gate/up nodes 5.2 % while it won elsewhere.
+// (__launch_bounds__(n, 0) compiles as __launch_bounds__(n): same SASS.) Unset (-1): KQ_MINB's for the IQ3_S store/add instances and 0 for the IQ3_S SwiGLU ones, the
+// default since session 12: the 27B's IQ3_S gate/up nodes -5.3 %, the step -0.29 % / -0.32 % in two
+// A/Bs (H200, docs/perf-notes.md); the store/add instances spill 20 bytes without the cap.
 #ifndef KQ_MINB_IQ3S
 #define KQ_MINB_IQ3S -1
 #endif
-template <int T> constexpr int kKqMinB = T == T_IQ3_S && KQ_MINB_IQ3S >= 0 ? KQ_MINB_IQ3S : KQ_MINB;
-template <int S, int T> constexpr int kKqMinBlocks = kKqMinB<T> == 0 ? (S == 1 ? 0 : 2) : kKqMinB<T>;
+template <int T, int MODE> constexpr int kKqMinB =
+    T != T_IQ3_S ? KQ_MINB : KQ_MINB_IQ3S >= 0 ? KQ_MINB_IQ3S : MODE == 2 ? 0 : KQ_MINB;
+template <int S, int T, int MODE> constexpr int kKqMinBlocks =
+    kKqMinB<T, MODE> == 0 ? (S == 1 ? 0 : 2) : kKqMinB<T, MODE>;
 // One kernel instance: name PFX_<mode>_<type>[_s2|_s4], format trait TRAIT<T>, launch bounds
-// LB(S, T) (KQ_LB8 / KQ_LB4), kq_body with S warps per row group.
+// LB(S, T, MODE) (KQ_LB8 / KQ_LB4), kq_body with S warps per row group.
 #define KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, S, SNAME)                              \
-    extern "C" __global__ void LB(S, T)                                                           \
+    extern "C" __global__ void LB(S, T, MODE)                                                     \
     PFX##_##MNAME##_##TNAME##SNAME(const SegTable t, const float* x, const float* norm, float eps, \
                                    int K, int total_rows) {                                       \
         kq_body<TRAIT<T>, MODE, KQ_BLOCK_WARPS, S>(t, x, norm, eps, K, total_rows);               \
@@ -430,7 +434,7 @@ template <int S, int T> constexpr int kKqMinBlocks = kKqMinB<T> == 0 ? (S == 1 ?
     KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, 4, _s4)
 #define KQ_ALL_MODES(PFX, TRAIT, LB, T, TNAME) KQ_SPLITS(PFX, TRAIT, LB, 0, store, T, TNAME)      \
     KQ_SPLITS(PFX, TRAIT, LB, 1, add, T, TNAME) KQ_SPLITS(PFX, TRAIT, LB, 2, swiglu, T, TNAME)
-#define KQ_LB8(S, T) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKqMinBlocks<S, T>)
+#define KQ_LB8(S, T, MODE) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKqMinBlocks<S, T, MODE>)
 #define KQ_MODES(T, TNAME) KQ_ALL_MODES(gemvkq, KQ, KQ_LB8, T, TNAME)
 // kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs|iq3_s>[_s2|_s4] (S warps per row
 // group); the iq3_s ones unless GGUF_HARNESS_GEMV_KQ_IQ3S=0 (ops.kv9_kernel)
@@ -452,7 +456,7 @@ KQ_P2_MODES(T_IQ3_S, iq3_s)
 // minBlocks per type: Q4_K 2 (56-64 registers either way); Q5_K 1, since ptxas held the
 // store/add instances at 64 registers with a 28-byte spill otherwise (NVRTC 13.0, sm_90).
 template <int T> constexpr int kKq4MinBlocks = T == T_Q5_K ? 1 : 2;
-#define KQ_LB4(S, T) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKq4MinBlocks<T>)
+#define KQ_LB4(S, T, MODE) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKq4MinBlocks<T>)
 #define KQ4_MODES(T, TNAME) KQ_ALL_MODES(gemvkq4, KQ4, KQ_LB4, T, TNAME)
 // kernel names: gemvkq4_<store|add|swiglu>_<q4_k|q5_k>[_s2|_s4] (4 lanes per super-block, 2 rows
 // per warp; S warps per row group)
