@@ -523,6 +523,38 @@ def test_gemv_tma_routing(monkeypatch):
     assert "GGUF_HARNESS_GEMV_TMA" in machine.ENGINE_SWITCHES
 
 
+def test_v9_q8_0_q4_0_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_Q0 (ops.GEMV_KQ_Q0, read at call time): "1" sends store/add/SwiGLU
+    nodes of one of Q8_0 / Q4_0 with K % 256 == 0 to gemvkq_<mode>_q8_0 / _q4_0 (every split,
+    F32 rows riding along in store/add, never the 4-lane, _p2 or TMA kernels); "0" leaves them on
+    gemv.cu; another value is refused once such a node asks. The names exist in the source."""
+    src = (ops.module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    assert ops.KV9_Q0_NAMES == {8: "q8_0", 2: "q4_0"}
+    monkeypatch.setattr(ops, "GEMV_KQ_P2", "1")  # every P2 type: still none for Q8_0 / Q4_0
+    for flag in ("0", "1"):
+        monkeypatch.setattr(ops, "GEMV_KQ_Q0", flag)
+        for t, n in ops.KV9_Q0_NAMES.items():
+            assert f"KQ_MODES(T_{n.upper()}, {n})" in src
+            for mode, types in (("store", [t]), ("add", [t, t]), ("swiglu", [t, t]), ("store", [t, 0, 0])):
+                for lanes4 in (True, False):
+                    for split, sfx in ((1, ""), (2, "_s2"), (4, "_s4")):
+                        got = ops.kv9_kernel(mode, types, 4096, lanes4=lanes4, split=split)
+                        assert got == (f"gemvkq_{mode}_{n}{sfx}" if flag == "1" else None), (flag, mode, types)
+            assert ops.kv9_kernel("store", [t], 4096 + 32) is None   # K not whole groups of 8 blocks
+            assert ops.kv9_kernel("swiglu", [t, 12], 4096) is None   # mixed pair
+            assert ops.kv9_kernel("swiglu", [t, 0], 4096) is None    # F32 not in a gate/up pair
+            assert ops.KV9_ALIGN[t] == 16                             # 16-byte chunk loads
+        assert ops.kv9_kernel("store", [8, 2], 4096) is None          # two of them: mixed
+    monkeypatch.setattr(ops, "GEMV_TMA", "1")  # no gemvtma_ instance for them: gemv_tma declines
+    assert ops.gemv_tma("t", "store", [ops.Seg(NS(type_id=8), None)], None, 4096,
+                        None, 0.0, 64) is None
+    monkeypatch.setattr(ops, "GEMV_KQ_Q0", "yes")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_Q0"):
+        ops.kv9_kernel("store", [8], 4096)
+    assert ops.kv9_kernel("store", [14], 5120, lanes4=False).startswith("gemvkq_store_q6_k")  # others do not ask
+    assert "GGUF_HARNESS_GEMV_KQ_Q0" in machine.ENGINE_SWITCHES
+
+
 def test_kv9_two_rows_per_warp_build(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_P2: "1" or type names select the _p2 kernels (two rows per warp) for
     store/add nodes of those 8-lane types, never for a gate/up pair or the 4-lane gemvkq4_ ones;

@@ -378,7 +378,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
     """Engine v9 (kernels/gemv_kq.cu, ops.GEMV_KQ = "v9") beyond test_gemv_kquant_wide_and_narrow_loops:
     more rows than resident warps (the grid-stride row loop: 9001 rows), a 3-segment node of one
     type with different row counts and biases behind a fused RMSNorm (find_seg per row), the 27B
-    widths K = 5120 and 17408, all four types and IQ3_S (its switch on), add over two
+    widths K = 5120 and 17408, all four types, IQ3_S and Q8_0 / Q4_0 (their switches on), add over two
     segments, SwiGLU pairs at K = 5120 and over 9001 rows; each node asserted to run the gemv_kq
     kernel; NaN-poisoned outputs, the same oracle rule. split: row groups of S warps forced (1, 2, 4: K = 512 leaves most parts of
     S = 4 without a super-block) or chosen by ops.kv9_split ("auto")."""
@@ -389,6 +389,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
     monkeypatch.setattr(eops, "GEMV_KQ", kq)
     monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
     monkeypatch.setattr(eops, "GEMV_KQ_IQ3S", "1")  # IQ3_S nodes on v9 (kernels/kwide_iq3s.cuh)
+    monkeypatch.setattr(eops, "GEMV_KQ_Q0", "1")    # Q8_0 / Q4_0 nodes on v9 (kernels/kwide_q0.cuh)
     l4 = kq == "v9"
     keep = []
 
@@ -401,7 +402,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
         if want is None:  # a node v9 does not take stays on gemv.cu
             return name.startswith("gemv_")
         return name == want if split != "auto" else re.sub(r"_s[24]$", "", name) == want
-    for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S"):
+    for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "Q8_0", "Q4_0"):
         t = TYPES[name]
         for rows, K in ((9001, 512), (37, 5120), (5, 17408)):
             raw, w = _matrix(t, rows, K, seed=rows + K + t)

@@ -80,6 +80,13 @@ KV9_L4_TYPES = (12, 13)  # Q4_K, Q5_K: the gemvkq4_ kernels (2 rows per warp)
 KQ_WIDE_TYPES = (12, 13, 14, 23)  # Q4_K, Q5_K, Q6_K, IQ4_XS
 KV9_NAMES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 23: "iq4_xs", 21: "iq3_s"}  # kernels/gemv_kq.cu KQ_MODES
 IQ3_S = 21
+# Q8_0 and Q4_0 rows on v9 (kernels/kwide_q0.cuh, gemvkq_*_q8_0 / _q4_0: lane i of 8 takes block i
+# of 8 consecutive blocks; no _p2, TMA or gemvkq4_ kernels): "1" takes store/add/SwiGLU nodes of
+# one of these types with K % 256 == 0; "0" leaves them on gemv.cu's per-8 loop (qdot8), where
+# [4096x4096] Q8_0 / Q4_0 ran 10.28 / 10.05 us against llama.cpp's 8.8 / 7.0 (docs/perf-notes.md
+# session 12). Read by kv9_kernel at call time.
+GEMV_KQ_Q0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_Q0", "0")
+KV9_Q0_NAMES = {8: "q8_0", 2: "q4_0"}  # kernels/gemv_kq.cu KQ_MODES(T_Q8_0, q8_0), (T_Q4_0, q4_0)
 # IQ3_S rows on v9 (kernels/kwide_iq3s.cuh, gemvkq_*_iq3_s): "1" (the default since session 9:
 # [5120x17408] 52.2 -> 32.2 us, the 27B decode step 7955 -> 7469 us, docs/perf-notes.md "v9
 # IQ3_S rows"); "0" keeps IQ3_S nodes on gemv.cu's I-quant loop. Read by kv9_kernel at call time.
@@ -240,7 +247,7 @@ KQ_WIDE_ALIGN = {12: 16, 13: 16, 23: 8}
 # v9 adds IQ3_S: its 110-byte blocks are 2-byte aligned and read through the 8-byte words around
 # each lane's qs run (kernels/kwide_iq3s.cuh), which start inside the weights only if the
 # weights start 8-byte aligned.
-KV9_ALIGN = {**KQ_WIDE_ALIGN, IQ3_S: 8}
+KV9_ALIGN = {**KQ_WIDE_ALIGN, IQ3_S: 8, 8: 16, 2: 16}  # Q8_0 / Q4_0: 16-byte chunk loads (kwide_q0.cuh)
 NARROW_BIT = 0x100            # kernels/gemv.cu NARROW_BIT: per-8 loop for a KQ_WIDE_TYPES segment
 # The wide IQ4_XS loop lives only in the "_iq4" GEMV kernels (kernels/gemv.cu built with
 # -DGEMV_IQ4, engine v8): launched exactly for segment tables holding an IQ4_XS matrix, so that
@@ -280,13 +287,14 @@ def gemv_smem(K: int, impl: str = "q16") -> int:
 def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1) -> str | None:
     """Name of the engine v9 kernel (kernels/gemv_kq.cu) for a q16 node with matrices of GGML
     types `type_ids` and input length K, or None when v9 does not take it (mixed types, a type
-    outside Q4_K/Q5_K/Q6_K/IQ4_XS and IQ3_S, IQ3_S with GGUF_HARNESS_GEMV_KQ_IQ3S=0, K not a
-    multiple of 256; F32 segments beside one such type are taken in store/add nodes): such
+    outside Q4_K/Q5_K/Q6_K/IQ4_XS, IQ3_S and Q8_0/Q4_0, IQ3_S with GGUF_HARNESS_GEMV_KQ_IQ3S=0,
+    Q8_0/Q4_0 with GGUF_HARNESS_GEMV_KQ_Q0=0, K not a multiple of 256; F32 segments beside one
+    such type are taken in store/add nodes): such
     nodes stay on gemv.cu. lanes4: Q4_K/Q5_K take the 4-lanes-per-super-block kernels (gemvkq4_,
     two rows per warp). split: S warps share each row group (1, 2 or 4; the name's _s2 / _s4,
     kv9_split). Store/add nodes of a GGUF_HARNESS_GEMV_KQ_P2 type take the _p2 kernels (two rows
-    per warp, 8 lanes per super-block). Raises ValueError on another split, and for an IQ3_S
-    node on a GGUF_HARNESS_GEMV_KQ_IQ3S other than 0 or 1."""
+    per warp, 8 lanes per super-block; never Q8_0/Q4_0). Raises ValueError on another split, and
+    for an IQ3_S (Q8_0/Q4_0) node on a GGUF_HARNESS_GEMV_KQ_IQ3S (_Q0) other than 0 or 1."""
     if split not in KV9_SPLITS:
         raise ValueError(f"v9 split {split!r}: expected one of {KV9_SPLITS}")
     type_ids = list(type_ids)
@@ -296,6 +304,11 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
     if len(types) != 1 or K % 256:
         return None
     t = types.pop()
+    if t in KV9_Q0_NAMES:  # GEMV_KQ_Q0
+        if GEMV_KQ_Q0 not in ("0", "1"):
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_Q0={GEMV_KQ_Q0!r}: expected 0 or 1")
+        sfx = "" if split == 1 else f"_s{split}"
+        return f"gemvkq_{mode}_{KV9_Q0_NAMES[t]}{sfx}" if GEMV_KQ_Q0 == "1" else None
     name = KV9_NAMES.get(t)
     if name is None:
         return None
@@ -534,7 +547,8 @@ def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float,
     if GEMV_TMA_MIN_K and not GEMV_TMA_MIN_K.isdigit():
         raise ValueError(f"GGUF_HARNESS_GEMV_TMA_MIN_K={GEMV_TMA_MIN_K!r}: expected an integer")
     types = {s.w.type_id for s in segs}
-    if GEMV_TMA != "1" or len(types) != 1 or not kv9_kernel(mode, types, K, False) or K < int(GEMV_TMA_MIN_K or 0):
+    if (GEMV_TMA != "1" or len(types) != 1 or not types <= set(KV9_NAMES)  # no gemvtma_ for Q8_0 / Q4_0
+            or not kv9_kernel(mode, types, K, False) or K < int(GEMV_TMA_MIN_K or 0)):
         return None
     from .tma_plan import TMA_NST, TMA_WARPS, plan
     defs = tma_defines()

@@ -1,7 +1,8 @@
 // Engine v9 GEMV (the default, GGUF_HARNESS_GEMV_KQ=v9l8): y[r] = sum_k W[r, k] * x[k] for
 // nodes whose matrices all have ONE of the types Q4_K, Q5_K, Q6_K, IQ4_XS (K a multiple of 256),
 // q16 activations, and IQ3_S (kwide_iq3s.cuh; ops.py GEMV_KQ_IQ3S, default on since it ran on the
-// H200 in session 9). Same arithmetic per super-block as gemv.cu's wide rows (kwide.cuh,
+// H200 in session 9), and Q8_0 / Q4_0 (kwide_q0.cuh: 8 blocks as a super-block; ops.py
+// GEMV_KQ_Q0, session 13). Same arithmetic per super-block as gemv.cu's wide rows (kwide.cuh,
 // kwide_iq4.cuh: the lane of a warp takes 32 weights of a super-block, 8 lanes per super-block,
 // exact int32 dp2a sums, the scales in fp32), so the results equal gemv.cu's up to the order of
 // the fp32 additions; what changes is everything around that arithmetic.
@@ -440,6 +441,8 @@ template <int S, int T, int MODE> constexpr int kKqMinBlocks =
 // group); the iq3_s ones unless GGUF_HARNESS_GEMV_KQ_IQ3S=0 (ops.kv9_kernel)
 KQ_MODES(T_Q4_K, q4_k) KQ_MODES(T_Q5_K, q5_k) KQ_MODES(T_Q6_K, q6_k) KQ_MODES(T_IQ4_XS, iq4_xs)
 KQ_MODES(T_IQ3_S, iq3_s)
+// Q8_0 and Q4_0 (kwide_q0.cuh; ops.GEMV_KQ_Q0): store/add/swiglu only, no _p2 instances
+KQ_MODES(T_Q8_0, q8_0) KQ_MODES(T_Q4_0, q4_0)
 
 #ifndef KQ_P2
 #define KQ_P2 0

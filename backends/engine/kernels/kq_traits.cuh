@@ -6,6 +6,7 @@
 #include "kwide_iq4.cuh"
 #include "kwide_iq3s.cuh"
 #include "kwide4.cuh"
+#include "kwide_q0.cuh"
 
 // Lane mappings of a warp: 8 lanes per super-block, one row per warp (kwide.cuh's rows), or 4
 // lanes per super-block, two rows per warp (16 lanes each; kwide4.cuh, x staged with xq_slot4).
@@ -72,3 +73,19 @@ template <> struct KQ<T_IQ3_S> : Lanes8 {
         return wide_dot_iq3s(r, x, w);
     }
 };
+// Q8_0 / Q4_0 (kwide_q0.cuh): a "super-block" of 8 blocks, lane i takes block i (TS: the 8 blocks)
+template <int T> struct KQQ0 : Lanes8 {
+    static constexpr int TYPE = T;
+    using Lane = WLaneQ0;
+    using Blk = WQ0<T>;
+    using X = WXQ0;
+    static constexpr int TS = 8 * Fmt<T>::TS;
+    static __device__ __forceinline__ Lane lane(int i) { return wide_lane_q0<T>(i); }
+    static __device__ __forceinline__ void load(const u8* b, int i, Blk& r) { wide_load_q0<T>(b, i, r); }
+    static __device__ __forceinline__ X x(const XS& xa, int sb, int i, const Lane& w) { return wide_x_q0<T>(xa, sb, i, w); }
+    static __device__ __forceinline__ float dot(const Blk& r, const X& x, int, const Lane& w) {
+        return wide_dot_q0<T>(r, x, w);
+    }
+};
+template <> struct KQ<T_Q8_0> : KQQ0<T_Q8_0> {};
+template <> struct KQ<T_Q4_0> : KQQ0<T_Q4_0> {};
