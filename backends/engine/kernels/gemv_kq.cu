@@ -151,7 +151,7 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
     const int pst = st * Q::TS;
     if constexpr (kKqPipe > 0) {  // round n + 1's loads issued before round n's arithmetic
         typename Q::Blk cur;
-        if (kKqPipe > 1 && c->have)
+        if (kKqPipe > 1 && c && c->have)  // c: nullptr from the P2 / F32-beside calls (no carry)
             cur = c->b[0];
         else if (sb0 < nsb)
             Q::load(p, i, cur);
@@ -167,8 +167,10 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
             cur = nxt;
         }
         if constexpr (kKqPipe > 1) {
-            c->have = next && sb0 < nsb;
-            c->b[0] = cur;
+            if (c) {
+                c->have = next && sb0 < nsb;
+                c->b[0] = cur;
+            }
         }
         return acc;
     }
@@ -192,7 +194,7 @@ template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const
     const u8 *p0 = r0 + o, *p1 = r1 + o;
     if constexpr (kKqPipe > 0) {  // as kq_row: the next round's two blocks before this round's dots
         typename Q::Blk g, u;
-        if (kKqPipe > 1 && c->have) {
+        if (kKqPipe > 1 && c && c->have) {
             g = c->b[0];
             u = c->b[1];
         } else if (sb0 < nsb) {
@@ -218,9 +220,11 @@ template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const
             u = u2;
         }
         if constexpr (kKqPipe > 1) {
-            c->have = n0 && sb0 < nsb;
-            c->b[0] = g;
-            c->b[1] = u;
+            if (c) {
+                c->have = n0 && sb0 < nsb;
+                c->b[0] = g;
+                c->b[1] = u;
+            }
         }
         return make_float2(a0, a1);
     }
