@@ -162,7 +162,8 @@ def test_v9_takes_only_single_type_kquant_nodes_with_whole_super_blocks(monkeypa
     assert ops.kv9_kernel("store", [12], 5120 + 32) is None      # K not whole super-blocks
     assert ops.kv9_kernel("swiglu", [13, 14], 5120) is None      # mixed gate/up pair
     assert ops.kv9_kernel("store", [12, 12, 14], 5120) is None   # mixed QKV
-    assert ops.kv9_kernel("store", [8], 4096) is None            # Q8_0: not a v9 type
+    monkeypatch.setattr(ops, "GEMV_KQ_Q0", "0")
+    assert ops.kv9_kernel("store", [8], 4096) is None            # Q8_0 with its switch off (test_v9_q8_0_q4_0_switch)
     assert set(ops.KV9_NAMES) == set(ops.KQ_WIDE_TYPES) | {ops.IQ3_S}
     # F32 rows ride along in store/add (qwen35's ssm_in: Q5_K q/k/v + gate, F32 beta/alpha)
     assert ops.kv9_kernel("store", [13, 13, 0, 0], 5120) == "gemvkq4_store_q5_k"
@@ -390,8 +391,8 @@ def test_gemv_nodes_split_mixed_types_only_when_asked(monkeypatch):
     """ops.gemv_nodes: with GGUF_HARNESS_GEMV_KQ_MIXED=one one gemv node (the 27B qkv, Q4_K +
     Q6_K + Q6_K, on gemv.cu); with split (the default) one v9 node per type in order of first appearance,
     named <name>.<type>, each with its own segments' outputs; not for a SwiGLU pair, a node
-    with an F32 segment, a type v9 does not take (Q8_0), or the gemv.cu loops; another value
-    is refused."""
+    with an F32 segment, a type v9 does not take (Q5_0; Q8_0 with GGUF_HARNESS_GEMV_KQ_Q0=0), or
+    the gemv.cu loops; another value is refused."""
     from backends.engine.arena import DeviceTensor
     from backends.engine.formats import FORMATS
     asked = _fake_module(monkeypatch)
@@ -417,8 +418,12 @@ def test_gemv_nodes_split_mixed_types_only_when_asked(monkeypatch):
     assert [re.sub(r"_s[24]$", "", n.kernel.name) for n in nodes] == ["gemvkq_store_q4_k", "gemvkq_store_q6_k"]
     assert [n.fmt for n in nodes] == ["Q4_K", "Q6_K+Q6_K"]
     assert [int(n.args[5]) for n in nodes] == [64, 128]  # rows of each part
-    for mode, types in (("swiglu", [12, 14]), ("store", [12, 0]), ("store", [12, 8])):
+    for mode, types in (("swiglu", [12, 14]), ("store", [12, 0]), ("store", [12, 6])):
         assert len(ops.gemv_nodes("n", mode, segs(types), NS(), 5120)) == 1, (mode, types)
+    monkeypatch.setattr(ops, "GEMV_KQ_Q0", "1")  # Q8_0 rows on v9 (the default): a part of their own
+    assert [n.name for n in ops.gemv_nodes("n", "store", segs([12, 8]), NS(), 5120)] == ["n.q4_k", "n.q8_0"]
+    monkeypatch.setattr(ops, "GEMV_KQ_Q0", "0")
+    assert len(ops.gemv_nodes("n", "store", segs([12, 8]), NS(), 5120)) == 1
     monkeypatch.setattr(ops, "GEMV_KQ", "wide")
     assert len(ops.gemv_nodes("n", "store", qkv, NS(), 5120)) == 1
     monkeypatch.setattr(ops, "GEMV_KQ_MIXED", "yes")
@@ -527,7 +532,9 @@ def test_v9_q8_0_q4_0_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_Q0 (ops.GEMV_KQ_Q0, read at call time): "1" sends store/add/SwiGLU
     nodes of one of Q8_0 / Q4_0 with K % 256 == 0 to gemvkq_<mode>_q8_0 / _q4_0 (every split,
     F32 rows riding along in store/add, never the 4-lane, _p2 or TMA kernels); "0" leaves them on
-    gemv.cu; another value is refused once such a node asks. The names exist in the source."""
+    gemv.cu; another value is refused once such a node asks. The names exist in the source. Unset,
+    the switch is on (the default since session 13's H200 run)."""
+    assert ops.GEMV_KQ_Q0 == "1" or "GGUF_HARNESS_GEMV_KQ_Q0" in os.environ
     src = (ops.module.KERNEL_DIR / "gemv_kq.cu").read_text()
     assert ops.KV9_Q0_NAMES == {8: "q8_0", 2: "q4_0"}
     monkeypatch.setattr(ops, "GEMV_KQ_P2", "1")  # every P2 type: still none for Q8_0 / Q4_0

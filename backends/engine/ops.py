@@ -82,10 +82,11 @@ KV9_NAMES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 23: "iq4_xs", 21: "iq3_s"}  # k
 IQ3_S = 21
 # Q8_0 and Q4_0 rows on v9 (kernels/kwide_q0.cuh, gemvkq_*_q8_0 / _q4_0: lane i of 8 takes block i
 # of 8 consecutive blocks; no _p2, TMA or gemvkq4_ kernels): "1" takes store/add/SwiGLU nodes of
-# one of these types with K % 256 == 0; "0" leaves them on gemv.cu's per-8 loop (qdot8), where
-# [4096x4096] Q8_0 / Q4_0 ran 10.28 / 10.05 us against llama.cpp's 8.8 / 7.0 (docs/perf-notes.md
-# session 12). Read by kv9_kernel at call time.
-GEMV_KQ_Q0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_Q0", "0")
+# one of these types with K % 256 == 0 (the default since session 13: on the H200, cold back to
+# back, [4096x4096] Q8_0 10.29 -> 8.24 us and Q4_0 10.06 -> 4.98 us, x1.10 / x1.46 llama.cpp's
+# kernel in the same run; docs/perf-notes.md session 13); "0" leaves them on gemv.cu's per-8 loop
+# (qdot8), for A/B. Read by kv9_kernel at call time.
+GEMV_KQ_Q0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_Q0", "1")
 KV9_Q0_NAMES = {8: "q8_0", 2: "q4_0"}  # kernels/gemv_kq.cu KQ_MODES(T_Q8_0, q8_0), (T_Q4_0, q4_0)
 # IQ3_S rows on v9 (kernels/kwide_iq3s.cuh, gemvkq_*_iq3_s): "1" (the default since session 9:
 # [5120x17408] 52.2 -> 32.2 us, the 27B decode step 7955 -> 7469 us, docs/perf-notes.md "v9
