@@ -452,8 +452,9 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
 @pytest.mark.parametrize("build", [{"GEMV_KQ_PF": "1"}, {"GEMV_KQ_PIPE": "1"}, {"GEMV_KQ_PIPE": "2"},
                                    {"GEMV_KQ_PIPE": "2", "GEMV_KQ_MINB": "2"},
                                    {"GEMV_KQ_L1PF": "1", "GEMV_KQ_MINB": "2"}, {"GEMV_KQ_L1PF": "2", "GEMV_KQ_MINB": "2"},
-                                   {"GEMV_KQ_P2": "1"}, {"GEMV_IQ4_XIL": "0"}],
-                         ids=["pf1", "pipe1", "pipe2", "pipe2-minb2", "l1pf1-minb2", "l1pf2-minb2", "p2", "iq4-natural"])
+                                   {"GEMV_KQ_P2": "1"}, {"GEMV_IQ4_XIL": "0"}, {"GEMV_KQ_XLANE": "1"}],
+                         ids=["pf1", "pipe1", "pipe2", "pipe2-minb2", "l1pf1-minb2", "l1pf2-minb2", "p2", "iq4-natural",
+                              "xlane"])
 def test_gemv_v9_latency_builds(build, split, monkeypatch):
     """The session-9 latency A/B builds of gemv_kq.cu (ops.kv9_defines: KQ_PF, the next row's
     L2 prefetch; KQ_PIPE 1, round n + 1's blocks loaded before round n's dots; KQ_PIPE 2, also
@@ -466,7 +467,9 @@ def test_gemv_v9_latency_builds(build, split, monkeypatch):
     warp's part has no super-block (K = 512 with S = 4) or its last row has no successor.
     p2 (session 10, GGUF_HARNESS_GEMV_KQ_P2): store/add nodes with two adjacent rows per warp, the
     same cases: odd row counts (a warp's second row missing), rows of a pair in two segments, an
-    F32 row beside a K-quant one (one row at a time), each node asserted to run a _p2 kernel."""
+    F32 row beside a K-quant one (one row at a time), each node asserted to run a _p2 kernel.
+    xlane (session 13, GGUF_HARNESS_GEMV_KQ_XLANE): the Q4_K / Q5_K / Q6_K rows' x from lane records
+    (kwide.cuh XLANE), F32 rows reading natural entries from them, the same cases."""
     from backends.engine import ops as eops
     for knob, val in build.items():
         monkeypatch.setattr(eops, knob, val)
@@ -705,3 +708,63 @@ def test_iq4_xil_build_is_bitwise_equal_to_the_default(monkeypatch):
         for i, (a, b) in enumerate(zip(got[""], got["1"])):
             for what, u, v in zip(("store", "swiglu", "ssm_in IQ4_XS", "ssm_in F32"), a, b):
                 assert np.array_equal(u, v), f"tma={tma!r} x #{i}: {what} differs"
+
+
+def test_xlane_build_is_bitwise_equal_to_the_default(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_XLANE=1 (kernels/kwide.cuh XLANE: x staged in lane-major records with
+    each lane's run sums and block scales, read from one base address) feeds the 8-lane Q4_K /
+    Q5_K / Q6_K rows the same codes, sums and scales as the default staging and runs the same
+    arithmetic, so every output must equal the default build's bit for bit: store nodes at the
+    27B widths behind a fused RMSNorm for several activation vectors, add and SwiGLU nodes, the
+    Q6_K store through P2 (two rows per warp, the default for K <= 6144), an ssm_in-like node
+    (F32 rows beside the K-quant ones: f32_row reads natural entries from the records), each at
+    every split; each output also checked against the oracle rule."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("q16 kernels")
+    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
+    rng = np.random.default_rng(31)
+    keep = []
+    for name, K, rows in (("Q4_K", 5120, 301), ("Q5_K", 6144, 77), ("Q6_K", 5120, 301), ("Q6_K", 17408, 9)):
+        t = TYPES[name]
+        xs = [rng.normal(size=K).astype(np.float32) * s for s in (1.0, 0.3, 7.0)]
+        nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+        nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
+        (rg, wg), (ru, wu) = _matrix(t, rows, K, seed=rows + 1), _matrix(t, rows, K, seed=rows + 2)
+        g_dev = device_tensor(cp, "g", rg, t, (K, rows), keep)
+        u_dev = device_tensor(cp, "u", ru, t, (K, rows), keep)
+        f32 = (rng.normal(size=(7, K)) * 0.05).astype(np.float32)
+        f_dev = device_tensor(cp, "f", f32.view(np.uint8), 0, (K, 7), keep)
+        base = rng.normal(size=rows).astype(np.float32)
+        for split in ("auto", "1", "2", "4"):
+            monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
+            got = {}
+            for xl in ("", "1"):
+                monkeypatch.setattr(eops, "GEMV_KQ_XLANE", xl)
+                assert ("KQ_XLANE=1" in eops.kv9_defines()) == (xl == "1")
+                got[xl] = []
+                for x in xs:
+                    xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
+                    y, h, ys, yf = (nan_poisoned(cp, n) for n in (rows, rows, rows, 7))
+                    acc = cp.asarray(base)
+                    nodes = [eops.gemv("s", "store", [eops.Seg(g_dev, y)], cp.asarray(x), K, nw_dev, 1e-6),
+                             eops.gemv("f", "swiglu", [eops.Seg(g_dev, h), eops.Seg(u_dev, h)], cp.asarray(x), K),
+                             eops.gemv("ssm_in", "store", [eops.Seg(g_dev, ys), eops.Seg(f_dev, yf)], cp.asarray(x),
+                                       K, nw_dev, 1e-6),
+                             eops.gemv("o", "add", [eops.Seg(u_dev, acc)], cp.asarray(x), K)]
+                    for n in nodes:
+                        assert n.kernel.name.startswith("gemvkq_"), n.kernel.name
+                        n.launch()
+                    got[xl].append((y.get(), h.get(), ys.get(), yf.get(), acc.get()))
+                    what = f"{name} [{rows}x{K}] XLANE={xl!r} split={split}"
+                    _check_rows(got[xl][-1][0].astype(np.float64), wg, xn, f"{what} store")
+                    _check_rows(got[xl][-1][2].astype(np.float64), wg, xn, f"{what} ssm_in K-quant rows")
+                    _check_rows(got[xl][-1][3].astype(np.float64), f32.astype(np.float64), xn, f"{what} ssm_in F32 rows")
+                    _check_rows(got[xl][-1][4].astype(np.float64) - base, wu, x, f"{what} add")
+                    ref = ops.swiglu(wg @ _x_seen(x), wu @ _x_seen(x))
+                    np.testing.assert_allclose(got[xl][-1][1], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
+                                               err_msg=f"{what} swiglu")
+            for i, (a, b) in enumerate(zip(got[""], got["1"])):
+                for what, u, v in zip(("store", "swiglu", "ssm_in", "ssm_in F32", "add"), a, b):
+                    assert np.array_equal(u, v), f"{name} [{rows}x{K}] split={split} x #{i}: {what} differs"

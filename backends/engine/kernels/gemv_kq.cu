@@ -71,7 +71,8 @@ static_assert(!(kKqPipe > 0 && kKqL1pf > 0), "KQ_PIPE and KQ_L1PF are separate A
 // of block b) is the low (m < 2) or high (m >= 2) halves of the words of the staged entries
 // 4b + 2 (m & 1) and the one after; the products are summed in the default's order, so the row
 // is the default build's bit for bit.
-template <bool SW4, bool IL = false>
+// XL (KQ_XLANE build): natural entry c sits at xl_slot<XL>(c) (kwide.cuh lane records).
+template <bool SW4, bool IL = false, int XL = 0>
 __device__ __forceinline__ float f32_row(const u8* row, const XS& xa, int K, int l, int nl) {
     float acc = 0.f;
     for (int c = l; c < K / 8; c += nl) {
@@ -93,7 +94,7 @@ __device__ __forceinline__ float f32_row(const u8* row, const XS& xa, int K, int
             d = fmaf(b.w, (float)((int)((unsigned)q.w << sh) >> 16), d);
             acc = fmaf(d, lds32f(xa.d + 4 * (c >> 2)), acc);
         } else {
-            const int4 q = lds128(xa.q + 16 * (SW4 ? xq_slot4(c) : xq_slot(c)));
+            const int4 q = lds128(xa.q + 16 * (XL ? xl_slot<XL>(c) : SW4 ? xq_slot4(c) : xq_slot(c)));
             float d = a.x * (float)(short)(q.x & 0xffff);
             d = fmaf(a.y, (float)(q.x >> 16), d);
             d = fmaf(a.z, (float)(short)(q.y & 0xffff), d);
@@ -317,7 +318,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
     pdl_trigger();
     // barriers inside; IQ4_XS rows of an IQ4_XIL build take x with interleaved halves (kwide_iq4.cuh)
-    const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS>(x, norm, eps, K, xq, xs, xd, scratch);
+    const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(x, norm, eps, K, xq, xs, xd, scratch);
     const XS xa = xs_addr(xq, xs, xd);
     const int grp = Q::grp(lane), i = Q::idx(lane), nsb = K >> 8;
     const int sb0 = grp + 4 * ws, st = 4 * S;
@@ -351,9 +352,9 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
                 up = group_sum<32>(v.y);
             } else {  // an F32 row among them (qwen35's ssm_in): one row at a time
                 y = group_sum<32>(t.s[si].type == Q::TYPE ? kq_row<Q>(p0, xa, w, nsb, sb0, st, i)
-                                                          : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS>(p0, xa, K, l + 32 * ws, 32 * S));
+                                                          : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(p0, xa, K, l + 32 * ws, 32 * S));
                 up = group_sum<32>(t.s[si1].type == Q::TYPE ? kq_row<Q>(p1, xa, w, nsb, sb0, st, i)
-                                                            : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS>(p1, xa, K, l + 32 * ws, 32 * S));
+                                                            : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(p1, xa, K, l + 32 * ws, 32 * S));
             }
         } else if constexpr (MODE == 2) {
             const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
@@ -373,7 +374,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
             y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, sb0, st, i, &carry, np)
-                                                       : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS>(rp, xa, K, l + LPR * ws, LPR * S));
+                                                       : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, l + LPR * ws, LPR * S));
         }
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes
                       // the next round's barrier, so the round after that may overwrite it

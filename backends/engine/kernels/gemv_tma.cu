@@ -151,7 +151,7 @@ __device__ __forceinline__ void tma_body(const SegTable& t, const float* x, cons
     pdl_wait();  // x (and the output, for "add") come from the previous kernels
     pdl_trigger();
     // barriers inside; interleaved halves for IQ4_XS in an IQ4_XIL build (kwide_iq4.cuh)
-    const float rs = stage_xq<false, kIq4Xil && Q::TYPE == T_IQ4_XS>(x, norm, eps, K, xq, xs, xd, scratch);
+    const float rs = stage_xq<false, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(x, norm, eps, K, xq, xs, xd, scratch);
     if (warp == NW) {  // the producer: stage n + NST once every consumer has left stage n
         for (int n = kNst; n < nst; ++n) {
             mbar_wait(empty + 8 * (n % kNst), ((n / kNst) - 1) & 1);

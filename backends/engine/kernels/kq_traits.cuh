@@ -16,6 +16,7 @@
 struct Lanes8 {
     static constexpr int R = 1;
     static constexpr bool SW4 = false;
+    static constexpr int XL = 0;  // x staging: 0 xq_slot / xq_slot4, 1 / 2 lane records (kwide.cuh XLANE)
     static __device__ __forceinline__ void setup() {}
     static __device__ __forceinline__ int grp(int lane) { return lane >> 3; }
     static __device__ __forceinline__ int idx(int lane) { return lane & 7; }
@@ -23,21 +24,29 @@ struct Lanes8 {
 struct Lanes4 {
     static constexpr int R = 2;
     static constexpr bool SW4 = true;
+    static constexpr int XL = 0;
     static __device__ __forceinline__ void setup() {}
     static __device__ __forceinline__ int grp(int lane) { return (lane >> 2) & 3; }
     static __device__ __forceinline__ int idx(int lane) { return lane & 3; }
 };
 
+#ifndef KQ_XLANE
+#define KQ_XLANE 0  // 1: Q4_K / Q5_K / Q6_K rows read x from lane records (kwide.cuh XLANE; A/B build)
+#endif
 // One format's super-block step: lane constants, raw block registers, activations, the dot.
 template <int T> struct KQ : Lanes8 {
     static constexpr int TYPE = T;
+    static constexpr int XL = KQ_XLANE ? (T == T_Q6_K ? 2 : 1) : 0;
     using Lane = WLane;
     using Blk = WBlk<T>;
     using X = WX;
     static constexpr int TS = Fmt<T>::TS;
     static __device__ __forceinline__ Lane lane(int i) { return wide_lane<T>(i); }
     static __device__ __forceinline__ void load(const u8* b, int i, Blk& r) { wide_load<T>(b, i, r); }
-    static __device__ __forceinline__ X x(const XS& xa, int sb, int i, const Lane& w) { return wide_x(xa, sb, w); }
+    static __device__ __forceinline__ X x(const XS& xa, int sb, int i, const Lane& w) {
+        if constexpr (XL != 0) return wide_x_lane(xa, sb, i);
+        else return wide_x(xa, sb, w);
+    }
     static __device__ __forceinline__ float dot(const Blk& r, const X& x, int i, const Lane&) {
         return wide_dot<T>(r, x, i);
     }

@@ -116,6 +116,47 @@ __device__ __forceinline__ WX wide_x(const XS& xa, int sb, const WLane& w) {
     return x;
 }
 
+// XLANE (A/B build, gemv_kq.cu KQ_XLANE=1; ops GGUF_HARNESS_GEMV_KQ_XLANE): x staged lane-major
+// for the 8-lane Q4_K / Q5_K (XL = 1) and Q6_K (XL = 2) rows. Why (SASS of the default
+// gemvkq_store_q4_k, session 13): ~35 of the unrolled loop's 198 instructions (2 rounds) re-derive
+// the lane's 4 xq slot addresses and its xs / xd offsets from the lane index every iteration
+// (ptxas rematerialises them under the 64-register cap), and the x reads are 4 LDS.128 + 2 LDS.64
+// + 2 LDS per round. Here super-block sb's x is 8 lane records of 80 bytes at 640 sb + 80 i:
+// entries ea, ea + 1, eb, eb + 1 (wide_lane's runs A and B), then {sum of run A's 16 codes, sum
+// of run B's, scale of A's 32-value block, scale of B's} (xstage.cuh stage_xq writes them): one
+// base address and 5 LDS.128 at immediate offsets. Bank groups: the 8 lanes' records start at
+// 16-byte slot 5 i mod 8 = 0, 5, 2, 7, 4, 1, 6, 3, distinct, so each of the 5 loads is
+// conflict-free. Same bytes as 4 xq entries + 2 xs pairs per lane (2.5 bytes per value: the
+// records take exactly the default's xq + xs space; xd stays natural for F32 rows). The values
+// and the arithmetic are the default's, so the results are bitwise equal (a GPU test).
+// Entry e of a super-block (0..31) -> (lane, position in its record): XL 1 runs at 64 j + 16 h
+// and + 32 (e = 8 j + 2 h + {0, 1}, + 4), XL 2 at 128 n + 16 k and + 64 (e = 16 n + 2 k + {0, 1}, + 8).
+template <int XL> __device__ __forceinline__ int xl_lane(int e) {
+    return XL == 1 ? 2 * (e >> 3) + ((e >> 1) & 1) : 4 * (e >> 4) + ((e >> 1) & 3);
+}
+template <int XL> __device__ __forceinline__ int xl_pos(int e) {
+    return XL == 1 ? (e & 1) + 2 * ((e >> 2) & 1) : (e & 1) + 2 * ((e >> 3) & 1);
+}
+// int4 index of natural entry c (values 8c .. 8c + 7) in the XL layout; its lane record's
+// fifth int4 (xl_slot(c) - pos + 4) holds the record's sums and scales
+template <int XL> __device__ __forceinline__ int xl_slot(int c) {
+    return 40 * (c >> 5) + 5 * xl_lane<XL>(c & 31) + xl_pos<XL>(c & 31);
+}
+__device__ __forceinline__ WX wide_x_lane(const XS& xa, int sb, int i) {
+    const u32 b = xa.q + 640 * sb + 80 * i;
+    WX x;
+    x.a0 = lds128(b);
+    x.a1 = lds128(b + 16);
+    x.b0 = lds128(b + 32);
+    x.b1 = lds128(b + 48);
+    const int4 m = lds128(b + 64);
+    x.sa = m.x;
+    x.sb = m.y;
+    x.da = __int_as_float(m.z);
+    x.db = __int_as_float(m.w);
+    return x;
+}
+
 // dot8 with an accumulator: the two halves of a 16-value run chain into one dp2a sequence.
 __device__ __forceinline__ int dot8c(const int4& x, u32 lo, u32 hi, int c) {
     c = dp2a_lo(x.x, lo, c);

@@ -52,9 +52,16 @@ __device__ __forceinline__ void block_amax_bad(const float (&v)[8], float& am, i
 // IL: each 32-value block's halves interleaved (kwide_iq4.cuh IQ4_XIL): entry 4b + k holds values
 // 4k, 4k + 16, 4k + 1, 4k + 17, 4k + 2, 4k + 18, 4k + 3, 4k + 19 of block b (the same 32 values per
 // block: scales, flush and NaN marks unchanged; the entry sums xs are of those 8 codes).
-template <bool SW4 = false, bool IL = false>
+// XL (1, 2; kwide.cuh XLANE): entries in lane records at xl_slot (xq and xs replaced by the records,
+// same bytes; xd natural); each warp stages one super-block (32 consecutive entries), so a record's
+// run sums and scales come from its neighbours by shuffles.
+template <bool SW4 = false, bool IL = false, int XL = 0>
 __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const float* __restrict__ norm,
                                           float eps, int K, int4* xq, int* xs, float* xd, float* scratch) {
+    static_assert(XL == 0 || (!SW4 && !IL), "XL: lane records of the 8-lane K-quant rows only");
+#ifdef ACT_Q8_1
+    static_assert(XL == 0, "XL: q16 staging only");
+#endif
     const bool vec = (K & 7) == 0;
     const int nch = ((K + 255) >> 8) * 32;  // multiple of 32: the c < nch test is warp-uniform
 #ifdef ACT_Q8_1
@@ -133,11 +140,26 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
                 s += q[k];
             }
 #endif
-            xq[SW4 ? xq_slot4(c) : xq_slot(c)] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
-                              (q[4] & 0xffff) | (q[5] << 16), (q[6] & 0xffff) | (q[7] << 16));
-            xs[c] = s;
-            // NaN/Inf must survive quantisation so the finite checks can name this node
-            if ((c & 3) == 0) xd[c >> 2] = bad ? __int_as_float(0x7fc00000) : am / XQ_MAX;
+            if constexpr (XL != 0) {
+                // lane (entry e of this warp's super-block): a record starts at each run-A entry
+                // e (xl_pos 0); run B starts 4 (XL 1) or 8 (XL 2) entries later
+                constexpr int dB = XL == 1 ? 4 : 8;
+                const float sc = bad ? __int_as_float(0x7fc00000) : am / XQ_MAX;  // as xd below
+                const int e = c & 31, pair = s + __shfl_down_sync(0xffffffffu, s, 1);
+                const int pairb = __shfl_down_sync(0xffffffffu, pair, dB);
+                const float scb = __shfl_down_sync(0xffffffffu, sc, dB);
+                const int slot = xl_slot<XL>(c);
+                xq[slot] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
+                                     (q[4] & 0xffff) | (q[5] << 16), (q[6] & 0xffff) | (q[7] << 16));
+                if (xl_pos<XL>(e) == 0) xq[slot + 4] = make_int4(pair, pairb, __float_as_int(sc), __float_as_int(scb));
+                if ((c & 3) == 0) xd[c >> 2] = sc;
+            } else {  // (kept as before XL existed: the default builds' SASS is unchanged)
+                xq[SW4 ? xq_slot4(c) : xq_slot(c)] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
+                                  (q[4] & 0xffff) | (q[5] << 16), (q[6] & 0xffff) | (q[7] << 16));
+                xs[c] = s;
+                // NaN/Inf must survive quantisation so the finite checks can name this node
+                if ((c & 3) == 0) xd[c >> 2] = bad ? __int_as_float(0x7fc00000) : am / XQ_MAX;
+            }
         }
     }
     const float tot = block_sum(ss, scratch);  // barriers: codes visible to every warp

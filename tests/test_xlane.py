@@ -1,0 +1,90 @@
+"""The XLANE staging layout (backends/engine/kernels/kwide.cuh xl_lane / xl_pos / xl_slot, written
+by xstage.cuh stage_xq with XL = 1, 2), replayed in numpy: the records must hold exactly the x
+entries each lane's two runs cover (kwide.cuh header: Q4_K / Q5_K lane i = 2 j + h takes values
+64 j + 16 h .. + 15 and + 32; Q6_K lane i = 4 n + k takes 128 n + 16 k .. + 15 and + 64; entry e
+holds values 8 e .. 8 e + 7), their run sums and block scales as the staging warp's shuffles
+produce them, in the bytes the default layout's xq and xs take, with every one of a lane group's
+five 16-byte loads on distinct bank groups. The GPU runs (bitwise equal to the default build):
+tests/test_engine_kernels.py test_xlane_build_is_bitwise_equal_to_the_default."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backends.engine import ops
+
+
+def xl_lane(xl: int, e: int) -> int:  # kwide.cuh
+    return 2 * (e >> 3) + ((e >> 1) & 1) if xl == 1 else 4 * (e >> 4) + ((e >> 1) & 3)
+
+
+def xl_pos(xl: int, e: int) -> int:
+    return (e & 1) + 2 * ((e >> 2) & 1) if xl == 1 else (e & 1) + 2 * ((e >> 3) & 1)
+
+
+def xl_slot(xl: int, c: int) -> int:
+    return 40 * (c >> 5) + 5 * xl_lane(xl, c & 31) + xl_pos(xl, c & 31)
+
+
+def runs(xl: int, i: int) -> tuple[int, int]:
+    """First value of lane i's runs A and B within a super-block (the kwide.cuh header's mapping)."""
+    if xl == 1:
+        a = 64 * (i >> 1) + 16 * (i & 1)
+        return a, a + 32
+    a = 128 * (i >> 2) + 16 * (i & 3)
+    return a, a + 64
+
+
+@pytest.mark.parametrize("xl", [1, 2])
+def test_records_hold_each_lanes_runs_in_the_default_bytes(xl):
+    for sb in range(3):
+        slots = [xl_slot(xl, 32 * sb + e) for e in range(32)]
+        # 32 entries into 40 int4 per super-block (8 records of 4 entries + 1 meta): 640 bytes,
+        # the default's 512 bytes of xq + 128 of xs
+        assert len(set(slots)) == 32 and min(slots) >= 40 * sb and max(slots) < 40 * sb + 40
+        for i in range(8):
+            a, b = runs(xl, i)
+            want = [a // 8, a // 8 + 1, b // 8, b // 8 + 1]  # entries of run A, then run B
+            got = [e for p in range(4) for e in range(32) if xl_slot(xl, 32 * sb + e) == 40 * sb + 5 * i + p]
+            assert got == want, (xl, i)
+    for p in range(5):  # each of a lane's 5 loads: the 8 lanes' 16-byte slots on distinct bank groups
+        assert len({(5 * i + p) % 8 for i in range(8)}) == 8
+
+
+@pytest.mark.parametrize("xl", [1, 2])
+def test_meta_from_the_staging_warps_shuffles(xl):
+    """stage_xq (XL): lane e holds its entry's code sum s and its 32-value block's scale sc;
+    pair = s + shfl_down(s, 1), pairb = shfl_down(pair, dB), scb = shfl_down(sc, dB) (dB = 4 or
+    8; shfl_down past lane 31 returns the lane's own value), and lane e with xl_pos 0 writes
+    {pair, pairb, sc, scb} as the fifth int4 of its record: the record's run sums and scales."""
+    rng = np.random.default_rng(5)
+    s = rng.integers(-(1 << 18), 1 << 18, 32)
+    sc = rng.normal(size=8).astype(np.float32)
+    dB = 4 if xl == 1 else 8
+    down = lambda v, d: np.array([v[e + d] if e + d < 32 else v[e] for e in range(32)])  # noqa: E731
+    pair = s + down(s, 1)
+    pairb, scb = down(pair, dB), down(np.repeat(sc, 4), dB)
+    meta = {xl_lane(xl, e): (pair[e], pairb[e], np.repeat(sc, 4)[e], scb[e]) for e in range(32) if xl_pos(xl, e) == 0}
+    assert sorted(meta) == list(range(8))
+    for i, m in meta.items():
+        a, b = runs(xl, i)
+        ea, eb = a // 8, b // 8
+        assert m == (s[ea] + s[ea + 1], s[eb] + s[eb + 1], sc[a // 32], sc[b // 32]), (xl, i)
+
+
+def test_xlane_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_XLANE: "1" adds KQ_XLANE=1 to the gemv_kq.cu build (its own cache entry),
+    "" / "0" leave the default build; another value is refused; the switch is in machine info."""
+    from harness import machine
+    monkeypatch.setattr(ops, "GEMV_KQ_P2", "")
+    for v in ("", "0"):
+        monkeypatch.setattr(ops, "GEMV_KQ_XLANE", v)
+        assert "KQ_XLANE=1" not in ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_XLANE", "1")
+    assert ops.kv9_defines() == ("KQ_XLANE=1",)
+    monkeypatch.setattr(ops, "GEMV_KQ_XLANE", "2")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_XLANE"):
+        ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_XLANE" in machine.ENGINE_SWITCHES
+    src = (ops.module.KERNEL_DIR / "kq_traits.cuh").read_text()
+    assert "KQ_XLANE" in src and "wide_x_lane" in src
