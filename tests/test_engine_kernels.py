@@ -452,9 +452,9 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
 @pytest.mark.parametrize("build", [{"GEMV_KQ_PF": "1"}, {"GEMV_KQ_PIPE": "1"}, {"GEMV_KQ_PIPE": "2"},
                                    {"GEMV_KQ_PIPE": "2", "GEMV_KQ_MINB": "2"},
                                    {"GEMV_KQ_L1PF": "1", "GEMV_KQ_MINB": "2"}, {"GEMV_KQ_L1PF": "2", "GEMV_KQ_MINB": "2"},
-                                   {"GEMV_KQ_P2": "1"}, {"GEMV_IQ4_XIL": "0"}, {"GEMV_KQ_XLANE": "1"}],
+                                   {"GEMV_KQ_P2": "1"}, {"GEMV_IQ4_XIL": "0"}, {"GEMV_KQ_XLANE": "0"}],
                          ids=["pf1", "pipe1", "pipe2", "pipe2-minb2", "l1pf1-minb2", "l1pf2-minb2", "p2", "iq4-natural",
-                              "xlane"])
+                              "xlane-off"])
 def test_gemv_v9_latency_builds(build, split, monkeypatch):
     """The session-9 latency A/B builds of gemv_kq.cu (ops.kv9_defines: KQ_PF, the next row's
     L2 prefetch; KQ_PIPE 1, round n + 1's blocks loaded before round n's dots; KQ_PIPE 2, also
@@ -468,8 +468,8 @@ def test_gemv_v9_latency_builds(build, split, monkeypatch):
     p2 (session 10, GGUF_HARNESS_GEMV_KQ_P2): store/add nodes with two adjacent rows per warp, the
     same cases: odd row counts (a warp's second row missing), rows of a pair in two segments, an
     F32 row beside a K-quant one (one row at a time), each node asserted to run a _p2 kernel.
-    xlane (session 13, GGUF_HARNESS_GEMV_KQ_XLANE): the Q4_K / Q5_K / Q6_K rows' x from lane records
-    (kwide.cuh XLANE), F32 rows reading natural entries from them, the same cases."""
+    xlane-off (GGUF_HARNESS_GEMV_KQ_XLANE=0): the xq_slot staging the Q4_K / Q5_K / Q6_K rows had before
+    session 13 made lane records (kwide.cuh XLANE) their default, the same cases."""
     from backends.engine import ops as eops
     for knob, val in build.items():
         monkeypatch.setattr(eops, knob, val)
@@ -711,10 +711,10 @@ def test_iq4_xil_build_is_bitwise_equal_to_the_default(monkeypatch):
 
 
 def test_xlane_build_is_bitwise_equal_to_the_default(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_XLANE=1 (kernels/kwide.cuh XLANE: x staged in lane-major records with
+    """GGUF_HARNESS_GEMV_KQ_XLANE=1, the default (kernels/kwide.cuh XLANE: x staged in lane-major records with
     each lane's run sums and block scales, read from one base address) feeds the 8-lane Q4_K /
     Q5_K / Q6_K rows the same codes, sums and scales as the default staging and runs the same
-    arithmetic, so every output must equal the default build's bit for bit: store nodes at the
+    arithmetic, so every output must equal the xq_slot build's (XLANE=0) bit for bit: store nodes at the
     27B widths behind a fused RMSNorm for several activation vectors, add and SwiGLU nodes, the
     Q6_K store through P2 (two rows per warp, the default for K <= 6144), an ssm_in-like node
     (F32 rows beside the K-quant ones: f32_row reads natural entries from the records), each at
@@ -740,9 +740,9 @@ def test_xlane_build_is_bitwise_equal_to_the_default(monkeypatch):
         for split in ("auto", "1", "2", "4"):
             monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
             got = {}
-            for xl in ("", "1"):
+            for xl in ("0", "1"):
                 monkeypatch.setattr(eops, "GEMV_KQ_XLANE", xl)
-                assert ("KQ_XLANE=1" in eops.kv9_defines()) == (xl == "1")
+                assert ("KQ_XLANE=0" in eops.kv9_defines()) == (xl == "0")
                 got[xl] = []
                 for x in xs:
                     xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
@@ -765,6 +765,6 @@ def test_xlane_build_is_bitwise_equal_to_the_default(monkeypatch):
                     ref = ops.swiglu(wg @ _x_seen(x), wu @ _x_seen(x))
                     np.testing.assert_allclose(got[xl][-1][1], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
                                                err_msg=f"{what} swiglu")
-            for i, (a, b) in enumerate(zip(got[""], got["1"])):
+            for i, (a, b) in enumerate(zip(got["0"], got["1"])):
                 for what, u, v in zip(("store", "swiglu", "ssm_in", "ssm_in F32", "add"), a, b):
                     assert np.array_equal(u, v), f"{name} [{rows}x{K}] split={split} x #{i}: {what} differs"

@@ -8,6 +8,9 @@ five 16-byte loads on distinct bank groups. The GPU runs (bitwise equal to the d
 tests/test_engine_kernels.py test_xlane_build_is_bitwise_equal_to_the_default."""
 from __future__ import annotations
 
+import os
+import re
+
 import numpy as np
 import pytest
 
@@ -73,18 +76,24 @@ def test_meta_from_the_staging_warps_shuffles(xl):
 
 
 def test_xlane_switch(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_XLANE: "1" adds KQ_XLANE=1 to the gemv_kq.cu build (its own cache entry),
-    "" / "0" leave the default build; another value is refused; the switch is in machine info."""
+    """GGUF_HARNESS_GEMV_KQ_XLANE: "1" or "" is gemv_kq.cu's own default (KQ_XLANE 1 since session
+    13: no define), "0" adds KQ_XLANE=0 (the xq_slot staging, its own cache entry); another value
+    is refused; unset, the switch is on; it is in machine info; v10 (gemv_tma.cu) keeps
+    kq_traits.cuh's default 0."""
     from harness import machine
+    assert ops.GEMV_KQ_XLANE == "1" or "GGUF_HARNESS_GEMV_KQ_XLANE" in os.environ
     monkeypatch.setattr(ops, "GEMV_KQ_P2", "")
-    for v in ("", "0"):
+    for v in ("", "1"):
         monkeypatch.setattr(ops, "GEMV_KQ_XLANE", v)
-        assert "KQ_XLANE=1" not in ops.kv9_defines()
-    monkeypatch.setattr(ops, "GEMV_KQ_XLANE", "1")
-    assert ops.kv9_defines() == ("KQ_XLANE=1",)
+        assert ops.kv9_defines() == ()
+    monkeypatch.setattr(ops, "GEMV_KQ_XLANE", "0")
+    assert ops.kv9_defines() == ("KQ_XLANE=0",)
     monkeypatch.setattr(ops, "GEMV_KQ_XLANE", "2")
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_XLANE"):
         ops.kv9_defines()
     assert "GGUF_HARNESS_GEMV_KQ_XLANE" in machine.ENGINE_SWITCHES
-    src = (ops.module.KERNEL_DIR / "kq_traits.cuh").read_text()
-    assert "KQ_XLANE" in src and "wide_x_lane" in src
+    kdir = ops.module.KERNEL_DIR
+    assert re.search(r"#ifndef KQ_XLANE\n(//.*\n)*#define KQ_XLANE 1\n#endif\n#include \"kq_traits.cuh\"",
+                     (kdir / "gemv_kq.cu").read_text())
+    assert "#define KQ_XLANE 0" in (kdir / "kq_traits.cuh").read_text()
+    assert "KQ_XLANE" not in (kdir / "gemv_tma.cu").read_text().split("kq_traits.cuh")[0]

@@ -169,11 +169,13 @@ GEMV_KQ_P2 = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2", "q6_k")
 # the K = 5120 / 6144 Q5_K and Q6_K nodes, the head -11.5 %, and lost on the K = 17408 ffn_down).
 # Default 6144 (with the default P2 types); "" = every K.
 GEMV_KQ_P2_MAX_K = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2_MAX_K", "6144")
-# KQ_XLANE "1": the gemv_kq.cu build with -DKQ_XLANE=1 (A/B, written in session 13): the 8-lane Q4_K / Q5_K /
-# Q6_K rows read x from lane-major records (kernels/kwide.cuh XLANE: one base address, 5 LDS.128
-# per round instead of 8 loads from re-derived slot addresses; static SASS of the store loops
-# -18 to -25 %); bitwise equal to the default (a GPU test). "" or "0": the default build.
-GEMV_KQ_XLANE = os.environ.get("GGUF_HARNESS_GEMV_KQ_XLANE", "")
+# KQ_XLANE: the 8-lane Q4_K / Q5_K / Q6_K rows read x from lane-major records (kernels/kwide.cuh
+# XLANE: one base address, 5 LDS.128 per round instead of 8 loads from re-derived slot addresses;
+# static SASS of the store loops -18 to -25 %), bitwise equal outputs. "1" or unset: gemv_kq.cu's
+# default since session 13 (H200, cold back to back: Q4_K [10240x5120] -3.6 %, Q5_K [5120x17408]
+# -3.4 %, Q6_K -2.8 to -8.6 %, the output head -5.6 %; docs/perf-notes.md); "0": the build with
+# -DKQ_XLANE=0 (the xq_slot staging, for A/B).
+GEMV_KQ_XLANE = os.environ.get("GGUF_HARNESS_GEMV_KQ_XLANE", "1")
 # IQ4_XIL: IQ4_XS rows of v9 / v10 with x staged in interleaved halves (kernels/kwide_iq4.cuh), two
 # fewer prmt per 8 weights, results bitwise equal to the default build's (the RMSNorm's sum of
 # squares and the F32 rows of a node (gemv_kq.cu f32_row) keep the natural order). The default
@@ -184,8 +186,8 @@ GEMV_IQ4_XIL = os.environ.get("GGUF_HARNESS_GEMV_IQ4_XIL", "1")
 def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
-    GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=1 ->
-    KQ_XLANE=1, then
+    GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
+    KQ_XLANE=0, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
     both), XLANE unless empty, 0 or 1, and as kv9_p2_types and kv9_p2_max_k."""
@@ -210,8 +212,8 @@ def kv9_defines() -> tuple[str, ...]:
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_XLANE={GEMV_KQ_XLANE!r}: expected 0 or 1")
     if kv9_p2_types():
         out.append("KQ_P2=1")
-    if GEMV_KQ_XLANE == "1":
-        out.append("KQ_XLANE=1")
+    if GEMV_KQ_XLANE == "0":  # "1" / "": the kernel's default (KQ_XLANE 1)
+        out.append("KQ_XLANE=0")
     kv9_p2_max_k()  # refuse a bad GGUF_HARNESS_GEMV_KQ_P2_MAX_K before any build, P2 or not
     return tuple(out) + iq4_xil_defines()
 

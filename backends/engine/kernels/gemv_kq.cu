@@ -33,6 +33,14 @@
 // MODE 0 store (+bias), 1 add, 2 SwiGLU of a gate/up pair (segments 0 and 1, equal rows).
 #include "qdot.cuh"  // (named here: module.py prefixes the I-quant tables to sources that include it)
 #include "xstage.cuh"
+#ifndef KQ_XLANE
+// x for the 8-lane Q4_K / Q5_K / Q6_K rows in lane records (kwide.cuh XLANE), the default of this
+// kernel since session 13 (H200, cold back to back: those rows -2.8 to -8.6 %, the output head
+// 85.1 % of the size-aware roofline; bitwise equal outputs); -DKQ_XLANE=0 (ops
+// GGUF_HARNESS_GEMV_KQ_XLANE=0) builds the xq_slot staging for A/B. kq_traits.cuh's own default
+// (0) keeps gemv_tma.cu (v10) as it was.
+#define KQ_XLANE 1
+#endif
 #include "kq_traits.cuh"  // Lanes8 / Lanes4, KQ<T> (kwide_iq4.cuh, kwide_iq3s.cuh, kwide4.cuh)
 #include "segs.cuh"
 

@@ -31,7 +31,7 @@ struct Lanes4 {
 };
 
 #ifndef KQ_XLANE
-#define KQ_XLANE 0  // 1: Q4_K / Q5_K / Q6_K rows read x from lane records (kwide.cuh XLANE; A/B build)
+#define KQ_XLANE 0  // 1: Q4_K / Q5_K / Q6_K rows read x from lane records (kwide.cuh XLANE; gemv_kq.cu's default)
 #endif
 // One format's super-block step: lane constants, raw block registers, activations, the dot.
 template <int T> struct KQ : Lanes8 {
