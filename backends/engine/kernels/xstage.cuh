@@ -153,7 +153,8 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
                                      (q[4] & 0xffff) | (q[5] << 16), (q[6] & 0xffff) | (q[7] << 16));
                 if (xl_pos<XL>(e) == 0) xq[slot + 4] = make_int4(pair, pairb, __float_as_int(sc), __float_as_int(scb));
                 if ((c & 3) == 0) xd[c >> 2] = sc;
-            } else {  // (kept as before XL existed: the default builds' SASS is unchanged)
+            } else {  // as before XL existed (the two branches' packing is written out in each:
+                      // hoisting it changed the XL instances' SASS from the measured build's)
                 xq[SW4 ? xq_slot4(c) : xq_slot(c)] = make_int4((q[0] & 0xffff) | (q[1] << 16), (q[2] & 0xffff) | (q[3] << 16),
                                   (q[4] & 0xffff) | (q[5] << 16), (q[6] & 0xffff) | (q[7] << 16));
                 xs[c] = s;
