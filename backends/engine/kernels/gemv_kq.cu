@@ -120,8 +120,8 @@ __device__ __forceinline__ float f32_row(const u8* row, const XS& xa, int K, int
 // KQ_L1PF = D: at round j of a row (rounds of st super-blocks from sb0: the warp's part of the
 // row; nr of them), lanes 0..7 ask L1 for the 128-byte lines of round j + D: of this row, or
 // round j + D - nr of the next row `next` (nullptr: none). A round of an 8-lane warp is 4
-// consecutive super-blocks (4 TS <= 840 bytes: <= 8 lines) starting at p - grp TS, p the lane's
-// block. No registers held (unlike KQ_PIPE's rotation, which ptxas schedules late to save them).
+// consecutive super-blocks (4 TS <= 840 bytes: <= 8 lines; Q8_0's 4 x 272 = 1088 bytes span 9-10,
+// whose last 1-2 are not asked for) starting at p - grp TS, p the lane's block. No registers held (unlike KQ_PIPE's rotation, which ptxas schedules late to save them).
 template <class Q> __device__ __forceinline__ void kq_l1pf(const u8* p, int pst, int sb, int sb0, int st, int nsb,
                                                             const u8* next) {
     if constexpr (kKqL1pf > 0 && Q::R == 1) {
@@ -450,8 +450,9 @@ template <int S, int T, int MODE> constexpr int kKqMinBlocks =
     KQ_SPLITS(PFX, TRAIT, LB, 1, add, T, TNAME) KQ_SPLITS(PFX, TRAIT, LB, 2, swiglu, T, TNAME)
 #define KQ_LB8(S, T, MODE) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKqMinBlocks<S, T, MODE>)
 #define KQ_MODES(T, TNAME) KQ_ALL_MODES(gemvkq, KQ, KQ_LB8, T, TNAME)
-// kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs|iq3_s>[_s2|_s4] (S warps per row
-// group); the iq3_s ones unless GGUF_HARNESS_GEMV_KQ_IQ3S=0 (ops.kv9_kernel)
+// kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs|iq3_s|q8_0|q4_0>[_s2|_s4] (S warps
+// per row group); the iq3_s ones unless GGUF_HARNESS_GEMV_KQ_IQ3S=0, the q8_0 / q4_0 ones unless
+// GGUF_HARNESS_GEMV_KQ_Q0=0 (ops.kv9_kernel)
 KQ_MODES(T_Q4_K, q4_k) KQ_MODES(T_Q5_K, q5_k) KQ_MODES(T_Q6_K, q6_k) KQ_MODES(T_IQ4_XS, iq4_xs)
 KQ_MODES(T_IQ3_S, iq3_s)
 // Q8_0 and Q4_0 (kwide_q0.cuh; ops.GEMV_KQ_Q0): store/add/swiglu only, no _p2 instances

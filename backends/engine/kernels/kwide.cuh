@@ -116,7 +116,8 @@ __device__ __forceinline__ WX wide_x(const XS& xa, int sb, const WLane& w) {
     return x;
 }
 
-// XLANE (A/B build, gemv_kq.cu KQ_XLANE=1; ops GGUF_HARNESS_GEMV_KQ_XLANE): x staged lane-major
+// XLANE (gemv_kq.cu's default since session 13, KQ_XLANE 1; ops GGUF_HARNESS_GEMV_KQ_XLANE=0 for the
+// old staging): x staged lane-major
 // for the 8-lane Q4_K / Q5_K (XL = 1) and Q6_K (XL = 2) rows. Why (SASS of the default
 // gemvkq_store_q4_k, session 13): ~35 of the unrolled loop's 198 instructions (2 rounds) re-derive
 // the lane's 4 xq slot addresses and its xs / xd offsets from the lane index every iteration
