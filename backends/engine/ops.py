@@ -317,14 +317,14 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
     if len(types) != 1 or K % 256:
         return None
     t = types.pop()
-    if t in KV9_Q0_NAMES:  # GEMV_KQ_Q0
-        if GEMV_KQ_Q0 not in ("0", "1"):
-            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_Q0={GEMV_KQ_Q0!r}: expected 0 or 1")
-        sfx = "" if split == 1 else f"_s{split}"
-        return f"gemvkq_{mode}_{KV9_Q0_NAMES[t]}{sfx}" if GEMV_KQ_Q0 == "1" else None
-    name = KV9_NAMES.get(t)
+    name = KV9_NAMES.get(t) or KV9_Q0_NAMES.get(t)  # Q8_0 / Q4_0: never gemvkq4_ or _p2 (neither set holds them)
     if name is None:
         return None
+    if t in KV9_Q0_NAMES:  # GEMV_KQ_Q0 (default on)
+        if GEMV_KQ_Q0 not in ("0", "1"):
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_Q0={GEMV_KQ_Q0!r}: expected 0 or 1")
+        if GEMV_KQ_Q0 != "1":
+            return None
     if t == IQ3_S:  # GEMV_KQ_IQ3S (default on)
         if GEMV_KQ_IQ3S not in ("0", "1"):
             raise ValueError(f"GGUF_HARNESS_GEMV_KQ_IQ3S={GEMV_KQ_IQ3S!r}: expected 0 or 1")
