@@ -651,3 +651,40 @@ def test_iq4_xil_switch(monkeypatch):
                          env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.split() == ["1", "()"], out
     assert "GGUF_HARNESS_GEMV_IQ4_XIL" in machine.ENGINE_SWITCHES
+
+
+def test_kv9_two_rows_per_warp_only_from_min_rows(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_P2_MIN_ROWS=N keeps the _p2 kernels to nodes of >= N rows when the
+    caller gives the node's rows (the 1024-row Q6_K node leaves most SMs idle with two rows per
+    warp); the default is 2048, "" takes every row count, a non-integer is refused."""
+    monkeypatch.setattr(ops, "GEMV_KQ_P2", "q6_k")
+    monkeypatch.setattr(ops, "GEMV_KQ_P2_MAX_K", "6144")
+    monkeypatch.setattr(ops, "GEMV_KQ_P2_MIN_ROWS", "2048")
+    assert ops.kv9_p2_min_rows() == 2048
+    assert ops.kv9_kernel("store", [14], 5120, lanes4=False, rows=1024) == "gemvkq_store_q6_k"
+    assert ops.kv9_kernel("store", [14], 5120, lanes4=False, rows=2047) == "gemvkq_store_q6_k"
+    assert ops.kv9_kernel("add", [14, 14], 5120, lanes4=False, rows=2048) == "gemvkq_add_q6_k_p2"
+    assert ops.kv9_kernel("store", [14], 5120, lanes4=False, rows=248320, split=2) == "gemvkq_store_q6_k_p2_s2"
+    assert ops.kv9_kernel("store", [14], 5120, lanes4=False) == "gemvkq_store_q6_k_p2"  # rows not given
+    monkeypatch.setattr(ops, "GEMV_KQ_P2_MIN_ROWS", "")
+    assert ops.kv9_kernel("store", [14], 5120, lanes4=False, rows=1024) == "gemvkq_store_q6_k_p2"
+    for bad in ("-1", "2k", "1.5"):
+        monkeypatch.setattr(ops, "GEMV_KQ_P2_MIN_ROWS", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_P2_MIN_ROWS"):
+            ops.kv9_kernel("store", [14], 5120, lanes4=False, rows=4096)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_P2_MIN_ROWS"):
+            ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_P2_MIN_ROWS" in machine.ENGINE_SWITCHES
+
+
+def test_iq4_kreg_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_IQ4_KREG: "1" builds gemv_kq.cu with IQ4_KREG=1 (the IQ4_XS codebook words
+    in registers), "0" or "" the default; anything else is refused before a build."""
+    monkeypatch.setattr(ops, "GEMV_IQ4_KREG", "0")
+    assert "IQ4_KREG=1" not in ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_IQ4_KREG", "1")
+    assert "IQ4_KREG=1" in ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_IQ4_KREG", "yes")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_IQ4_KREG"):
+        ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_IQ4_KREG" in machine.ENGINE_SWITCHES

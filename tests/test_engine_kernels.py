@@ -390,6 +390,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
     monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
     monkeypatch.setattr(eops, "GEMV_KQ_IQ3S", "1")  # IQ3_S nodes on v9 (kernels/kwide_iq3s.cuh)
     monkeypatch.setattr(eops, "GEMV_KQ_Q0", "1")    # Q8_0 / Q4_0 nodes on v9 (kernels/kwide_q0.cuh)
+    monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "")  # P2 (q6_k by default) on these few-row nodes too
     l4 = kq == "v9"
     keep = []
 
@@ -721,14 +722,34 @@ def test_xlane_build_is_bitwise_equal_to_the_default(monkeypatch):
     Q6_K store through P2 (two rows per warp, the default for K <= 6144), an ssm_in-like node
     (F32 rows beside the K-quant ones: f32_row reads natural entries from the records), each at
     every split; each output also checked against the oracle rule."""
+    _build_is_bitwise_equal("GEMV_KQ_XLANE", ("0", "1"), "KQ_XLANE=0", "0",
+                            (("Q4_K", 5120, 301), ("Q5_K", 6144, 77), ("Q6_K", 5120, 301), ("Q6_K", 17408, 9)),
+                            monkeypatch)
+
+
+def test_iq4_kreg_build_is_bitwise_equal_to_the_default(monkeypatch):
+    """GGUF_HARNESS_GEMV_IQ4_KREG=1 (kernels/kwide_iq4.cuh IQ4_KREG: codebook words K0 and K2 loaded
+    once into registers instead of re-made from constants before each lookup) runs the same
+    lookups on the same values, so every IQ4_XS output must equal the default build's bit for bit:
+    store nodes behind a fused RMSNorm, SwiGLU pairs, add nodes and ssm_in-like nodes (F32 rows
+    beside), the 27B widths, every split; each output also checked against the oracle rule."""
+    _build_is_bitwise_equal("GEMV_IQ4_KREG", ("0", "1"), "IQ4_KREG=1", "1",
+                            (("IQ4_XS", 5120, 301), ("IQ4_XS", 17408, 9), ("IQ4_XS", 5120, 77)), monkeypatch)
+
+
+def _build_is_bitwise_equal(knob, values, define, define_when, cases, monkeypatch):
+    """Outputs of v9 nodes under ops.<knob> = values[0] and values[1] (ops.kv9_defines holds
+    `define` exactly when the knob is `define_when`) must be bitwise equal; each also checked
+    against the oracle (store, SwiGLU, ssm_in-like with F32 rows, add; every split)."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
         pytest.skip("q16 kernels")
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
+    monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "")  # the Q6_K nodes below through P2 despite few rows
     rng = np.random.default_rng(31)
     keep = []
-    for name, K, rows in (("Q4_K", 5120, 301), ("Q5_K", 6144, 77), ("Q6_K", 5120, 301), ("Q6_K", 17408, 9)):
+    for name, K, rows in cases:
         t = TYPES[name]
         xs = [rng.normal(size=K).astype(np.float32) * s for s in (1.0, 0.3, 7.0)]
         nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
@@ -742,9 +763,9 @@ def test_xlane_build_is_bitwise_equal_to_the_default(monkeypatch):
         for split in ("auto", "1", "2", "4"):
             monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
             got = {}
-            for xl in ("0", "1"):
-                monkeypatch.setattr(eops, "GEMV_KQ_XLANE", xl)
-                assert ("KQ_XLANE=0" in eops.kv9_defines()) == (xl == "0")
+            for xl in values:
+                monkeypatch.setattr(eops, knob, xl)
+                assert (define in eops.kv9_defines()) == (xl == define_when)
                 got[xl] = []
                 for x in xs:
                     xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
@@ -759,7 +780,7 @@ def test_xlane_build_is_bitwise_equal_to_the_default(monkeypatch):
                         assert n.kernel.name.startswith("gemvkq_"), n.kernel.name
                         n.launch()
                     got[xl].append((y.get(), h.get(), ys.get(), yf.get(), acc.get()))
-                    what = f"{name} [{rows}x{K}] XLANE={xl!r} split={split}"
+                    what = f"{name} [{rows}x{K}] {knob}={xl!r} split={split}"
                     _check_rows(got[xl][-1][0].astype(np.float64), wg, xn, f"{what} store")
                     _check_rows(got[xl][-1][2].astype(np.float64), wg, xn, f"{what} ssm_in K-quant rows")
                     _check_rows(got[xl][-1][3].astype(np.float64), f32.astype(np.float64), xn, f"{what} ssm_in F32 rows")
@@ -767,6 +788,6 @@ def test_xlane_build_is_bitwise_equal_to_the_default(monkeypatch):
                     ref = ops.swiglu(wg @ _x_seen(x), wu @ _x_seen(x))
                     np.testing.assert_allclose(got[xl][-1][1], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
                                                err_msg=f"{what} swiglu")
-            for i, (a, b) in enumerate(zip(got["0"], got["1"])):
+            for i, (a, b) in enumerate(zip(got[values[0]], got[values[1]])):
                 for what, u, v in zip(("store", "swiglu", "ssm_in", "ssm_in F32", "add"), a, b):
                     assert np.array_equal(u, v), f"{name} [{rows}x{K}] split={split} x #{i}: {what} differs"

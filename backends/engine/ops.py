@@ -169,6 +169,12 @@ GEMV_KQ_P2 = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2", "q6_k")
 # the K = 5120 / 6144 Q5_K and Q6_K nodes, the head -11.5 %, and lost on the K = 17408 ffn_down).
 # Default 6144 (with the default P2 types); "" = every K.
 GEMV_KQ_P2_MAX_K = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2_MAX_K", "6144")
+# KQ_P2_MIN_ROWS=N: the _p2 kernels only for nodes of >= N rows. Why: two rows per warp halve the
+# row groups, and a [1024 x 5120] node then has 64 blocks of 16 warps for 132 SMs (the 2-round rule
+# keeps S <= 2 at K = 5120): [1024x5120] Q6_K took 6.08 us with P2 against 4.57 without (sessions
+# 12-13, cold back to back), while the 27B's 2048-row qkv.q6_k node gained 6 % with P2 (session
+# 11). Default 2048; "" = every row count.
+GEMV_KQ_P2_MIN_ROWS = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2_MIN_ROWS", "2048")
 # KQ_XLANE: the 8-lane Q4_K / Q5_K / Q6_K rows read x from lane-major records (kernels/kwide.cuh
 # XLANE: one base address, 5 LDS.128 per round instead of 8 loads from re-derived slot addresses;
 # static SASS of the store loops -18 to -25 %), bitwise equal outputs. "1" or unset: gemv_kq.cu's
@@ -181,6 +187,10 @@ GEMV_KQ_XLANE = os.environ.get("GGUF_HARNESS_GEMV_KQ_XLANE", "1")
 # squares and the F32 rows of a node (gemv_kq.cu f32_row) keep the natural order). The default
 # since session 11 (the 27B step -2.4 %); "0" (or "") gives the natural-order build back.
 GEMV_IQ4_XIL = os.environ.get("GGUF_HARNESS_GEMV_IQ4_XIL", "1")
+# IQ4_KREG: the v9 IQ4_XS rows hold the iq4nl codebook words in registers (kernels/kwide_iq4.cuh
+# IQ4_KREG; the default build has ptxas re-make two of them before each lookup). "1": that build
+# (A/B); "0" or unset: the default. Bitwise equal outputs.
+GEMV_IQ4_KREG = os.environ.get("GGUF_HARNESS_GEMV_IQ4_KREG", "0")
 
 
 def kv9_defines() -> tuple[str, ...]:
@@ -215,6 +225,11 @@ def kv9_defines() -> tuple[str, ...]:
     if GEMV_KQ_XLANE == "0":  # "1" / "": the kernel's default (KQ_XLANE 1)
         out.append("KQ_XLANE=0")
     kv9_p2_max_k()  # refuse a bad GGUF_HARNESS_GEMV_KQ_P2_MAX_K before any build, P2 or not
+    kv9_p2_min_rows()  # likewise _MIN_ROWS
+    if GEMV_IQ4_KREG not in ("", "0", "1"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_IQ4_KREG={GEMV_IQ4_KREG!r}: expected 0 or 1")
+    if GEMV_IQ4_KREG == "1":
+        out.append("IQ4_KREG=1")
     return tuple(out) + iq4_xil_defines()
 
 
@@ -235,6 +250,17 @@ def kv9_p2_max_k() -> float:
     if not GEMV_KQ_P2_MAX_K.isdigit() or int(GEMV_KQ_P2_MAX_K) < 1:
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_P2_MAX_K={GEMV_KQ_P2_MAX_K!r}: expected a positive integer")
     return int(GEMV_KQ_P2_MAX_K)
+
+
+def kv9_p2_min_rows() -> int:
+    """Fewest rows of a store/add node of a kv9_p2_types() type that takes the _p2 kernels
+    (GGUF_HARNESS_GEMV_KQ_P2_MIN_ROWS; unset: 2048, empty: 0 = every node). Raises ValueError
+    unless empty or a non-negative integer."""
+    if not GEMV_KQ_P2_MIN_ROWS:
+        return 0
+    if not GEMV_KQ_P2_MIN_ROWS.isdigit():
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_P2_MIN_ROWS={GEMV_KQ_P2_MIN_ROWS!r}: expected a non-negative integer")
+    return int(GEMV_KQ_P2_MIN_ROWS)
 
 
 def kv9_p2_types() -> frozenset[int]:
@@ -297,7 +323,8 @@ def gemv_smem(K: int, impl: str = "q16") -> int:
     return 2 * kp + 4 * (kp // 8) + 4 * (kp // 32) * (2 if impl == "q8_1" else 1)
 
 
-def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1) -> str | None:
+def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1,
+               rows: int | None = None) -> str | None:
     """Name of the engine v9 kernel (kernels/gemv_kq.cu) for a q16 node with matrices of GGML
     types `type_ids` and input length K, or None when v9 does not take it (mixed types, a type
     outside Q4_K/Q5_K/Q6_K/IQ4_XS, IQ3_S and Q8_0/Q4_0, IQ3_S with GGUF_HARNESS_GEMV_KQ_IQ3S=0,
@@ -305,8 +332,9 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
     such type are taken in store/add nodes): such
     nodes stay on gemv.cu. lanes4: Q4_K/Q5_K take the 4-lanes-per-super-block kernels (gemvkq4_,
     two rows per warp). split: S warps share each row group (1, 2 or 4; the name's _s2 / _s4,
-    kv9_split). Store/add nodes of a GGUF_HARNESS_GEMV_KQ_P2 type take the _p2 kernels (two rows
-    per warp, 8 lanes per super-block; never Q8_0/Q4_0). Raises ValueError on another split, and
+    kv9_split). Store/add nodes of a GGUF_HARNESS_GEMV_KQ_P2 type with K <= kv9_p2_max_k() and, when
+    `rows` (the node's output rows) is given, rows >= kv9_p2_min_rows() take the _p2 kernels (two
+    rows per warp, 8 lanes per super-block; never Q8_0/Q4_0). Raises ValueError on another split, and
     for an IQ3_S (Q8_0/Q4_0) node on a GGUF_HARNESS_GEMV_KQ_IQ3S (_Q0) other than 0 or 1."""
     if split not in KV9_SPLITS:
         raise ValueError(f"v9 split {split!r}: expected one of {KV9_SPLITS}")
@@ -333,7 +361,8 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1)
     sfx = "" if split == 1 else f"_s{split}"
     if lanes4 and t in KV9_L4_TYPES:
         return f"gemvkq4_{mode}_{name}{sfx}"
-    p2 = "_p2" if mode != "swiglu" and t in kv9_p2_types() and K <= kv9_p2_max_k() else ""  # GGUF_HARNESS_GEMV_KQ_P2
+    p2 = "_p2" if (mode != "swiglu" and t in kv9_p2_types() and K <= kv9_p2_max_k()
+                   and (rows is None or rows >= kv9_p2_min_rows())) else ""  # GGUF_HARNESS_GEMV_KQ_P2
     return f"gemvkq_{mode}_{name}{p2}{sfx}"
 
 
@@ -460,7 +489,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
           and (tn := gemv_tma(name, mode, segs, x, K, norm, eps, rows))):
         return tn  # engine v10 (GGUF_HARNESS_GEMV_TMA=1)
     elif impl == "q16" and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value" and \
-            (kname := kv9_kernel(mode, types := [s.w.type_id for s in segs], K, l4 := GEMV_KQ == "v9")):
+            (kname := kv9_kernel(mode, types := [s.w.type_id for s in segs], K, l4 := GEMV_KQ == "v9",
+                                 rows=rows)):
         for s in segs:  # F32 rows: 16-byte loads (gemv_kq.cu f32_row)
             a = 16 if s.w.type_id == 0 else KV9_ALIGN.get(s.w.type_id, 1)
             if s.w.ptr % a:
@@ -470,7 +500,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         kdefs = kv9_defines() + kv9_iq3s_defines(types)
 
         def v9k(sp: int):  # the kernel of split sp (its name: kv9_kernel)
-            return module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, l4, sp), kdefs)
+            return module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, l4, sp, rows), kdefs)
         if GEMV_KQ_SPLIT == "auto":
             split = kv9_split(rows, K, v9_rows,
                               lambda sp: module.blocks_per_sm(v9k(sp), KV9_WARPS * 32, smem) * module.sm_count())

@@ -95,6 +95,32 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 c) {
     return r;
 }
 
+// IQ4_KREG (A/B build, ops GGUF_HARNESS_GEMV_IQ4_KREG=1; default 0): the lane holds codebook words
+// K0 and K2 in registers for the whole row loop. Why: nvdisasm of the default
+// gemvkq_swiglu_iq4_xs (59 registers) shows 27 of its 221 loop instructions to be
+// `IMAD.U32 Rn, RZ, RZ, URk` re-making K0 / K2: a lookup `prmt(K0, K1, c)` compiles to
+// PRMT Rd, Ra = K0, Rb = c, imm = K1 (one operand may be an immediate, the other must be a
+// register), and ptxas writes Rd over a fresh copy of K0 each time rather than hold it. Words
+// loaded from global memory (inline asm, opaque to ptxas; a shuffle of the constant was folded
+// back into it) cannot be re-made from a constant, so ptxas keeps them: 2 registers, one 8-byte
+// load per warp. Same lookups, same values: bitwise the default's outputs.
+#ifndef IQ4_KREG
+#define IQ4_KREG 0
+#endif
+struct Iq4Book { u32 k0, k1, k2, k3; };
+#if IQ4_KREG
+__device__ __align__(8) const u32 kIq4BookK02[2] = {IQ4NL_K0, IQ4NL_K2};
+#endif
+__device__ __forceinline__ Iq4Book iq4_book() {
+#if IQ4_KREG
+    u32 k0, k2;
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(k0), "=r"(k2) : "l"(kIq4BookK02));
+    return {k0, IQ4NL_K1, k2, IQ4NL_K3};
+#else
+    return {IQ4NL_K0, IQ4NL_K1, IQ4NL_K2, IQ4NL_K3};
+#endif
+}
+
 // kvalues_iq4nl of the 8 codes of qs word w: f = the values of the 4 low nibbles (sel =
 // 0x6420) or of the 4 high nibbles (sel = 0x7531), s = the other 4.
 __device__ __forceinline__ void iq4_lut8(u32 w, u32 sel, u32& f, u32& s) {
@@ -107,16 +133,18 @@ __device__ __forceinline__ void iq4_lut8(u32 w, u32 sel, u32& f, u32& s) {
 }
 
 // The two lookups of iq4_lut8 before its last step: t0 = kvalues of nibbles 0-3 of w, t1 of 4-7.
-__device__ __forceinline__ void iq4_lut2(u32 w, u32& t0, u32& t1) {
+__device__ __forceinline__ void iq4_lut2(u32 w, u32& t0, u32& t1,
+                                         const Iq4Book& k = {IQ4NL_K0, IQ4NL_K1, IQ4NL_K2, IQ4NL_K3}) {
     const u32 c = w & 0x77777777u;
     const u32 h = ((w >> 1) & 0x44444444u) | 0x32103210u;
-    t0 = prmt(prmt(IQ4NL_K0, IQ4NL_K1, c), prmt(IQ4NL_K2, IQ4NL_K3, c), h);
-    t1 = prmt(prmt(IQ4NL_K0, IQ4NL_K1, c >> 16), prmt(IQ4NL_K2, IQ4NL_K3, c >> 16), h >> 16);
+    t0 = prmt(prmt(k.k0, k.k1, c), prmt(k.k2, k.k3, c), h);
+    t1 = prmt(prmt(k.k0, k.k1, c >> 16), prmt(k.k2, k.k3, c >> 16), h >> 16);
 }
 
 // A lane's constants: shared-memory slots of its 4 xq entries in load order (first run, then
-// second), the lookup selector of the first run, the shifts of its scale bits.
-struct WLaneIq4 { int p0, p1, p2, p3; u32 sel, shl, shh; };
+// second), the lookup selector of the first run, the shifts of its scale bits; the codebook
+// words (constants unless IQ4_KREG).
+struct WLaneIq4 { int p0, p1, p2, p3; u32 sel, shl, shh; Iq4Book kb; };
 // %laneid through volatile asm: the row functions below derive their lane constants from it, so
 // the compiler cannot hoist them out of gemv_body's row loop, where they would stay live across
 // the non-inlined I-quant call and push kernels into spills (ptxas -v, docs/perf-notes.md v7).
@@ -133,6 +161,7 @@ __device__ __forceinline__ WLaneIq4 wide_lane_iq4(int i) {
     w.sel = f ? 0x7531u : 0x6420u;
     w.shl = 4 * i;       // nibble i of scales_l (bits 32.. of the header)
     w.shh = 16 + 2 * i;  // bits 2i, 2i + 1 of scales_h (bits 16.. of the header)
+    w.kb = iq4_book();
     return w;
 }
 
@@ -169,10 +198,10 @@ __device__ __forceinline__ void wide_load_iq4(const u8* blk, int i, WIq4& r) {
 __device__ __forceinline__ float wide_dot_iq4(const WIq4& r, const WXIq4& x, const WLaneIq4& w) {
     if constexpr (kIq4Xil) {  // word o of the (swapped) run against the lane's load o of x
         u32 t[8];
-        iq4_lut2(r.a.x, t[0], t[1]);
-        iq4_lut2(r.a.y, t[2], t[3]);
-        iq4_lut2(r.b.x, t[4], t[5]);
-        iq4_lut2(r.b.y, t[6], t[7]);
+        iq4_lut2(r.a.x, t[0], t[1], w.kb);
+        iq4_lut2(r.a.y, t[2], t[3], w.kb);
+        iq4_lut2(r.b.x, t[4], t[5], w.kb);
+        iq4_lut2(r.b.y, t[6], t[7], w.kb);
         const int tt = dot8c(x.s1, t[6], t[7], dot8c(x.s0, t[4], t[5], dot8c(x.f1, t[2], t[3], dot8c(x.f0, t[0], t[1], 0))));
         const int ls = (int)((r.h.y >> w.shl) & 15u) | (int)(((r.h.x >> w.shh) & 3u) << 4);
         const float dl = h2f((u16)(r.h.x & 0xffffu)) * (float)(ls - 32);
