@@ -678,12 +678,15 @@ def test_kv9_two_rows_per_warp_only_from_min_rows(monkeypatch):
 
 
 def test_iq4_kreg_switch(monkeypatch):
-    """GGUF_HARNESS_GEMV_IQ4_KREG: "1" builds gemv_kq.cu with IQ4_KREG=1 (the IQ4_XS codebook words
-    in registers), "0" or "" the default; anything else is refused before a build."""
+    """GGUF_HARNESS_GEMV_IQ4_KREG: "1" or "" the default build (gemv_kq.cu defines IQ4_KREG 1: the
+    IQ4_XS codebook words in registers), "0" builds it with IQ4_KREG=0; anything else is refused
+    before a build."""
     monkeypatch.setattr(ops, "GEMV_IQ4_KREG", "0")
-    assert "IQ4_KREG=1" not in ops.kv9_defines()
-    monkeypatch.setattr(ops, "GEMV_IQ4_KREG", "1")
-    assert "IQ4_KREG=1" in ops.kv9_defines()
+    assert "IQ4_KREG=0" in ops.kv9_defines()
+    for v in ("1", ""):
+        monkeypatch.setattr(ops, "GEMV_IQ4_KREG", v)
+        assert not any(d.startswith("IQ4_KREG") for d in ops.kv9_defines())
+    assert "#define IQ4_KREG 1" in (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
     monkeypatch.setattr(ops, "GEMV_IQ4_KREG", "yes")
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_IQ4_KREG"):
         ops.kv9_defines()

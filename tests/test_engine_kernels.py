@@ -455,9 +455,10 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
 @pytest.mark.parametrize("build", [{"GEMV_KQ_PF": "1"}, {"GEMV_KQ_PIPE": "1"}, {"GEMV_KQ_PIPE": "2"},
                                    {"GEMV_KQ_PIPE": "2", "GEMV_KQ_MINB": "2"},
                                    {"GEMV_KQ_L1PF": "1", "GEMV_KQ_MINB": "2"}, {"GEMV_KQ_L1PF": "2", "GEMV_KQ_MINB": "2"},
-                                   {"GEMV_KQ_P2": "1"}, {"GEMV_IQ4_XIL": "0"}, {"GEMV_KQ_XLANE": "0"}],
+                                   {"GEMV_KQ_P2": "1"}, {"GEMV_IQ4_XIL": "0"}, {"GEMV_KQ_XLANE": "0"},
+                                   {"GEMV_KQ_F32_XPERM": "1"}],
                          ids=["pf1", "pipe1", "pipe2", "pipe2-minb2", "l1pf1-minb2", "l1pf2-minb2", "p2", "iq4-natural",
-                              "xlane-off"])
+                              "xlane-off", "f32-xperm"])
 def test_gemv_v9_latency_builds(build, split, monkeypatch):
     """The session-9 latency A/B builds of gemv_kq.cu (ops.kv9_defines: KQ_PF, the next row's
     L2 prefetch; KQ_PIPE 1, round n + 1's blocks loaded before round n's dots; KQ_PIPE 2, also
@@ -472,7 +473,9 @@ def test_gemv_v9_latency_builds(build, split, monkeypatch):
     same cases: odd row counts (a warp's second row missing), rows of a pair in two segments, an
     F32 row beside a K-quant one (one row at a time), each node asserted to run a _p2 kernel.
     xlane-off (GGUF_HARNESS_GEMV_KQ_XLANE=0): the xq_slot staging the Q4_K / Q5_K / Q6_K rows had before
-    session 13 made lane records (kwide.cuh XLANE) their default, the same cases."""
+    session 13 made lane records (kwide.cuh XLANE) their default, the same cases.
+    f32-xperm (GGUF_HARNESS_GEMV_KQ_F32_XPERM=1, session 14): F32 rows beside a K-quant type read
+    x in another lane order (gemv_kq.cu f32_row); the ssm_in-like cases check them."""
     from backends.engine import ops as eops
     for knob, val in build.items():
         monkeypatch.setattr(eops, knob, val)
@@ -728,12 +731,13 @@ def test_xlane_build_is_bitwise_equal_to_the_default(monkeypatch):
 
 
 def test_iq4_kreg_build_is_bitwise_equal_to_the_default(monkeypatch):
-    """GGUF_HARNESS_GEMV_IQ4_KREG=1 (kernels/kwide_iq4.cuh IQ4_KREG: codebook words K0 and K2 loaded
-    once into registers instead of re-made from constants before each lookup) runs the same
+    """GGUF_HARNESS_GEMV_IQ4_KREG=1, the default since session 14 (kernels/kwide_iq4.cuh IQ4_KREG:
+    codebook words K0 and K2 loaded once into registers instead of re-made from constants before
+    each lookup) runs the same
     lookups on the same values, so every IQ4_XS output must equal the default build's bit for bit:
     store nodes behind a fused RMSNorm, SwiGLU pairs, add nodes and ssm_in-like nodes (F32 rows
     beside), the 27B widths, every split; each output also checked against the oracle rule."""
-    _build_is_bitwise_equal("GEMV_IQ4_KREG", ("0", "1"), "IQ4_KREG=1", "1",
+    _build_is_bitwise_equal("GEMV_IQ4_KREG", ("0", "1"), "IQ4_KREG=0", "0",
                             (("IQ4_XS", 5120, 301), ("IQ4_XS", 17408, 9), ("IQ4_XS", 5120, 77)), monkeypatch)
 
 

@@ -93,7 +93,54 @@ def test_xlane_switch(monkeypatch):
         ops.kv9_defines()
     assert "GGUF_HARNESS_GEMV_KQ_XLANE" in machine.ENGINE_SWITCHES
     kdir = ops.module.KERNEL_DIR
-    assert re.search(r"#ifndef KQ_XLANE\n(//.*\n)*#define KQ_XLANE 1\n#endif\n#include \"kq_traits.cuh\"",
-                     (kdir / "gemv_kq.cu").read_text())
+    src = (kdir / "gemv_kq.cu").read_text()
+    m = re.search(r"#ifndef KQ_XLANE\n(//.*\n)*#define KQ_XLANE 1\n#endif\n", src)
+    assert m and m.end() < src.index('#include "kq_traits.cuh"')  # defined before the traits read it
     assert "#define KQ_XLANE 0" in (kdir / "kq_traits.cuh").read_text()
     assert "KQ_XLANE" not in (kdir / "gemv_tma.cu").read_text().split("kq_traits.cuh")[0]
+
+
+def xl_entry(xl: int, lane: int, pos: int) -> int:  # kwide.cuh, the inverse of (xl_lane, xl_pos)
+    if xl == 1:
+        return 8 * (lane >> 1) + 4 * (pos >> 1) + 2 * (lane & 1) + (pos & 1)
+    return 16 * (lane >> 2) + 8 * (pos >> 1) + 2 * (lane & 3) + (pos & 1)
+
+
+@pytest.mark.parametrize("xl", [1, 2])
+def test_f32_rows_lane_order_and_its_bank_groups(xl):
+    """f32_row (gemv_kq.cu) reads natural entry c of an F32 row's x at xl_slot(c). In the default
+    order (the lane at window position t takes entry t) every quarter warp's 8 loads of 16 bytes
+    fall on 7 distinct bank groups: one 2-way conflict each (the session-14 finding behind the 27B
+    ssm_in node's +2.7 % with XLANE). The KQ_F32_XPERM build's order (position t takes
+    xl_entry(t & 7, t >> 3)) is a bijection of each 32-entry window and puts every quarter warp on
+    8 distinct groups. The kernel's xl_entry must be this formula (checked in the source)."""
+    for e in range(32):
+        assert xl_entry(xl, xl_lane(xl, e), xl_pos(xl, e)) == e
+    natural = [len({xl_slot(xl, c) % 8 for c in range(b, b + 8)}) for b in range(0, 128, 8)]
+    assert natural == [7] * 16
+    perm = [xl_entry(xl, t & 7, t >> 3) for t in range(32)]
+    assert sorted(perm) == list(range(32))
+    for w in range(4):  # four windows: the slot's window term 40 w keeps the groups apart too
+        for q in range(4):
+            groups = {xl_slot(xl, 32 * w + perm[8 * q + t]) % 8 for t in range(8)}
+            assert len(groups) == 8, (xl, w, q, groups)
+    src = (ops.module.KERNEL_DIR / "kwide.cuh").read_text()
+    assert ("return XL == 1 ? 8 * (lane >> 1) + 4 * (pos >> 1) + 2 * (lane & 1) + (pos & 1)\n"
+            "                   : 16 * (lane >> 2) + 8 * (pos >> 1) + 2 * (lane & 3) + (pos & 1);") in src
+    gsrc = (ops.module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    assert "l = (l & ~31) | xl_entry<XL>(l & 7, (l >> 3) & 3);" in gsrc
+
+
+def test_f32_xperm_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_F32_XPERM: "1" adds KQ_F32_XPERM=1 (an A/B build), "0" / "" nothing;
+    another value is refused; it is in machine info."""
+    from harness import machine
+    monkeypatch.setattr(ops, "GEMV_KQ_F32_XPERM", "1")
+    assert "KQ_F32_XPERM=1" in ops.kv9_defines()
+    for v in ("0", ""):
+        monkeypatch.setattr(ops, "GEMV_KQ_F32_XPERM", v)
+        assert "KQ_F32_XPERM=1" not in ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_F32_XPERM", "on")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_F32_XPERM"):
+        ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_F32_XPERM" in machine.ENGINE_SWITCHES

@@ -187,10 +187,15 @@ GEMV_KQ_XLANE = os.environ.get("GGUF_HARNESS_GEMV_KQ_XLANE", "1")
 # squares and the F32 rows of a node (gemv_kq.cu f32_row) keep the natural order). The default
 # since session 11 (the 27B step -2.4 %); "0" (or "") gives the natural-order build back.
 GEMV_IQ4_XIL = os.environ.get("GGUF_HARNESS_GEMV_IQ4_XIL", "1")
-# IQ4_KREG: the v9 IQ4_XS rows hold the iq4nl codebook words in registers (kernels/kwide_iq4.cuh
-# IQ4_KREG; the default build has ptxas re-make two of them before each lookup). "1": that build
-# (A/B); "0" or unset: the default. Bitwise equal outputs.
-GEMV_IQ4_KREG = os.environ.get("GGUF_HARNESS_GEMV_IQ4_KREG", "0")
+# IQ4_KREG: the v9 IQ4_XS rows hold the iq4nl codebook words K0 / K2 in registers
+# (kernels/kwide_iq4.cuh IQ4_KREG; without it ptxas re-makes one before each lookup). "1" or unset:
+# gemv_kq.cu's default since session 14 (H200: 2x[17408x5120] IQ4_XS 36.1 -> 35.7 us, the 27B step
+# -0.3 %; docs/perf-notes.md); "0": the build with -DIQ4_KREG=0 (A/B). Bitwise equal outputs.
+GEMV_IQ4_KREG = os.environ.get("GGUF_HARNESS_GEMV_IQ4_KREG", "1")
+# KQ_F32_XPERM: F32 rows beside Q4_K / Q5_K / Q6_K ones (qwen35's ssm_in) read the lane records in a
+# conflict-free lane order (kernels/gemv_kq.cu f32_row). "1": that build (A/B, written in session
+# 14, not yet run on a GPU); "0" or unset: the default. Not bitwise equal (other partial sums).
+GEMV_KQ_F32_XPERM = os.environ.get("GGUF_HARNESS_GEMV_KQ_F32_XPERM", "0")
 
 
 def kv9_defines() -> tuple[str, ...]:
@@ -228,8 +233,12 @@ def kv9_defines() -> tuple[str, ...]:
     kv9_p2_min_rows()  # likewise _MIN_ROWS
     if GEMV_IQ4_KREG not in ("", "0", "1"):
         raise ValueError(f"GGUF_HARNESS_GEMV_IQ4_KREG={GEMV_IQ4_KREG!r}: expected 0 or 1")
-    if GEMV_IQ4_KREG == "1":
-        out.append("IQ4_KREG=1")
+    if GEMV_IQ4_KREG == "0":  # "1" / "": the kernel's default (IQ4_KREG 1)
+        out.append("IQ4_KREG=0")
+    if GEMV_KQ_F32_XPERM not in ("", "0", "1"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_F32_XPERM={GEMV_KQ_F32_XPERM!r}: expected 0 or 1")
+    if GEMV_KQ_F32_XPERM == "1":
+        out.append("KQ_F32_XPERM=1")
     return tuple(out) + iq4_xil_defines()
 
 

@@ -41,6 +41,13 @@
 // (0) keeps gemv_tma.cu (v10) as it was.
 #define KQ_XLANE 1
 #endif
+#ifndef IQ4_KREG
+// IQ4_XS codebook words K0 / K2 held in registers (kwide_iq4.cuh IQ4_KREG), the default of this
+// kernel since session 14 (H200: the 2x[17408x5120] gate/up pair -1.2 %, the 27B step -0.3 %;
+// loop SASS -13 %; bitwise equal outputs); -DIQ4_KREG=0 (ops GGUF_HARNESS_GEMV_IQ4_KREG=0) builds
+// the constants' version. kwide_iq4.cuh's own default (0) keeps gemv_tma.cu and gemv_mma.cu as they were.
+#define IQ4_KREG 1
+#endif
 #include "kq_traits.cuh"  // Lanes8 / Lanes4, KQ<T> (kwide_iq4.cuh, kwide_iq3s.cuh, kwide4.cuh)
 #include "segs.cuh"
 
@@ -80,9 +87,23 @@ static_assert(!(kKqPipe > 0 && kKqL1pf > 0), "KQ_PIPE and KQ_L1PF are separate A
 // 4b + 2 (m & 1) and the one after; the products are summed in the default's order, so the row
 // is the default build's bit for bit.
 // XL (KQ_XLANE build): natural entry c sits at xl_slot<XL>(c) (kwide.cuh lane records).
+// KQ_F32_XPERM (A/B build, ops GGUF_HARNESS_GEMV_KQ_F32_XPERM=1; written in session 14, not yet run
+// on a GPU): with XL, the lane of window position t = c & 31 takes entry xl_entry(t & 7, t >> 3)
+// of its 32-entry window instead of entry t. Why: with entry t the 8 entries of a quarter warp sit
+// on 7 distinct 16-byte bank groups of the lane records (one 2-way conflict per quarter warp, a
+// CPU replay in tests/test_xlane.py), and the 27B's ssm_in node (Q5_K with F32 rows beside) was
+// the one node kind slower with XLANE (+2.7 %, session 14); position q of records 0..7 sits on
+// groups 5 i + q mod 8, all distinct. The warp still reads the same 1 KB of weights per
+// iteration (each lane one 32-byte sector), in another lane order; each lane's sum runs over
+// other entries, so the row is not bitwise the default's.
+#ifndef KQ_F32_XPERM
+#define KQ_F32_XPERM 0
+#endif
 template <bool SW4, bool IL = false, int XL = 0>
 __device__ __forceinline__ float f32_row(const u8* row, const XS& xa, int K, int l, int nl) {
     float acc = 0.f;
+    if constexpr (XL != 0 && KQ_F32_XPERM)  // nl and the windows are multiples of 32 (K % 256 == 0)
+        l = (l & ~31) | xl_entry<XL>(l & 7, (l >> 3) & 3);
     for (int c = l; c < K / 8; c += nl) {
         const float4 a = ((const float4*)row)[2 * c], b = ((const float4*)row)[2 * c + 1];
         // two fma chains, not one over a code array: the merged form changed the default

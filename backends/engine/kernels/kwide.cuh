@@ -138,6 +138,13 @@ template <int XL> __device__ __forceinline__ int xl_lane(int e) {
 template <int XL> __device__ __forceinline__ int xl_pos(int e) {
     return XL == 1 ? (e & 1) + 2 * ((e >> 2) & 1) : (e & 1) + 2 * ((e >> 3) & 1);
 }
+// The inverse: the entry at position `pos` of lane record `lane` (XL 1: e = 8 (lane >> 1) +
+// 4 (pos >> 1) + 2 (lane & 1) + (pos & 1); XL 2: e = 16 (lane >> 2) + 8 (pos >> 1) + 2 (lane & 3) +
+// (pos & 1)).
+template <int XL> __device__ __forceinline__ int xl_entry(int lane, int pos) {
+    return XL == 1 ? 8 * (lane >> 1) + 4 * (pos >> 1) + 2 * (lane & 1) + (pos & 1)
+                   : 16 * (lane >> 2) + 8 * (pos >> 1) + 2 * (lane & 3) + (pos & 1);
+}
 // int4 index of natural entry c (values 8c .. 8c + 7) in the XL layout; its lane record's
 // fifth int4 (xl_slot(c) - pos + 4) holds the record's sums and scales
 template <int XL> __device__ __forceinline__ int xl_slot(int c) {
