@@ -171,9 +171,9 @@ GEMV_KQ_P2 = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2", "q6_k")
 GEMV_KQ_P2_MAX_K = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2_MAX_K", "6144")
 # KQ_P2_MIN_ROWS=N: the _p2 kernels only for nodes of >= N rows. Why: two rows per warp halve the
 # row groups, and a [1024 x 5120] node then has 64 blocks of 16 warps for 132 SMs (the 2-round rule
-# keeps S <= 2 at K = 5120): [1024x5120] Q6_K took 6.08 us with P2 against 4.57 without (sessions
-# 12-13, cold back to back), while the 27B's 2048-row qkv.q6_k node gained 6 % with P2 (session
-# 11). Default 2048; "" = every row count.
+# keeps S <= 2 at K = 5120): [1024x5120] Q6_K took 6.06 us with P2 against 4.36 without (session
+# 14, same run, cold back to back), while the 27B's 2048-row qkv.q6_k node gained 6 % with P2
+# (session 11). Default 2048; "" = every row count.
 GEMV_KQ_P2_MIN_ROWS = os.environ.get("GGUF_HARNESS_GEMV_KQ_P2_MIN_ROWS", "2048")
 # KQ_XLANE: the 8-lane Q4_K / Q5_K / Q6_K rows read x from lane-major records (kernels/kwide.cuh
 # XLANE: one base address, 5 LDS.128 per round instead of 8 loads from re-derived slot addresses;

@@ -95,8 +95,9 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 c) {
     return r;
 }
 
-// IQ4_KREG (A/B build, ops GGUF_HARNESS_GEMV_IQ4_KREG=1; default 0): the lane holds codebook words
-// K0 and K2 in registers for the whole row loop. Why: nvdisasm of the default
+// IQ4_KREG (gemv_kq.cu defines it 1, its default since session 14; ops GGUF_HARNESS_GEMV_IQ4_KREG=0
+// builds it with 0; this header's default 0 keeps gemv_tma.cu and gemv_mma.cu as they were): the
+// lane holds codebook words K0 and K2 in registers for the whole row loop. Why: nvdisasm of the old
 // gemvkq_swiglu_iq4_xs (59 registers) shows 27 of its 221 loop instructions to be
 // `IMAD.U32 Rn, RZ, RZ, URk` re-making K0 / K2: a lookup `prmt(K0, K1, c)` compiles to
 // PRMT Rd, Ra = K0, Rb = c, imm = K1 (one operand may be an immediate, the other must be a
