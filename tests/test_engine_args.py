@@ -686,7 +686,11 @@ def test_iq4_kreg_switch(monkeypatch):
     for v in ("1", ""):
         monkeypatch.setattr(ops, "GEMV_IQ4_KREG", v)
         assert not any(d.startswith("IQ4_KREG") for d in ops.kv9_defines())
-    assert "#define IQ4_KREG 1" in (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
+    src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
+    m = re.search(r"#ifndef IQ4_KREG\n(//.*\n)*#define IQ4_KREG 1\n#endif\n", src)
+    assert m and m.end() <= src.index('#include "kq_traits.cuh"')  # before kwide_iq4.cuh reads it
+    hdr = (Path(ops.__file__).parent / "kernels" / "kwide_iq4.cuh").read_text()
+    assert hdr.index("#define IQ4_XIL 1") < hdr.index("#if IQ4_KREG && IQ4_XIL")  # the guard sees XIL
     monkeypatch.setattr(ops, "GEMV_IQ4_KREG", "yes")
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_IQ4_KREG"):
         ops.kv9_defines()

@@ -722,7 +722,8 @@ def test_xlane_build_is_bitwise_equal_to_the_default(monkeypatch):
     Q5_K / Q6_K rows the same codes, sums and scales as the default staging and runs the same
     arithmetic, so every output must equal the xq_slot build's (XLANE=0) bit for bit: store nodes at the
     27B widths behind a fused RMSNorm for several activation vectors, add and SwiGLU nodes, the
-    Q6_K store through P2 (two rows per warp, the default for K <= 6144), an ssm_in-like node
+    Q6_K store through P2 (two rows per warp, the default for K <= 6144 and >= 2048 rows, forced here
+    for the few rows of these cases), an ssm_in-like node
     (F32 rows beside the K-quant ones: f32_row reads natural entries from the records), each at
     every split; each output also checked against the oracle rule."""
     _build_is_bitwise_equal("GEMV_KQ_XLANE", ("0", "1"), "KQ_XLANE=0", "0",

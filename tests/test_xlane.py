@@ -95,7 +95,7 @@ def test_xlane_switch(monkeypatch):
     kdir = ops.module.KERNEL_DIR
     src = (kdir / "gemv_kq.cu").read_text()
     m = re.search(r"#ifndef KQ_XLANE\n(//.*\n)*#define KQ_XLANE 1\n#endif\n", src)
-    assert m and m.end() < src.index('#include "kq_traits.cuh"')  # defined before the traits read it
+    assert m and m.end() <= src.index('#include "kq_traits.cuh"')  # defined before the traits read it
     assert "#define KQ_XLANE 0" in (kdir / "kq_traits.cuh").read_text()
     assert "KQ_XLANE" not in (kdir / "gemv_tma.cu").read_text().split("kq_traits.cuh")[0]
 
@@ -133,7 +133,7 @@ def test_f32_rows_lane_order_and_its_bank_groups(xl):
 
 def test_f32_xperm_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_F32_XPERM: "1" adds KQ_F32_XPERM=1 (an A/B build), "0" / "" nothing;
-    another value is refused; it is in machine info."""
+    another value is refused, and "1" without the lane records (XLANE=0); it is in machine info."""
     from harness import machine
     monkeypatch.setattr(ops, "GEMV_KQ_F32_XPERM", "1")
     assert "KQ_F32_XPERM=1" in ops.kv9_defines()
@@ -142,5 +142,9 @@ def test_f32_xperm_switch(monkeypatch):
         assert "KQ_F32_XPERM=1" not in ops.kv9_defines()
     monkeypatch.setattr(ops, "GEMV_KQ_F32_XPERM", "on")
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_F32_XPERM"):
+        ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_F32_XPERM", "1")
+    monkeypatch.setattr(ops, "GEMV_KQ_XLANE", "0")  # no lane records: the build would be the default's
+    with pytest.raises(ValueError, match="needs the lane records"):
         ops.kv9_defines()
     assert "GGUF_HARNESS_GEMV_KQ_F32_XPERM" in machine.ENGINE_SWITCHES

@@ -202,10 +202,11 @@ def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
-    KQ_XLANE=0, then
+    KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
-    both), XLANE unless empty, 0 or 1, and as kv9_p2_types and kv9_p2_max_k."""
+    both), XLANE, IQ4_KREG and F32_XPERM unless empty, 0 or 1, for F32_XPERM with XLANE=0 (it
+    would build the default), and as kv9_p2_types, kv9_p2_max_k and kv9_p2_min_rows."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL"),
@@ -238,6 +239,8 @@ def kv9_defines() -> tuple[str, ...]:
     if GEMV_KQ_F32_XPERM not in ("", "0", "1"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_F32_XPERM={GEMV_KQ_F32_XPERM!r}: expected 0 or 1")
     if GEMV_KQ_F32_XPERM == "1":
+        if GEMV_KQ_XLANE == "0":  # f32_row permutes only lane-record reads: the build would be the default's
+            raise ValueError("GGUF_HARNESS_GEMV_KQ_F32_XPERM=1 needs the lane records (GGUF_HARNESS_GEMV_KQ_XLANE=1)")
         out.append("KQ_F32_XPERM=1")
     return tuple(out) + iq4_xil_defines()
 
@@ -343,8 +346,9 @@ def kv9_kernel(mode: str, type_ids, K: int, lanes4: bool = True, split: int = 1,
     two rows per warp). split: S warps share each row group (1, 2 or 4; the name's _s2 / _s4,
     kv9_split). Store/add nodes of a GGUF_HARNESS_GEMV_KQ_P2 type with K <= kv9_p2_max_k() and, when
     `rows` (the node's output rows) is given, rows >= kv9_p2_min_rows() take the _p2 kernels (two
-    rows per warp, 8 lanes per super-block; never Q8_0/Q4_0). Raises ValueError on another split, and
-    for an IQ3_S (Q8_0/Q4_0) node on a GGUF_HARNESS_GEMV_KQ_IQ3S (_Q0) other than 0 or 1."""
+    rows per warp, 8 lanes per super-block; never Q8_0/Q4_0). Raises ValueError on another split,
+    for an IQ3_S (Q8_0/Q4_0) node on a GGUF_HARNESS_GEMV_KQ_IQ3S (_Q0) other than 0 or 1, and as
+    kv9_p2_max_k / kv9_p2_min_rows on a P2 candidate."""
     if split not in KV9_SPLITS:
         raise ValueError(f"v9 split {split!r}: expected one of {KV9_SPLITS}")
     type_ids = list(type_ids)

@@ -22,6 +22,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
+from . import ops
+
 # (source, defines, one kernel it defines): get_function forces the compile. Defines in the
 # order the engine passes them (ops.gemv_kernel), or the cache key differs.
 BUILDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -42,9 +44,11 @@ BUILDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("attention_gated.cu", (), "attn_gated_d128"),
     ("deltanet.cu", (), "gdn_step_s128_r8"),
     # engine v9 (the default GGUF_HARNESS_GEMV_KQ=v9l8): one build holds every v9 kernel, the
-    # IQ3_S ones (GGUF_HARNESS_GEMV_KQ_IQ3S, default on) included; the grid A/B builds
-    # (GGUF_HARNESS_GEMV_KQ_IQ3S_GRID, -DKQ_IQ3S_GRID=N) compile at first use
-    ("gemv_kq.cu", (), "gemvkq_store_q4_k"),
+    # IQ3_S ones (GGUF_HARNESS_GEMV_KQ_IQ3S, default on) included; with the defines the engine
+    # passes under this environment (ops.kv9_defines: ("KQ_P2=1",) by default since P2 for q6_k
+    # became the default in session 12; until session 14 this entry had none, a build the engine
+    # never used); the grid A/B builds (GGUF_HARNESS_GEMV_KQ_IQ3S_GRID) compile at first use
+    ("gemv_kq.cu", ops.kv9_defines(), "gemvkq_store_q4_k"),
 )
 
 

@@ -96,26 +96,29 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 c) {
 }
 
 // IQ4_KREG (gemv_kq.cu defines it 1, its default since session 14; ops GGUF_HARNESS_GEMV_IQ4_KREG=0
-// builds it with 0; this header's default 0 keeps gemv_tma.cu and gemv_mma.cu as they were): the
-// lane holds codebook words K0 and K2 in registers for the whole row loop. Why: nvdisasm of the old
+// builds it with 0; this header's default 0 keeps gemv.cu, gemv_tma.cu and gemv_mma.cu as they
+// were; only the IQ4_XIL lookups, iq4_lut2, take the words): the lane holds codebook words K0 and
+// K2 in registers for the whole row loop. Why: nvdisasm of the old
 // gemvkq_swiglu_iq4_xs (59 registers) shows 27 of its 221 loop instructions to be
 // `IMAD.U32 Rn, RZ, RZ, URk` re-making K0 / K2: a lookup `prmt(K0, K1, c)` compiles to
 // PRMT Rd, Ra = K0, Rb = c, imm = K1 (one operand may be an immediate, the other must be a
 // register), and ptxas writes Rd over a fresh copy of K0 each time rather than hold it. Words
 // loaded from global memory (inline asm, opaque to ptxas; a shuffle of the constant was folded
 // back into it) cannot be re-made from a constant, so ptxas keeps them: 2 registers, one 8-byte
-// load per warp. Same lookups, same values: bitwise the default's outputs.
+// load per lane (the same address for every lane) per kernel. Same lookups, same values: bitwise
+// the default's outputs.
 #ifndef IQ4_KREG
 #define IQ4_KREG 0
 #endif
 struct Iq4Book { u32 k0, k1, k2, k3; };
-#if IQ4_KREG
+#if IQ4_KREG && IQ4_XIL
 __device__ __align__(8) const u32 kIq4BookK02[2] = {IQ4NL_K0, IQ4NL_K2};
 #endif
 __device__ __forceinline__ Iq4Book iq4_book() {
-#if IQ4_KREG
+#if IQ4_KREG && IQ4_XIL
     u32 k0, k2;
-    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(k0), "=r"(k2) : "l"(kIq4BookK02));
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(k0), "=r"(k2) : "l"(__cvta_generic_to_global(kIq4BookK02)));
     return {k0, IQ4NL_K1, k2, IQ4NL_K3};
 #else
     return {IQ4NL_K0, IQ4NL_K1, IQ4NL_K2, IQ4NL_K3};
