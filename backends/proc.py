@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +37,9 @@ from harness.errors import BackendCrash, HarnessError
 DEFAULT_CALL_TIMEOUT_S = 600.0
 DEFAULT_START_TIMEOUT_S = 120.0
 STDERR_TAIL_BYTES = 4000
+# what a line stating a child's cause of death looks like (libggml: "GGML_ASSERT(...) failed",
+# llama.cpp: "error: ...", "... failed to ...")
+_CAUSE = re.compile(r"GGML_ASSERT|\berror\b|\bfailed\b|\babort", re.IGNORECASE)
 _EXIT_WAIT_S = 5.0  # how long a child that closed its pipe may take to exit
 # The folder holding the `backends` package, so the child can import backends.proc_child.
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -235,9 +239,26 @@ class ChildProxy:
             return reply[1]
         raise self._child_error(what, *reply[1:])
 
+    def stderr_cause(self, n_bytes: int = 1 << 20) -> str:
+        """The child's last stderr line that states why it died (a GGML_ASSERT, an `error:` /
+        `failed` / `abort` line), searched in its last n_bytes; "" if none. Why: an abort in
+        libggml prints the assertion and then a debugger backtrace, which fills the
+        STDERR_TAIL_BYTES tail and pushes the assertion out of it."""
+        cause = ""
+        for line in self.stderr_tail(n_bytes).splitlines():
+            line = line.strip()
+            if line.startswith("#") or not _CAUSE.search(line):  # "#3 0x... in f()": backtrace frames
+                continue
+            if "GGML_ASSERT" in line:  # the assertion itself beats whatever the debugger says after it
+                return line[:500]
+            cause = line
+        return cause[:500]
+
     def _crash_error(self, text: str) -> BackendCrash:
         tail = self.stderr_tail()
         msg = f"{self.label}: {text}"
+        if cause := self.stderr_cause():
+            msg += f": {cause}"
         if tail.strip():
             msg += "\n--- child stderr (tail) ---\n" + tail.rstrip()
         exc = BackendCrash(msg)

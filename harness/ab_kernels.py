@@ -158,8 +158,12 @@ def compare_kernels(a: dict, b: dict, threshold: float = 0.02) -> KernelsAB:
                                    f"spec {ra.get('spec')} vs {rb.get('spec')}"))
             continue
         ma, mb = ra.get("modes") or {}, rb.get("modes") or {}
-        for mode in [m for m in MODES if m in ma and m in mb]:
-            perf.append(KernelPerf(name, label, mode, **mode_stats(ma[mode], mb[mode], threshold)))
+        for mode in [m for m in MODES if m in ma or m in mb]:
+            if mode in ma and mode in mb:
+                perf.append(KernelPerf(name, label, mode, **mode_stats(ma[mode], mb[mode], threshold)))
+            else:  # timed in one run only (other --modes, or a failed row): said, not dropped
+                perf.append(KernelPerf(name, label, mode, None, None, None, None, None, "UNKNOWN",
+                                       f"timed in {'A' if mode in ma else 'B'} only"))
     for name in rows_b:
         checks.append(KernelCheck(name, "shape", "missing", "present", "new"))
     return KernelsAB(perf, checks, notes)

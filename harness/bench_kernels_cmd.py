@@ -53,7 +53,10 @@ def config_from_args(args):
     """(shapes, KernelsConfig) from the parsed flags; ConfigError on bad values."""
     from .bench_kernels import KernelsConfig
     from .bench_stats import StopRule
+    from .errors import ConfigError
     from .kernel_shapes import select
+    if args.seed < 0:  # numpy's default_rng refuses it, once per shape on the GPU machine
+        raise ConfigError(f"--seed {args.seed}: expected a non-negative integer")
     shapes = select(args.shapes, args.formats)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     rule = StopRule(min_samples=args.min_samples, min_time_s=args.min_time,

@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's exit-time flush would raise again
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the signal
+    except OSError as e:  # the environment, not a verdict: e.g. a cache variable naming a file
+        console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -94,12 +94,19 @@ class Shape:
         return f"{'2x' if self.n_mats == 2 else ''}[{self.rows}x{self.K}] {self.fmt}"
 
 
+# Bound on a spec's rows and K (the 27B's output head has 248320 rows): a typo such as an extra
+# digit group is refused here rather than as a host allocation failure per shape on the GPU.
+MAX_DIM = 1 << 20
+
+
 def parse_spec(spec: str, name: str | None = None, source: str = "") -> Shape:
     """"[2x]ROWSxK:FMT" -> Shape (FMT a GGML type name, any case). Raises ConfigError."""
     m = _SPEC.match(spec.strip())
     if not m:
         raise ConfigError(f"shape {spec!r}: expected [2x]ROWSxK:FORMAT, e.g. 4096x4096:Q8_0")
     pair, rows, K, fmt = m.groups()
+    if not 1 <= int(rows) <= MAX_DIM or not 1 <= int(K) <= MAX_DIM:
+        raise ConfigError(f"shape {spec!r}: rows and K must be 1..{MAX_DIM:,}")
     type_id = _BY_NAME.get(fmt.upper())
     if type_id is None:
         raise ConfigError(f"shape {spec!r}: unknown GGML type {fmt!r}")
@@ -126,7 +133,8 @@ def select(shapes_csv: str | None = None, formats_csv: str | None = None) -> lis
     picked: list[Shape] = []
     for tok in _split(shapes_csv) or ["*"]:
         if ":" in tok:
-            picked.append(parse_spec(tok))
+            if (sp := parse_spec(tok)) not in picked:  # a repeated spec would collide in `harness ab`
+                picked.append(sp)
             continue
         hits = [s for s in base if fnmatch.fnmatchcase(s.name, tok)]
         if not hits:

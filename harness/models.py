@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import ModelRef
-from .errors import ModelError
+from .errors import ConfigError, ModelError
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-q4_k_m"
 CACHE_ENV = "GGUF_HARNESS_CACHE"
@@ -70,7 +70,10 @@ def cache_dir() -> Path:
     """Where assembled models live: $GGUF_HARNESS_CACHE, else the user cache dir."""
     env = os.environ.get(CACHE_ENV)
     if env:
-        return Path(env).expanduser()
+        path = Path(env).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{CACHE_ENV}={env}: not a directory")
+        return path
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "gguf-harness" / "models"
 

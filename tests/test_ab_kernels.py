@@ -61,6 +61,18 @@ def test_unknown_on_few_samples_or_a_changed_spec():
     assert {p.verdict for p in res.perf} == {"UNKNOWN"}
 
 
+def test_a_mode_timed_in_one_run_only_is_an_unknown_row():
+    """A mode in A's row but not B's (another --modes, say) is listed as UNKNOWN with a note, not
+    dropped from the table (found by a new-user pass, session 14)."""
+    a, b = _doc([_row("a", 10.0)]), _doc([_row("a", 10.0)])
+    del b["rows"][0]["modes"]["hot"]
+    res = abk.compare_kernels(a, b)
+    got = {p.mode: (p.verdict, p.note) for p in res.perf}
+    assert got["cold_b2b"][0] == "SAME"
+    assert got["hot"] == ("UNKNOWN", "timed in A only")
+    assert {p.mode: p.note for p in abk.compare_kernels(b, a).perf}["hot"] == "timed in B only"
+
+
 def test_settings_difference_is_noted_not_refused():
     res = abk.compare_kernels(_doc([_row("a", 10.0)]), _doc([_row("a", 8.0)], gemv_kq="v9"))
     assert any("gemv_kq" in n for n in res.notes) and res.perf[0].verdict == "FASTER"

@@ -65,7 +65,8 @@ def test_bytes_count_weights_input_and_output_once():
 
 
 @pytest.mark.parametrize("spec", ["64x512", "64x512:", "x512:Q4_K", "3x64x512:Q4_K",
-                                  "64x512:NOPE", "64x500:Q4_K", "0x512:Q4_K", "64x512:Q4_K;rm"])
+                                  "64x512:NOPE", "64x500:Q4_K", "0x512:Q4_K", "64x512:Q4_K;rm",
+                                  "1099511627776x1099511627776:Q4_K", "64x2097152:Q4_K"])
 def test_bad_specs_are_config_errors(spec):
     with pytest.raises(ConfigError):
         parse_spec(spec)
@@ -76,6 +77,7 @@ def test_select_patterns_formats_specs_and_errors():
     assert [s.name for s in select("ffn_down*")] == ["ffn_down", "ffn_down_iq3", "ffn_down_q6"]
     assert [s.name for s in select("ffn_down*", "q6_k")] == ["ffn_down_q6"]
     assert [s.name for s in select("output,output,attn_k")] == ["output", "attn_k"]
+    assert [s.name for s in select("64x512:Q4_K, 64x512:Q4_K")] == ["64x512:Q4_K"]  # once: ab keys rows by name
     assert {s.fmt for s in select(None, "Q6_K")} == {"Q6_K"}
     lit = select("attn_k, 2x32x256:Q4_K")
     assert lit[1].n_mats == 2 and lit[1].name == "2x32x256:Q4_K"
@@ -208,6 +210,13 @@ def test_gb_s_and_percentages():
 
 
 def test_config_validation():
+    from types import SimpleNamespace
+
+    from harness.bench_kernels_cmd import config_from_args
+    args = SimpleNamespace(shapes="attn_k", formats=None, modes="hot", min_samples=5, min_time=0.1,
+                           max_noise=0.02, max_time=1.0, cold_bytes=None, max_copies=64, seed=-1)
+    with pytest.raises(ConfigError, match="--seed"):
+        config_from_args(args)
     with pytest.raises(ConfigError):
         KernelsConfig(modes=("cold_b2b", "warm"))
     with pytest.raises(ConfigError):

@@ -164,3 +164,27 @@ def test_reader_leaving_the_pipe_is_not_a_traceback(tmp_path):
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_cache_variable_naming_a_file_is_one_line_exit_2(capsys, tmp_path, monkeypatch):
+    """GGUF_HARNESS_CACHE pointing at a file: a clear error naming the variable, not a
+    FileExistsError traceback from mkdir (found by a new-user pass, session 14)."""
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    monkeypatch.setenv(models.CACHE_ENV, str(f))
+    code, err = _run(capsys, "models", "list")
+    assert code == 2
+    assert "not a directory" in err and models.CACHE_ENV in err and "Traceback" not in err
+
+
+def test_os_errors_from_the_environment_are_one_line_exit_2(capsys, monkeypatch):
+    """An OSError escaping a command (an unwritable or mistyped path in the environment) ends as
+    `error: ...`, exit 2 (bad input), not a traceback with exit 1 (which means a FAIL verdict)."""
+    from harness import cli
+
+    def boom(args):
+        raise NotADirectoryError(20, "Not a directory", "/some/file/sub")
+    monkeypatch.setattr(cli, "_cmd_models", boom)
+    code, err = _run(capsys, "models", "list")
+    assert code == 2
+    assert "Not a directory" in err and "Traceback" not in err

@@ -14,14 +14,14 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
                "gemvf_store_w1": "GEMV_KERNEL(gemvf_store_w1,", "attn_gqa_d128": "GQA_KERNEL(128)",
                "attn_head_d128": "HEAD_KERNEL(128)", "attn_gated_d128": "GATED_KERNEL(128)",
                "gdn_step_s128_r8": "GDN_STEP_KERNEL(128, 8)", "gemvkq_store_q4_k": "KQ_MODES(T_Q4_K, q4_k)"}
-    for source, defines, name in prewarm.BUILDS:
+    for source, defines, name in prewarm.builds():
         text = (module.KERNEL_DIR / source).read_text()
         assert (made_by.get(name, "\x00") in text or re.search(rf"\b{re.escape(name)}\(", text)), (source, name)
         if source == "gemv_kq.cu":  # the build the engine's v9 nodes use (ops.gemv: kv9_defines() + IQ3_S grid's ())
             assert defines == ops.kv9_defines() + ops.kv9_iq3s_defines([12]), defines
         else:
             assert set(defines) <= {"GEMV_IQ4", "ACT_Q8_1", "PF_AHEAD=0", "PF_AHEAD=1"}
-    gemv_defs = {d for s, d, _ in prewarm.BUILDS if s == "gemv.cu"}
+    gemv_defs = {d for s, d, _ in prewarm.builds() if s == "gemv.cu"}
     # the engine's own order (ops.gemv_kernel): ACT_Q8_1 first, then GEMV_IQ4
     for impl in ("q16", "q8_1"):
         for types in ([12], [23]):
@@ -45,3 +45,13 @@ def test_without_a_gpu_it_exits_2(capsys):
         pytest.skip("a GPU is present: prewarm would compile")
     assert prewarm.main([]) == 2
     assert "needs CuPy and a GPU" in capsys.readouterr().err
+
+
+def test_bad_engine_switch_is_one_line_exit_2(capsys, monkeypatch):
+    """A bad GGUF_HARNESS_GEMV_* value stops prewarm with its message and exit 2, before any
+    compile (with or without a GPU), not a traceback at import."""
+    monkeypatch.setattr(ops, "GEMV_KQ_P2_MIN_ROWS", "abc")
+    import harness.gpu
+    monkeypatch.setattr(harness.gpu, "require_cupy", lambda: None)  # as if a GPU were here
+    assert prewarm.main([]) == 2
+    assert "GGUF_HARNESS_GEMV_KQ_P2_MIN_ROWS" in capsys.readouterr().err

@@ -171,6 +171,18 @@ def test_abort_is_reported_with_the_child_stderr():
         assert "GGML_ASSERT(fake) failed" in str(info.value)
 
 
+def test_abort_names_its_cause_even_behind_a_long_backtrace():
+    """libggml prints its GGML_ASSERT and then a debugger backtrace longer than the stderr tail
+    the message quotes: the assertion must still be in the error's first line."""
+    with ChildProxy(f"{HERE}:Worker", call_timeout_s=30) as p:
+        frames = "".join(f"#{i} 0x00007f00deadbeef in frame_{i} () from libggml-base.so error\n" for i in range(200))
+        with pytest.raises(BackendCrash, match="SIGABRT") as info:
+            p.abort("llama.cpp/src/llama-model.cpp:42: GGML_ASSERT(hparams.n_layer > 0) failed\n" + frames)
+        first = str(info.value).splitlines()[0]
+        assert "GGML_ASSERT(hparams.n_layer > 0) failed" in first, first
+        assert len(frames) > 4000  # the assertion left the quoted tail
+
+
 def test_plain_exit_code_is_reported():
     with ChildProxy(f"{HERE}:Worker", call_timeout_s=30) as p:
         with pytest.raises(BackendCrash, match="exit code 3") as info:

@@ -12,7 +12,8 @@ processes find every module in the cache.
     python -m backends.engine.prewarm [--jobs N] [--only gemv]
 
 Prints one line per build (seconds, ok or the compile error's first line); exit status 1 if
-any build failed, 2 without a GPU (CuPy needs a device to compile for its architecture).
+any build failed, 2 without a GPU (CuPy needs a device to compile for its architecture) or on a
+bad engine switch value.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from . import ops
 
 # (source, defines, one kernel it defines): get_function forces the compile. Defines in the
 # order the engine passes them (ops.gemv_kernel), or the cache key differs.
-BUILDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+# None: the defines the engine passes under this environment, resolved at run time (builds()).
+BUILDS: tuple[tuple[str, tuple[str, ...] | None, str], ...] = (
     ("gemv.cu", (), "gemv_store_w1_b4"),
     ("gemv.cu", ("GEMV_IQ4",), "gemv_store_w1_b4_iq4"),
     ("gemv.cu", ("ACT_Q8_1",), "gemv_store_w1_b4"),
@@ -48,8 +50,14 @@ BUILDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     # passes under this environment (ops.kv9_defines: ("KQ_P2=1",) by default since P2 for q6_k
     # became the default in session 12; until session 14 this entry had none, a build the engine
     # never used); the grid A/B builds (GGUF_HARNESS_GEMV_KQ_IQ3S_GRID) compile at first use
-    ("gemv_kq.cu", ops.kv9_defines(), "gemvkq_store_q4_k"),
+    ("gemv_kq.cu", None, "gemvkq_store_q4_k"),
 )
+
+
+def builds() -> list[tuple[str, tuple[str, ...], str]]:
+    """BUILDS with the engine's v9 defines filled in (ops.kv9_defines(); ValueError on a bad
+    GGUF_HARNESS_GEMV_KQ_* / IQ4_* switch value)."""
+    return [(src, ops.kv9_defines() if d is None else d, name) for src, d, name in BUILDS]
 
 
 def _compile(build: tuple[str, tuple[str, ...], str]) -> tuple[str, float, str]:
@@ -78,14 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedError as e:
         print(f"prewarm: {e}", file=sys.stderr)
         return 2
-    builds = [b for b in BUILDS if a.only in b[0]]
+    try:
+        todo = [b for b in builds() if a.only in b[0]]
+    except ValueError as e:  # a bad engine switch value: say which, like a missing GPU
+        print(f"prewarm: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     failed = 0
     with ProcessPoolExecutor(max_workers=max(1, a.jobs), mp_context=get_context("spawn")) as ex:
-        for label, secs, status in ex.map(_compile, builds):
+        for label, secs, status in ex.map(_compile, todo):
             failed += status != "ok"
             print(f"{secs:7.1f} s  {label}: {status}", flush=True)
-    print(f"prewarm: {len(builds)} builds, {failed} failed, {time.perf_counter() - t0:.1f} s wall")
+    print(f"prewarm: {len(todo)} builds, {failed} failed, {time.perf_counter() - t0:.1f} s wall")
     return 1 if failed else 0
 
 
