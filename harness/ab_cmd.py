@@ -162,16 +162,20 @@ def print_table(doc: dict, out: Console) -> None:
     out.print(Text(summary_line(doc), style="bold red" if doc["exit_code"] else "bold green"))
 
 
+def _md_text(text: str) -> str:
+    """One Markdown line of file-provided text: inline HTML escaped (Markdown passes it through),
+    pipes escaped and newlines flattened so a table or list item stays one row."""
+    return html.escape(str(text), quote=False).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
 def _md_row(cells: list[str]) -> str:
-    # Markdown passes inline HTML through: escape it, and keep pipes/newlines from the table
-    return "| " + " | ".join(html.escape(c, quote=False).replace("|", "\\|").replace("\n", " ")
-                             for c in cells) + " |"
+    return "| " + " | ".join(_md_text(c) for c in cells) + " |"
 
 
 def markdown(doc: dict) -> str:
     """The comparison as Markdown (two pipe tables and a summary line)."""
-    lines = ["# A/B comparison", ""] + [f"- {s}" for s in _sides(doc)]
-    lines += [f"- not comparable: {m}" for m in doc["mismatches"]]
+    lines = ["# A/B comparison", ""] + [f"- {_md_text(s)}" for s in _sides(doc)]
+    lines += [f"- not comparable: {_md_text(m)}" for m in doc["mismatches"]]
     lines += ["", "## Performance", ""]
     if doc["perf"]:
         lines += [_md_row(list(PERF_HEAD)), _md_row(["---"] * len(PERF_HEAD))]

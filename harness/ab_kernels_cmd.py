@@ -113,12 +113,12 @@ def print_table(doc: dict, out: Console) -> None:
 
 
 def markdown(doc: dict) -> str:
-    from .ab_cmd import _md_row
+    from .ab_cmd import _md_row, _md_text
     perf_head, check_head = heads(doc)
     lines = [f"# {TITLES[doc.get('kind', 'kernels')][0]}", ""]
-    lines += [f"- {k.upper()}: {doc[k]['path']} (git {doc[k]['git']}, {doc[k]['gpu']}, {doc[k]['settings']})"
+    lines += [_md_text(f"- {k.upper()}: {doc[k]['path']} (git {doc[k]['git']}, {doc[k]['gpu']}, {doc[k]['settings']})")
               for k in ("a", "b")]
-    lines += [f"- note: {n}" for n in doc["notes"]]
+    lines += [f"- note: {_md_text(n)}" for n in doc["notes"]]
     lines += ["", _md_row(list(perf_head)), _md_row(["---"] * len(perf_head))]
     lines += [_md_row(perf_cells(p)) for p in doc["perf"]]
     lines += ["", _md_row(list(check_head)), _md_row(["---"] * len(check_head))]

@@ -404,6 +404,22 @@ def test_md_rows_escape_inline_html_and_pipes():
     assert row == "| &lt;script&gt;alert(1)&lt;/script&gt; | a\\|b | x y |"
 
 
+def test_md_side_lines_keep_a_model_name_on_one_line():
+    """The A/B side lines quote the model name from the file: a newline, a pipe or HTML in it must
+    not break the Markdown list (found by a new-user pass, session 14)."""
+    from harness.ab_cmd import markdown
+    side = {"path": "a.json", "model": "evil\n# heading | <b>x</b>", "model_sha256": "0" * 64,
+            "git": "abc", "dirty": False, "created": "now", "switches": {}}
+    doc = {"a": side, "b": dict(side), "mismatches": ["model\nname"], "perf": [], "checks": [],
+           "exit_code": 0, "failures": 0, "threshold": 0.02, "fail_on_slower": False,
+           "counts": {"FASTER": 0, "SLOWER": 0, "SAME": 0, "UNKNOWN": 0}}
+    lines = markdown(doc).splitlines()
+    assert not any(line.startswith("# heading") for line in lines)
+    side_lines = [line for line in lines if line.startswith("- A:") or line.startswith("- B:")]
+    assert len(side_lines) == 2 and all("evil # heading \\| &lt;b&gt;x&lt;/b&gt;" in line for line in side_lines)
+    assert "- not comparable: model name" in lines
+
+
 def test_engine_switches_are_shown_and_a_difference_noted():
     from harness.ab_cmd import _sides
     side = {"path": "a.json", "model": "m", "model_sha256": "0" * 64, "git": "abc", "dirty": False,
