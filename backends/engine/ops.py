@@ -198,6 +198,12 @@ GEMV_IQ4_KREG = os.environ.get("GGUF_HARNESS_GEMV_IQ4_KREG", "1")
 GEMV_KQ_F32_XPERM = os.environ.get("GGUF_HARNESS_GEMV_KQ_F32_XPERM", "0")
 
 
+def _switch01(env: str, value: str) -> None:
+    """Refuse a value of the on/off switch `env` other than "", "0" or "1" (ValueError naming it)."""
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{env}={value!r}: expected 0 or 1")
+
+
 def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
@@ -224,20 +230,17 @@ def kv9_defines() -> tuple[str, ...]:
         out.append(f"{define}={int(val)}")
     if GEMV_KQ_PIPE and GEMV_KQ_L1PF:
         raise ValueError("GGUF_HARNESS_GEMV_KQ_PIPE and GGUF_HARNESS_GEMV_KQ_L1PF: separate A/B builds, set one")
-    if GEMV_KQ_XLANE not in ("", "0", "1"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_XLANE={GEMV_KQ_XLANE!r}: expected 0 or 1")
+    _switch01("GGUF_HARNESS_GEMV_KQ_XLANE", GEMV_KQ_XLANE)
     if kv9_p2_types():
         out.append("KQ_P2=1")
     if GEMV_KQ_XLANE == "0":  # "1" / "": the kernel's default (KQ_XLANE 1)
         out.append("KQ_XLANE=0")
     kv9_p2_max_k()  # refuse a bad GGUF_HARNESS_GEMV_KQ_P2_MAX_K before any build, P2 or not
     kv9_p2_min_rows()  # likewise _MIN_ROWS
-    if GEMV_IQ4_KREG not in ("", "0", "1"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_IQ4_KREG={GEMV_IQ4_KREG!r}: expected 0 or 1")
+    _switch01("GGUF_HARNESS_GEMV_IQ4_KREG", GEMV_IQ4_KREG)
     if GEMV_IQ4_KREG == "0":  # "1" / "": the kernel's default (IQ4_KREG 1)
         out.append("IQ4_KREG=0")
-    if GEMV_KQ_F32_XPERM not in ("", "0", "1"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_F32_XPERM={GEMV_KQ_F32_XPERM!r}: expected 0 or 1")
+    _switch01("GGUF_HARNESS_GEMV_KQ_F32_XPERM", GEMV_KQ_F32_XPERM)
     if GEMV_KQ_F32_XPERM == "1":
         if GEMV_KQ_XLANE == "0":  # f32_row permutes only lane-record reads: the build would be the default's
             raise ValueError("GGUF_HARNESS_GEMV_KQ_F32_XPERM=1 needs the lane records (GGUF_HARNESS_GEMV_KQ_XLANE=1)")
@@ -249,8 +252,7 @@ def iq4_xil_defines() -> tuple[str, ...]:
     """Defines of the gemv_kq.cu and gemv_tma.cu builds for GGUF_HARNESS_GEMV_IQ4_XIL: () when 1 or
     unset (the kernels' default, kwide_iq4.cuh), ("IQ4_XIL=0",) when "0" or "" (x staged in the
     natural order); ValueError on another value."""
-    if GEMV_IQ4_XIL not in ("", "0", "1"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_IQ4_XIL={GEMV_IQ4_XIL!r}: expected 0 or 1")
+    _switch01("GGUF_HARNESS_GEMV_IQ4_XIL", GEMV_IQ4_XIL)
     return () if GEMV_IQ4_XIL == "1" else ("IQ4_XIL=0",)
 
 
@@ -598,8 +600,7 @@ def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float,
     with the default ring; at most GGUF_HARNESS_GEMV_TMA_BPS per SM if set), at most one per row;
     shared memory per tma_plan.plan; the build per tma_defines. Raises ValueError on bad switch
     values and on matrices not 16-byte aligned (bulk copies)."""
-    if GEMV_TMA not in ("", "0", "1"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_TMA={GEMV_TMA!r}: expected 0 or 1")
+    _switch01("GGUF_HARNESS_GEMV_TMA", GEMV_TMA)
     if GEMV_TMA_MIN_K and not GEMV_TMA_MIN_K.isdigit():
         raise ValueError(f"GGUF_HARNESS_GEMV_TMA_MIN_K={GEMV_TMA_MIN_K!r}: expected an integer")
     types = {s.w.type_id for s in segs}
