@@ -695,3 +695,57 @@ def test_iq4_kreg_switch(monkeypatch):
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_IQ4_KREG"):
         ops.kv9_defines()
     assert "GGUF_HARNESS_GEMV_IQ4_KREG" in machine.ENGINE_SWITCHES
+
+
+def test_wmaj_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_WMAJ: "1" builds gemv_kq.cu with KQ_WMAJ=1 (row groups dealt warp-major),
+    "0" or "" leaves the kernel's default; anything else is refused before a build; results record it."""
+    monkeypatch.setattr(ops, "GEMV_KQ_WMAJ", "1")
+    assert "KQ_WMAJ=1" in ops.kv9_defines()
+    for v in ("0", ""):
+        monkeypatch.setattr(ops, "GEMV_KQ_WMAJ", v)
+        assert not any(d.startswith("KQ_WMAJ") for d in ops.kv9_defines())
+    monkeypatch.setattr(ops, "GEMV_KQ_WMAJ", "on")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_WMAJ"):
+        ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_WMAJ" in machine.ENGINE_SWITCHES
+
+
+def test_bw_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_BW: "" or "16" the default 16-warp blocks (no define), "32" builds
+    KQ_BLOCK_WARPS=32 and the node's block, grid and split model follow (kv9_warps); anything else
+    is refused before a build; results record it."""
+    for v in ("", "16"):
+        monkeypatch.setattr(ops, "GEMV_KQ_BW", v)
+        assert ops.kv9_warps() == 16 and not any(d.startswith("KQ_BLOCK_WARPS") for d in ops.kv9_defines())
+    monkeypatch.setattr(ops, "GEMV_KQ_BW", "32")
+    assert ops.kv9_warps() == 32 and "KQ_BLOCK_WARPS=32" in ops.kv9_defines()
+    # 132 SMs: 16 rows per block-round at S = 2 instead of 8; one pass of 132 blocks holds 4224 row groups either way
+    assert ops.kv9_split_cost(10240, 5120, 2, 2, 132) == 3 * 2 * 3
+    for bad in ("8", "64", "x"):
+        monkeypatch.setattr(ops, "GEMV_KQ_BW", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_BW"):
+            ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_BW" in machine.ENGINE_SWITCHES
+
+
+def test_wide_min_rows_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS: unset or "" takes the split-1 nodes of at least
+    KV9_WIDE_MIN_ROWS (8192) rows to the wide build (S > 1 nodes never), a row count that
+    threshold, "off" none; the wide build's defines replace the block size and row order settings;
+    a bad value is refused before a build."""
+    for v in ("", "8192"):
+        monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", v)
+        assert ops.kv9_wide(17408, 1) and ops.kv9_wide(8192, 1) and ops.kv9_wide(248320, 1)
+        assert not ops.kv9_wide(8191, 1) and not ops.kv9_wide(17408, 2) and not ops.kv9_wide(5120, 1)
+    monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "off")
+    assert not ops.kv9_wide(248320, 1)
+    monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "0")
+    assert ops.kv9_wide(1, 1) and not ops.kv9_wide(1, 4)
+    assert ops.kv9_wide_defines(("KQ_P2=1", "KQ_BLOCK_WARPS=16", "KQ_WMAJ=1", "IQ4_XIL=0")) == (
+        "KQ_P2=1", "IQ4_XIL=0", "KQ_BLOCK_WARPS=32", "KQ_WMAJ=1")
+    for bad in ("-1", "8k", "1.5", "on"):
+        monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS"):
+            ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS" in machine.ENGINE_SWITCHES

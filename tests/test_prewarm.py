@@ -17,8 +17,10 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
     for source, defines, name in prewarm.builds():
         text = (module.KERNEL_DIR / source).read_text()
         assert (made_by.get(name, "\x00") in text or re.search(rf"\b{re.escape(name)}\(", text)), (source, name)
-        if source == "gemv_kq.cu":  # the build the engine's v9 nodes use (ops.gemv: kv9_defines() + IQ3_S grid's ())
-            assert defines == ops.kv9_defines() + ops.kv9_iq3s_defines([12]), defines
+        if source == "gemv_kq.cu":  # the builds the engine's v9 nodes use (ops.gemv: kv9_defines() + IQ3_S grid's (),
+            # and the wide build of that for the split-1 nodes of many rows)
+            base = ops.kv9_defines() + ops.kv9_iq3s_defines([12])
+            assert defines in (base, ops.kv9_wide_defines(base)), defines
         else:
             assert set(defines) <= {"GEMV_IQ4", "ACT_Q8_1", "PF_AHEAD=0", "PF_AHEAD=1"}
     gemv_defs = {d for s, d, _ in prewarm.builds() if s == "gemv.cu"}
@@ -55,3 +57,13 @@ def test_bad_engine_switch_is_one_line_exit_2(capsys, monkeypatch):
     monkeypatch.setattr(harness.gpu, "require_cupy", lambda: None)  # as if a GPU were here
     assert prewarm.main([]) == 2
     assert "GGUF_HARNESS_GEMV_KQ_P2_MIN_ROWS" in capsys.readouterr().err
+
+
+def test_the_wide_v9_build_is_prewarmed_unless_off(monkeypatch):
+    """With GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS unset (the default) both v9 builds are compiled
+    ahead; with "off" only the 16-warp one (no node would take the wide build)."""
+    kq = [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu"]
+    assert kq == [ops.kv9_defines(), ops.kv9_wide_defines(ops.kv9_defines())]
+    assert "KQ_BLOCK_WARPS=32" in kq[1] and "KQ_WMAJ=1" in kq[1]
+    monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "off")
+    assert [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu"] == [ops.kv9_defines()]

@@ -97,7 +97,7 @@ GEMV_KQ_IQ3S = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S", "1")
 # with -DKQ_IQ3S_GRID=N (its own NVRTC compile and CuPy cache entry; kv9_iq3s_defines).
 GEMV_KQ_IQ3S_GRID = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S_GRID", "")
 KQ_IQ3S_GRIDS = ("0", "1", "2", "4", "8", "16")
-KV9_WARPS = 16  # kernels/gemv_kq.cu KQ_BLOCK_WARPS
+KV9_WARPS = 16  # kernels/gemv_kq.cu KQ_BLOCK_WARPS (the default; kv9_warps() for the build's)
 # v9 warps per row group (kernels/gemv_kq.cu S, the kernel name's _s2 / _s4): "auto" (kv9_split)
 # or a forced 1, 2 or 4 for every v9 node (same-run A/B); read by gemv() at call time.
 GEMV_KQ_SPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_SPLIT", "auto")
@@ -196,6 +196,53 @@ GEMV_IQ4_KREG = os.environ.get("GGUF_HARNESS_GEMV_IQ4_KREG", "1")
 # conflict-free lane order (kernels/gemv_kq.cu f32_row). "1": that build (A/B, written in session
 # 14, not yet run on a GPU); "0" or unset: the default. Not bitwise equal (other partial sums).
 GEMV_KQ_F32_XPERM = os.environ.get("GGUF_HARNESS_GEMV_KQ_F32_XPERM", "0")
+# KQ_WMAJ: v9 row groups dealt warp-major over the grid (kernels/gemv_kq.cu KQ_WMAJ), so a partial
+# last grid-stride pass is spread over every block instead of filling the first blocks. "1": that
+# build (A/B, written in session 15); "0" or unset: block-major. Bitwise equal outputs.
+GEMV_KQ_WMAJ = os.environ.get("GGUF_HARNESS_GEMV_KQ_WMAJ", "0")
+# KQ_BW: warps per v9 block (kernels/gemv_kq.cu KQ_BLOCK_WARPS): "16" or unset the default (two
+# blocks per SM), "32" one block of 32 warps per SM (A/B, written in session 15). Bitwise equal outputs.
+GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
+
+
+# KQ_WIDE_MIN_ROWS: v9 nodes of at least this many output rows whose split is 1 (kv9_split with
+# the default blocks) run the "wide" build: one block of 32 warps per SM and warp-major row groups
+# (kernels/gemv_kq.cu KQ_BLOCK_WARPS=32 + KQ_WMAJ=1; kv9_wide_defines). Why (H200, session 15,
+# cold back to back, same machine start): 2x[17408x5120] IQ4_XS 35.86 -> 33.69 us, the Q6_K head
+# 268.75 -> 261.44, [10240x5120] Q4_K 13.02 -> 12.58, while the S = 4 rows of K = 17408 lost 2-8 %
+# and [1024x5120] Q6_K 27 % (so not every node); the 27B decode step 6945.6 -> 6683.2 us (-3.8 %).
+# Unset or "": KV9_WIDE_MIN_ROWS, the default since session 15; "off": never; an integer: that
+# threshold. Not bitwise equal to the 16-warp build on nodes with a fused RMSNorm (block_sum adds
+# the sum of squares over 32 warps' partials, not 16).
+KV9_WIDE_MIN_ROWS = 8192  # the 27B's gate/up (17408 rows), ssm_in (16480) and output head (248320)
+GEMV_KQ_WIDE_MIN_ROWS = os.environ.get("GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS", "")
+
+
+def kv9_wide(rows: int, split: int) -> bool:
+    """Whether a v9 node of `rows` output rows at split `split` takes the wide build
+    (GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS); ValueError on a value other than "", "off" or a
+    non-negative integer."""
+    v = GEMV_KQ_WIDE_MIN_ROWS
+    if v == "off":
+        return False
+    if v and not v.isdigit():
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS={v!r}: expected a row count or off")
+    return split == 1 and rows >= (int(v) if v else KV9_WIDE_MIN_ROWS)
+
+
+def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
+    """The gemv_kq.cu defines of the wide build: `defines` (kv9_defines() + ...) with 32 warps per
+    block and warp-major row groups in place of their own settings of those two."""
+    keep = tuple(d for d in defines if not d.startswith(("KQ_BLOCK_WARPS=", "KQ_WMAJ=")))
+    return keep + ("KQ_BLOCK_WARPS=32", "KQ_WMAJ=1")
+
+
+def kv9_warps() -> int:
+    """Warps per block of the gemv_kq.cu build (GGUF_HARNESS_GEMV_KQ_BW: 16, the default, or 32);
+    ValueError on another value."""
+    if GEMV_KQ_BW not in ("", "16", "32"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_BW={GEMV_KQ_BW!r}: expected 16 or 32")
+    return int(GEMV_KQ_BW or KV9_WARPS)
 
 
 def _switch01(env: str, value: str) -> None:
@@ -208,10 +255,11 @@ def kv9_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_kq.cu build (GEMV_KQ_UNROLL -> KQ_UNROLL, GEMV_KQ2_UNROLL
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
-    KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, then
+    KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
+    KQ_WMAJ=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
-    both), XLANE, IQ4_KREG and F32_XPERM unless empty, 0 or 1, for F32_XPERM with XLANE=0 (it
+    both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, for F32_XPERM with XLANE=0 (it
     would build the default), and as kv9_p2_types, kv9_p2_max_k and kv9_p2_min_rows."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
@@ -245,6 +293,12 @@ def kv9_defines() -> tuple[str, ...]:
         if GEMV_KQ_XLANE == "0":  # f32_row permutes only lane-record reads: the build would be the default's
             raise ValueError("GGUF_HARNESS_GEMV_KQ_F32_XPERM=1 needs the lane records (GGUF_HARNESS_GEMV_KQ_XLANE=1)")
         out.append("KQ_F32_XPERM=1")
+    _switch01("GGUF_HARNESS_GEMV_KQ_WMAJ", GEMV_KQ_WMAJ)  # (KQ_BLOCK_WARPS below: kv9_warps)
+    if GEMV_KQ_WMAJ == "1":
+        out.append("KQ_WMAJ=1")
+    if kv9_warps() != KV9_WARPS:
+        out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
+    kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
     return tuple(out) + iq4_xil_defines()
 
 
@@ -396,12 +450,12 @@ def kv9_iq3s_defines(type_ids) -> tuple[str, ...]:
 def kv9_split_cost(rows: int, K: int, rows_per_warp: int, split: int, block_slots: int) -> int:
     """Relative time of a v9 node (kernels/gemv_kq.cu) with `split` warps per row group, in
     super-blocks one warp reads: grid-stride passes x super-blocks per warp and pass. A pass
-    covers block_slots resident blocks (blocks per SM x SMs) of KV9_WARPS / split row groups;
+    covers block_slots resident blocks (blocks per SM x SMs) of kv9_warps() / split row groups;
     a row group reads 4 super-blocks per row and round (R = rows_per_warp rows), split over
     `split` warps. Why: a [5120 x K] node with one row per warp is 1.2 passes of 264 blocks of 16
     warps, so 2, with the second at 21 % of the machine (Q6_K [5120x17408] 46.0 us against
     gemv.cu's 39.9, session 8); a memory-bound kernel's tail pass costs about a full one."""
-    rpb = rows_per_warp * (KV9_WARPS // split)
+    rpb = rows_per_warp * (kv9_warps() // split)
     blocks = -(-rows // rpb)
     passes = -(-blocks // max(1, min(blocks, block_slots)))
     return passes * rows_per_warp * -(-(K // 256) // (4 * split))
@@ -518,13 +572,16 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             return module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, l4, sp, rows), kdefs)
         if GEMV_KQ_SPLIT == "auto":
             split = kv9_split(rows, K, v9_rows,
-                              lambda sp: module.blocks_per_sm(v9k(sp), KV9_WARPS * 32, smem) * module.sm_count())
+                              lambda sp: module.blocks_per_sm(v9k(sp), kv9_warps() * 32, smem) * module.sm_count())
         elif GEMV_KQ_SPLIT in [str(sp) for sp in KV9_SPLITS]:
             split = int(GEMV_KQ_SPLIT)
         else:
             raise ValueError(f"GGUF_HARNESS_GEMV_KQ_SPLIT={GEMV_KQ_SPLIT!r}: expected auto, 1, 2 or 4")
         k = v9k(split)
-        wpr, nw = split, KV9_WARPS  # a row group of `split` warps takes v9_rows rows
+        wpr, nw = split, kv9_warps()  # a row group of `split` warps takes v9_rows rows
+        if kv9_wide(rows, split):  # GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS: 32 warps per block, warp-major
+            kdefs = kv9_wide_defines(kdefs)
+            k, nw = v9k(split), 32
     elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)
         wpr, nw = wpr or dw, nw or dn

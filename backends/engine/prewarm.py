@@ -28,6 +28,7 @@ from . import ops
 # (source, defines, one kernel it defines): get_function forces the compile. Defines in the
 # order the engine passes them (ops.gemv_kernel), or the cache key differs.
 # None: the defines the engine passes under this environment, resolved at run time (builds()).
+WIDE = ("<the wide v9 build>",)  # resolved in builds()
 BUILDS: tuple[tuple[str, tuple[str, ...] | None, str], ...] = (
     ("gemv.cu", (), "gemv_store_w1_b4"),
     ("gemv.cu", ("GEMV_IQ4",), "gemv_store_w1_b4_iq4"),
@@ -51,13 +52,24 @@ BUILDS: tuple[tuple[str, tuple[str, ...] | None, str], ...] = (
     # became the default in session 12; until session 14 this entry had none, a build the engine
     # never used); the grid A/B builds (GGUF_HARNESS_GEMV_KQ_IQ3S_GRID) compile at first use
     ("gemv_kq.cu", None, "gemvkq_store_q4_k"),
+    # its wide build (32 warps per block, warp-major rows; ops.kv9_wide_defines) for the split-1
+    # nodes of >= GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS rows (default 8192 since session 15)
+    ("gemv_kq.cu", WIDE, "gemvkq_store_q4_k"),
 )
 
 
 def builds() -> list[tuple[str, tuple[str, ...], str]]:
-    """BUILDS with the engine's v9 defines filled in (ops.kv9_defines(); ValueError on a bad
-    GGUF_HARNESS_GEMV_KQ_* / IQ4_* switch value)."""
-    return [(src, ops.kv9_defines() if d is None else d, name) for src, d, name in BUILDS]
+    """BUILDS with the engine's v9 defines filled in (ops.kv9_defines(); the wide entry as
+    ops.kv9_wide_defines of those, left out under GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS=off; ValueError
+    on a bad GGUF_HARNESS_GEMV_KQ_* / IQ4_* switch value)."""
+    out = []
+    for src, d, name in BUILDS:
+        if d is WIDE:
+            if ops.kv9_wide(1 << 30, 1):  # some node could take it
+                out.append((src, ops.kv9_wide_defines(ops.kv9_defines()), name))
+        else:
+            out.append((src, ops.kv9_defines() if d is None else d, name))
+    return out
 
 
 def _compile(build: tuple[str, tuple[str, ...], str]) -> tuple[str, float, str]:

@@ -303,6 +303,44 @@ template <class Q> struct KQP2 : Q {
 template <class Q> struct IsP2 { static constexpr bool v = false; };  // kq_body's test for KQP2
 template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 
+// KQ_WMAJ (ops GGUF_HARNESS_GEMV_KQ_WMAJ=1, and the wide build of ops.kv9_wide with KQ_BLOCK_WARPS
+// 32; session 15): row group j of a grid-stride pass goes to warp (g, block) = (j / gridDim.x,
+// j % gridDim.x) (warp-major) instead of (j % G, j / G) (block-major), so a partial last pass is
+// spread over every block instead of filling the first ones whole (2x[17408x5120] IQ4_XS: 512 row
+// groups on blocks 0..31). Measured (H200, cold back to back): alone, with two 16-warp blocks per
+// SM, +5 % on that pair (the SM's older block still ends first, KQ_BLOCK_WARPS below); with one
+// 32-warp block per SM, -6.1 % against the default (without WMAJ the 32-warp blocks put the partial
+// pass on 16 SMs). Only which warp computes a row changes: outputs are the block-major build's.
+#ifndef KQ_WMAJ
+#define KQ_WMAJ 0
+#endif
+
+// KQ_TRACE (diagnostic build, -DKQ_TRACE=1; never the engine's): lane 0 of each warp writes the
+// global timer (ns) at kernel entry, after the PDL wait, after staging x and after its last row
+// to kq_trace[block * warps per block + warp][0..3], and the SM id to [4]; a launch overwrites the previous
+// one's entries, so after back-to-back launches the array holds the last one's timeline.
+#ifndef KQ_TRACE
+#define KQ_TRACE 0
+#endif
+#if KQ_TRACE
+#define KQ_TRACE_WARPS (4096 * 16)
+__device__ unsigned long long kq_trace[KQ_TRACE_WARPS][5];
+__device__ __forceinline__ void kq_mark(int k) {
+    const unsigned wi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if ((threadIdx.x & 31) == 0 && wi < KQ_TRACE_WARPS) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        kq_trace[wi][k] = t;
+        kq_trace[wi][4] = sm;
+    }
+}
+#define KQ_MARK(k) kq_mark(k)
+#else
+#define KQ_MARK(k)
+#endif
+
 // Sum over the N lanes of each aligned group (every lane gets its group's sum; N = 32: warp_sum).
 template <int N> __device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
@@ -331,7 +369,13 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     float* xd = (float*)(xs + K / 8);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = P2 ? 0 : lane / LPR, l = lane % LPR;
     const int G = NW / S, g = warp / S, ws = warp - g * S;  // row groups per block, this warp's
+#if KQ_WMAJ  // the warp's first row group: warp-major g gridDim.x + b
+    const int rpb = Q::R * G, first = Q::R * (g * (int)gridDim.x + (int)blockIdx.x) + h, step = rpb * gridDim.x;
+    const int gstride = gridDim.x;  // row groups between those of the block's warp groups g and g + 1
+#else  // block-major b G + g
     const int rpb = Q::R * G, first = rpb * blockIdx.x + Q::R * g + h, step = rpb * gridDim.x;
+    constexpr int gstride = 1;
+#endif
     // A row's 128-byte lines to L2 (each of the S parts a share of them; a gate/up pair both rows).
     auto prefetch_row = [&](int r) {
         if (r >= total_rows) return;
@@ -342,12 +386,15 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     };
     // Before the PDL wait (weights are constants): the first row, overlapping the previous
     // kernel's tail.
+    KQ_MARK(0);
     prefetch_row(first);
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
+    KQ_MARK(1);
     pdl_trigger();
     // barriers inside; IQ4_XS rows of an IQ4_XIL build take x with interleaved halves (kwide_iq4.cuh)
     const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(x, norm, eps, K, xq, xs, xd, scratch);
+    KQ_MARK(2);
     const XS xa = xs_addr(xq, xs, xd);
     const int grp = Q::grp(lane), i = Q::idx(lane), nsb = K >> 8;
     const int sb0 = grp + 4 * ws, st = 4 * S;
@@ -358,7 +405,8 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     int round = 0;
     Carry<Q> carry;  // KQ_PIPE 2 (kq_row): the next row's first block(s), loaded in this row's last round
     carry.have = false;
-    for (int base = first - h; (S > 1 ? base - Q::R * g : base) < total_rows; base += step, ++round) {
+    // S > 1: the block's first row group of the round (g = 0) bounds the loop for every warp
+    for (int base = first - h; (S > 1 ? base - Q::R * g * gstride : base) < total_rows; base += step, ++round) {
         const int row = base + h;
         const bool live = row < total_rows;
         if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
@@ -428,9 +476,22 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             store_row<MODE>(t.s[si], r, y * rs, up * rs);
         }
     }
+    KQ_MARK(3);
 }
 
+#ifndef KQ_BLOCK_WARPS
+// Warps per block. KQ_BLOCK_WARPS=32 (A/B build, ops GGUF_HARNESS_GEMV_KQ_BW=32; session 15): one
+// block of 32 warps per SM instead of two of 16. Why (KQ_TRACE on the H200, session 15): of an SM's
+// two blocks the one resident first (up to 15 us before the PDL wait returns, in the previous
+// kernel's tail) finishes its rows first: 2x[17408x5120] IQ4_XS, median per SM first / last warp
+// end 20 / 30.6 us, so for the last third of the kernel most SMs run one block of 16 warps, and
+// dealing rows evenly per SM (KQ_WMAJ) did not help (+5 %). Warps of one block share an age, and
+// x is staged once per SM (half the L2 reads of x).
 #define KQ_BLOCK_WARPS 16
+#endif
+static_assert(KQ_BLOCK_WARPS == 16 || KQ_BLOCK_WARPS == 32, "KQ_BLOCK_WARPS: 16 or 32");
+// minBlocks below are chosen for blocks of 16 warps; 32 warps take half (both: 64 registers at 2)
+template <int MB> constexpr int kKqLbScale = KQ_BLOCK_WARPS == 16 ? MB : (MB + 1) / 2;
 // Launch bounds: minBlocks 2 (64 registers) for every 8-lane instance (KQ_MINB, default 2). Why:
 // without, ptxas gave the Q6_K S > 1 instances 83 registers, so 1 block of 16 warps per SM
 // (NVRTC 13.0, sm_90; session 8); the S = 1 instances stayed uncapped (77-94 registers) until
@@ -469,7 +530,7 @@ template <int S, int T, int MODE> constexpr int kKqMinBlocks =
     KQ_INSTANCE(PFX, TRAIT, LB, MODE, MNAME, T, TNAME, 4, _s4)
 #define KQ_ALL_MODES(PFX, TRAIT, LB, T, TNAME) KQ_SPLITS(PFX, TRAIT, LB, 0, store, T, TNAME)      \
     KQ_SPLITS(PFX, TRAIT, LB, 1, add, T, TNAME) KQ_SPLITS(PFX, TRAIT, LB, 2, swiglu, T, TNAME)
-#define KQ_LB8(S, T, MODE) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKqMinBlocks<S, T, MODE>)
+#define KQ_LB8(S, T, MODE) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKqLbScale<kKqMinBlocks<S, T, MODE>>)
 #define KQ_MODES(T, TNAME) KQ_ALL_MODES(gemvkq, KQ, KQ_LB8, T, TNAME)
 // kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs|iq3_s|q8_0|q4_0>[_s2|_s4] (S warps
 // per row group); the iq3_s ones unless GGUF_HARNESS_GEMV_KQ_IQ3S=0, the q8_0 / q4_0 ones unless
@@ -494,7 +555,7 @@ KQ_P2_MODES(T_IQ3_S, iq3_s)
 // minBlocks per type: Q4_K 2 (56-64 registers either way); Q5_K 1, since ptxas held the
 // store/add instances at 64 registers with a 28-byte spill otherwise (NVRTC 13.0, sm_90).
 template <int T> constexpr int kKq4MinBlocks = T == T_Q5_K ? 1 : 2;
-#define KQ_LB4(S, T, MODE) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKq4MinBlocks<T>)
+#define KQ_LB4(S, T, MODE) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKqLbScale<kKq4MinBlocks<T>>)
 #define KQ4_MODES(T, TNAME) KQ_ALL_MODES(gemvkq4, KQ4, KQ_LB4, T, TNAME)
 // kernel names: gemvkq4_<store|add|swiglu>_<q4_k|q5_k>[_s2|_s4] (4 lanes per super-block, 2 rows
 // per warp; S warps per row group)

@@ -1,0 +1,143 @@
+"""Per-warp timeline of an engine v9 GEMV (kernels/gemv_kq.cu built with -DKQ_TRACE=1).
+
+    python -m harness.kernel_trace SPEC [SPEC ...] [--copies 16] [--out DIR]
+
+SPEC as `harness bench kernels --shapes` (e.g. 2x17408x5120:IQ4_XS). For each shape: R copies
+(harness.kernel_case.GemvCase) launched back to back in one CUDA graph, as the cold_b2b mode
+times them; in the trace build lane 0 of every warp writes %globaltimer (ns) at kernel entry,
+after the PDL wait, after staging x and after its last row, and its SM id, to a __device__
+array that each launch overwrites: after the graph it holds the last launch's timeline. Of 5
+replays the median one is summarised (summarize). Prints the table and writes
+kernel-trace.json (+ the raw [warps, 5] arrays as .npy) to --out (default: the working dir).
+Used in session 15 (docs/perf-notes.md) to find that staging x costs 2-5 us per kernel and
+that of an SM's two blocks the one resident first ends first. GPU only; summarize runs anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+ENTRY, WAIT, STAGED, END, SM = range(5)  # columns of the trace array (kernels/gemv_kq.cu kq_mark)
+QUANTILES = (0, 10, 50, 90, 100)
+
+
+def summarize(a: np.ndarray) -> dict:
+    """Figures of one launch's trace. a: uint64/int64 [warps, 5] (ENTRY, WAIT, STAGED, END ns;
+    SM id). Times are relative to t0 = the earliest WAIT (the previous kernel's completion as
+    the PDL wait sees it). Returns {"warps", "sms", "<phase>_us": [p0, p10, p50, p90, p100]} for
+    entry (ENTRY - t0, negative: resident before the previous kernel ended), stage (STAGED -
+    WAIT), loop (END - STAGED) and end (END - t0), "span_us" (last END - t0), "running" (share of
+    warps not yet ended at t0 + 0, 1, 2, ... us) and "first_last_end_us" (per SM, the median of
+    its first and of its last warp's END - t0). Raises ValueError on a wrong shape or an
+    unwritten row (a zero timestamp)."""
+    a = np.asarray(a).astype(np.int64)
+    if a.ndim != 2 or a.shape[1] != 5 or len(a) == 0:
+        raise ValueError(f"trace array of shape {a.shape}: expected [warps, 5]")
+    if (a[:, :4] == 0).any():
+        raise ValueError("trace has unwritten entries (a warp never reached a mark)")
+    t0 = a[:, WAIT].min()
+    rel = (a[:, :4] - t0) / 1e3
+    q = lambda v: [float(np.percentile(v, p)) for p in QUANTILES]
+    end = rel[:, END]
+    sms = a[:, SM]
+    per_sm = [(end[sms == s].min(), end[sms == s].max()) for s in np.unique(sms)]
+    return {"warps": int(len(a)), "sms": int(len(per_sm)),
+            "entry_us": q(rel[:, ENTRY]), "stage_us": q(rel[:, STAGED] - rel[:, WAIT]),
+            "loop_us": q(rel[:, END] - rel[:, STAGED]), "end_us": q(end), "span_us": float(end.max()),
+            "running": [float((end > t).mean()) for t in range(int(np.ceil(end.max())) + 1)],
+            "first_last_end_us": [float(np.median([f for f, _ in per_sm])), float(np.median([l for _, l in per_sm]))]}
+
+
+def format_summary(spec: str, kernel: str, per_kernel_us: float, s: dict) -> str:
+    """A few text lines of one shape's summary (for the terminal)."""
+    lines = [f"{spec} {kernel}: {per_kernel_us:.2f} us per kernel, last warp ends {s['span_us']:.2f} us "
+             f"after the PDL wait ({s['warps']} warps on {s['sms']} SMs)"]
+    for k in ("entry_us", "stage_us", "loop_us", "end_us"):
+        lines.append(f"  {k[:-3]:6s} p0/10/50/90/100 us: " + " ".join(f"{v:7.2f}" for v in s[k]))
+    lines.append("  per SM, first / last warp end (median): %.2f / %.2f us" % tuple(s["first_last_end_us"]))
+    lines.append("  share running per us: " + " ".join(f"{v:.2f}" for v in s["running"]))
+    return "\n".join(lines)
+
+
+def trace_shape(spec: str, copies: int, replays: int = 5):
+    """(kernel name, per-kernel us of the median replay, its raw trace array) of one shape on
+    the GPU, with the engine's v9 defines + KQ_TRACE=1 (ops.kv9_defines patched for the
+    duration). Raises UnsupportedError without a GPU, ConfigError for a bad spec, ValueError for
+    a shape v9 does not take."""
+    from .gpu import require_cupy
+    from .kernel_shapes import parse_spec
+    shape = parse_spec(spec)  # a bad spec is refused before anything needs a GPU
+    cp = require_cupy()
+
+    from backends.engine import module, ops
+
+    from .gpu_timing import capture
+    from .kernel_case import GemvCase
+    base = ops.kv9_defines
+    ops.kv9_defines = lambda: base() + ("KQ_TRACE=1",)
+    case = None
+    try:
+        case = GemvCase(shape, copies, seed=0)
+        node = case.nodes[0]
+        if not node.kernel.name.startswith("gemvkq"):
+            raise ValueError(f"{spec}: the engine runs {node.kernel.name}, not a v9 kernel (no trace build)")
+        defs = ops.kv9_defines() + ops.kv9_iq3s_defines([shape.type_id])
+        if node.block[0] == 1024:  # a wide node (ops.kv9_wide)
+            defs = ops.kv9_wide_defines(defs)
+        ptr = module._module_for("gemv_kq.cu", tuple(defs)).get_global("kq_trace")
+        warps = node.grid[0] * node.block[0] // 32
+        arr = cp.ndarray((warps, 5), dtype=cp.uint64, memptr=ptr)
+        graph = capture(case.stream, [n.launch for n in case.nodes])
+        ev0, ev1, runs = cp.cuda.Event(), cp.cuda.Event(), []
+        for _ in range(replays):
+            arr.fill(0)
+            cp.cuda.Device().synchronize()
+            ev0.record(case.stream)
+            graph.launch(stream=case.stream)
+            ev1.record(case.stream)
+            case.stream.synchronize()
+            runs.append((cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / copies, arr.get()))
+        us, a = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+        return node.kernel.name, us, a
+    finally:
+        ops.kv9_defines = base
+        if case is not None:
+            case.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.kernel_trace", description=__doc__.split("\n")[0])
+    ap.add_argument("specs", nargs="+", help="shapes, e.g. 2x17408x5120:IQ4_XS")
+    ap.add_argument("--copies", type=int, default=16, help="weight copies launched back to back (>= 2)")
+    ap.add_argument("--out", default=".", help="folder for kernel-trace.json and the .npy arrays")
+    a = ap.parse_args(argv)
+    if a.copies < 2:
+        print("kernel_trace: --copies must be at least 2 (the traced launch follows another)", file=sys.stderr)
+        return 2
+    from .errors import HarnessError
+    out = {}
+    for spec in a.specs:
+        try:
+            kernel, us, arr = trace_shape(spec, a.copies)
+        except (HarnessError, ValueError) as e:  # no GPU, a bad spec, a shape v9 does not take
+            print(f"kernel_trace: {e}", file=sys.stderr)
+            return 2
+        s = summarize(arr)
+        out[spec] = dict(s, kernel=kernel, per_kernel_us=us)
+        print(format_summary(spec, kernel, us, s))
+        os.makedirs(a.out, exist_ok=True)
+        np.save(os.path.join(a.out, "kernel-trace-" + "".join(c if c.isalnum() else "_" for c in spec) + ".npy"), arr)
+    path = os.path.join(a.out, "kernel-trace.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(path + ".tmp", path)  # atomic: a reader never sees half a file
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

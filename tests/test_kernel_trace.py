@@ -1,0 +1,84 @@
+"""harness.kernel_trace.summarize (CPU): the figures of a per-warp timeline from a constructed
+trace whose answers are known by construction."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness import kernel_trace as kt
+
+
+def _trace():
+    # 4 warps on 2 SMs; times in ns; the earliest PDL wait return is at 10_000 ns
+    rows = [  # entry, wait, staged, end, sm
+        (2_000, 10_000, 12_000, 20_000, 0),
+        (3_000, 10_000, 12_000, 22_000, 0),
+        (9_000, 10_500, 12_500, 30_000, 1),
+        (9_500, 11_000, 13_000, 31_000, 1),
+    ]
+    return np.array(rows, dtype=np.uint64)
+
+
+def test_summarize_relative_times_and_quantiles():
+    s = kt.summarize(_trace())
+    assert s["warps"] == 4 and s["sms"] == 2
+    assert s["span_us"] == pytest.approx(21.0)        # 31_000 - 10_000 ns
+    assert s["entry_us"][0] == pytest.approx(-8.0)    # resident 8 us before the wait returned
+    assert s["entry_us"][-1] == pytest.approx(-0.5)
+    assert s["stage_us"][0] == pytest.approx(2.0) and s["stage_us"][-1] == pytest.approx(2.0)
+    assert s["loop_us"][0] == pytest.approx(8.0) and s["loop_us"][-1] == pytest.approx(18.0)
+    assert s["end_us"][2] == pytest.approx(np.median([10.0, 12.0, 20.0, 21.0]))
+    # per SM first / last end: SM 0 (10, 12), SM 1 (20, 21); medians 15 and 16.5
+    assert s["first_last_end_us"] == pytest.approx([15.0, 16.5])
+
+
+def test_running_share_per_microsecond():
+    s = kt.summarize(_trace())
+    r = s["running"]
+    assert len(r) == 22                      # t = 0 .. 21 us
+    assert r[0] == 1.0 and r[9] == 1.0       # nobody ends before 10 us
+    assert r[10] == 0.75 and r[12] == 0.5    # strictly after 10 us: 3 left; after 12: 2
+    assert r[20] == 0.25 and r[21] == 0.0
+
+
+@pytest.mark.parametrize("bad", [np.zeros((0, 5)), np.zeros((3, 4)), np.ones(5)])
+def test_bad_shapes_are_refused(bad):
+    with pytest.raises(ValueError, match="expected \\[warps, 5\\]"):
+        kt.summarize(bad)
+
+
+def test_an_unwritten_mark_is_refused():
+    t = _trace()
+    t[2, kt.END] = 0  # a warp that never reached its last mark
+    with pytest.raises(ValueError, match="unwritten"):
+        kt.summarize(t)
+
+
+def test_format_names_every_phase():
+    text = kt.format_summary("2x17408x5120:IQ4_XS", "gemvkq_swiglu_iq4_xs", 36.5, kt.summarize(_trace()))
+    for word in ("entry", "stage", "loop", "end", "per SM", "36.50 us per kernel"):
+        assert word in text
+
+
+def test_copies_below_two_exit_2(capsys):
+    assert kt.main(["2x17408x5120:IQ4_XS", "--copies", "1"]) == 2
+    assert "--copies" in capsys.readouterr().err
+
+
+def test_a_bad_spec_is_one_line_exit_2(capsys, tmp_path):
+    out = tmp_path / "not-made"
+    assert kt.main(["17408x5120", "--out", str(out)]) == 2  # no :FORMAT
+    err = capsys.readouterr().err
+    assert err.startswith("kernel_trace: shape '17408x5120'") and "Traceback" not in err
+    assert not out.exists()  # nothing written for a refused run
+
+
+def test_without_a_gpu_it_exits_2(capsys):
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+        pytest.skip("a GPU is present")
+    except Exception:
+        pass
+    assert kt.main(["4096x4096:Q8_0"]) == 2
+    assert "CuPy" in capsys.readouterr().err
