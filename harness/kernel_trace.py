@@ -85,10 +85,8 @@ def trace_shape(spec: str, copies: int, replays: int = 5):
         node = case.nodes[0]
         if not node.kernel.name.startswith("gemvkq"):
             raise ValueError(f"{spec}: the engine runs {node.kernel.name}, not a v9 kernel (no trace build)")
-        defs = ops.kv9_defines() + ops.kv9_iq3s_defines([shape.type_id])
-        if node.block[0] == 1024:  # a wide node (ops.kv9_wide)
-            defs = ops.kv9_wide_defines(defs)
-        ptr = module._module_for("gemv_kq.cu", tuple(defs)).get_global("kq_trace")
+        # the module the node's kernel came from (the wide build for a wide node: ops.kv9_wide)
+        ptr = module._module_for("gemv_kq.cu", tuple(node.defines)).get_global("kq_trace")
         warps = node.grid[0] * node.block[0] // 32
         arr = cp.ndarray((warps, 5), dtype=cp.uint64, memptr=ptr)
         graph = capture(case.stream, [n.launch for n in case.nodes])
@@ -119,17 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel_trace: --copies must be at least 2 (the traced launch follows another)", file=sys.stderr)
         return 2
     from .errors import HarnessError
-    out = {}
+    out, arrays = {}, {}
     for spec in a.specs:
         try:
             kernel, us, arr = trace_shape(spec, a.copies)
+            s = summarize(arr)  # ValueError: a warp that left a mark unwritten
         except (HarnessError, ValueError) as e:  # no GPU, a bad spec, a shape v9 does not take
             print(f"kernel_trace: {e}", file=sys.stderr)
             return 2
-        s = summarize(arr)
-        out[spec] = dict(s, kernel=kernel, per_kernel_us=us)
+        out[spec], arrays[spec] = dict(s, kernel=kernel, per_kernel_us=us), arr
         print(format_summary(spec, kernel, us, s))
-        os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.out, exist_ok=True)  # written only once every shape is traced
+    for spec, arr in arrays.items():
         np.save(os.path.join(a.out, "kernel-trace-" + "".join(c if c.isalnum() else "_" for c in spec) + ".npy"), arr)
     path = os.path.join(a.out, "kernel-trace.json")
     with open(path + ".tmp", "w") as f:

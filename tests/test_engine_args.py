@@ -720,7 +720,7 @@ def test_bw_switch(monkeypatch):
         assert ops.kv9_warps() == 16 and not any(d.startswith("KQ_BLOCK_WARPS") for d in ops.kv9_defines())
     monkeypatch.setattr(ops, "GEMV_KQ_BW", "32")
     assert ops.kv9_warps() == 32 and "KQ_BLOCK_WARPS=32" in ops.kv9_defines()
-    # 132 SMs: 16 rows per block-round at S = 2 instead of 8; one pass of 132 blocks holds 4224 row groups either way
+    # 2 rows per warp, S = 2: 32 rows per block-round instead of 16; 320 blocks over 132 slots = 3 passes
     assert ops.kv9_split_cost(10240, 5120, 2, 2, 132) == 3 * 2 * 3
     for bad in ("8", "64", "x"):
         monkeypatch.setattr(ops, "GEMV_KQ_BW", bad)

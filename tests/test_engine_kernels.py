@@ -776,6 +776,8 @@ def test_wide_nodes_match_the_default(kq, monkeypatch):
     the_default says why); the nodes of fewer rows, or of S > 1, stay on 512-thread blocks."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("q16 kernels")
     monkeypatch.setattr(eops, "GEMV_KQ", kq)
     monkeypatch.setattr(eops, "GEMV_KQ_WIDE_MIN_ROWS", "")
     keep = []
@@ -785,6 +787,12 @@ def test_wide_nodes_match_the_default(kq, monkeypatch):
     out, x = cp.zeros(8777, dtype=cp.float32), cp.ones(5120, dtype=cp.float32)
     assert eops.gemv("w", "swiglu", [eops.Seg(w, out), eops.Seg(w, out)], x, 5120).block == (1024,)
     assert eops.gemv("s", "swiglu", [eops.Seg(ws, out), eops.Seg(ws, out)], x, 5120).block == (512,)
+    # the helper's nodes of 9001 rows at split 1 go wide too (its "" runs are not the "off" build)
+    monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", "1")
+    rq, _ = _matrix(TYPES["Q4_K"], 9001, 5120, seed=6)
+    q = device_tensor(cp, "q", rq, TYPES["Q4_K"], (5120, 9001), keep)
+    node = eops.gemv("q", "store", [eops.Seg(q, cp.zeros(9001, dtype=cp.float32))], x, 5120)
+    assert node.block == (1024,) and "KQ_BLOCK_WARPS=32" in node.defines
     _build_is_bitwise_equal("GEMV_KQ_WIDE_MIN_ROWS", ("off", ""), "<no define: a routing switch>", "<never>",
                             (("Q4_K", 5120, 9001), ("Q6_K", 5120, 9001), ("IQ4_XS", 5120, 8777)),
                             monkeypatch, kq=kq, relaunch=3, normed=False)

@@ -40,6 +40,7 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1",)), ("gemv_kq.cu", ("IQ4_XIL=0",)), ("gemv
 # lane records in the conflict-free lane order (A/B)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "IQ4_KREG=0")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_F32_XPERM=1"))]
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_WMAJ=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_TRACE=1"))]  # session 15: warp-major rows, the timeline build
+# (the wide build of ops.kv9_wide, KQ_P2=1 KQ_BLOCK_WARPS=32 KQ_WMAJ=1: test_v9_wide_build_launch_bounds)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XLANE=0"))]  # the xq_slot staging (x in lane records is the default since session 13)
 # the small-ring v10 builds (ops.tma_defines: GGUF_HARNESS_GEMV_TMA_NST / _WARPS / _MINB / _RPW)
 SOURCES += [("gemv_tma.cu", ("TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2")), ("gemv_tma.cu", ("TMA_NST=3", "TMA_WARPS=4")),
@@ -117,6 +118,25 @@ def test_v9_iq3s_swiglu_instance_alone_has_no_min_blocks():
         assert mins["gemvkq_swiglu_iq3_s"] == want, (defines, mins["gemvkq_swiglu_iq3_s"])
         others = {k: v for k, v in mins.items() if k.startswith("gemvkq_") and k != "gemvkq_swiglu_iq3_s"}
         assert len(others) > 40 and set(others.values()) == {2}, (defines, others)
+
+
+def test_v9_wide_build_launch_bounds():
+    """The wide build the engine runs for split-1 nodes of >= 8192 rows (ops.kv9_wide_defines of
+    the default defines) compiles; every v9 instance takes 1024 threads, with minBlocks 1 (the 16-warp
+    build's 2, halved: 64 registers either way), and the IQ3_S SwiGLU one none, as at 16 warps."""
+    from backends.engine import ops
+    lib = _nvrtc()
+    defines = ops.kv9_wide_defines(("KQ_P2=1",))
+    ptx: list = []
+    rc, log = compile_source(lib, "gemv_kq.cu", defines, ptx)
+    assert rc == 0, log
+    mins = _min_ctas(ptx[0])
+    v9 = {k: v for k, v in mins.items() if k.startswith("gemvkq")}
+    assert len(v9) > 60
+    assert mins.pop("gemvkq_swiglu_iq3_s") is None
+    assert {v for k, v in mins.items() if k.startswith("gemvkq")} == {1}
+    ntid = re.findall(r"\.entry (gemvkq\w+)\((?:.|\n)*?\.maxntid (\d+), 1, 1", ptx[0])
+    assert len(ntid) == len(v9) and {n for _, n in ntid} == {"1024"}
 
 
 def test_a_broken_source_fails_to_compile(monkeypatch):

@@ -62,6 +62,7 @@ def test_bad_engine_switch_is_one_line_exit_2(capsys, monkeypatch):
 def test_the_wide_v9_build_is_prewarmed_unless_off(monkeypatch):
     """With GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS unset (the default) both v9 builds are compiled
     ahead; with "off" only the 16-warp one (no node would take the wide build)."""
+    monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "")  # the default, whatever the environment says
     kq = [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu"]
     assert kq == [ops.kv9_defines(), ops.kv9_wide_defines(ops.kv9_defines())]
     assert "KQ_BLOCK_WARPS=32" in kq[1] and "KQ_WMAJ=1" in kq[1]

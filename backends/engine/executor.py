@@ -25,6 +25,7 @@ class Node:
     out: Any = None
     fmt: str = ""
     keep: list = field(default_factory=list)  # device arrays the args point into (lifetime)
+    defines: tuple = ()  # preprocessor defines of the kernel's build (v9 GEMVs: ops.gemv's kdefs)
     _pdl: Any = field(default=None, init=False, repr=False, compare=False)
 
     def launch(self, pdl_ok: bool = True) -> None:

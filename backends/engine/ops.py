@@ -201,7 +201,9 @@ GEMV_KQ_F32_XPERM = os.environ.get("GGUF_HARNESS_GEMV_KQ_F32_XPERM", "0")
 # build (A/B, written in session 15); "0" or unset: block-major. Bitwise equal outputs.
 GEMV_KQ_WMAJ = os.environ.get("GGUF_HARNESS_GEMV_KQ_WMAJ", "0")
 # KQ_BW: warps per v9 block (kernels/gemv_kq.cu KQ_BLOCK_WARPS): "16" or unset the default (two
-# blocks per SM), "32" one block of 32 warps per SM (A/B, written in session 15). Bitwise equal outputs.
+# blocks per SM), "32" one block of 32 warps per SM for every node (A/B, session 15). Not bitwise
+# equal on nodes with a fused RMSNorm (block_sum adds 32 warps' partials); the Q6_K S > 1 instances
+# spill 4-8 bytes at 32 warps (ptxas 13.0).
 GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
 
 
@@ -209,12 +211,14 @@ GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
 # the default blocks) run the "wide" build: one block of 32 warps per SM and warp-major row groups
 # (kernels/gemv_kq.cu KQ_BLOCK_WARPS=32 + KQ_WMAJ=1; kv9_wide_defines). Why (H200, session 15,
 # cold back to back, same machine start): 2x[17408x5120] IQ4_XS 35.86 -> 33.69 us, the Q6_K head
-# 268.75 -> 261.44, [10240x5120] Q4_K 13.02 -> 12.58, while the S = 4 rows of K = 17408 lost 2-8 %
-# and [1024x5120] Q6_K 27 % (so not every node); the 27B decode step 6945.6 -> 6683.2 us (-3.8 %).
-# Unset or "": KV9_WIDE_MIN_ROWS, the default since session 15; "off": never; an integer: that
-# threshold. Not bitwise equal to the 16-warp build on nodes with a fused RMSNorm (block_sum adds
-# the sum of squares over 32 warps' partials, not 16).
-KV9_WIDE_MIN_ROWS = 8192  # the 27B's gate/up (17408 rows), ssm_in (16480) and output head (248320)
+# 268.75 -> 261.44, while the S > 1 rows lost 1.2-27 % with it (several of those instances spill
+# at 32 warps, so the cause is mixed), hence a per-node choice. The 27B's wide nodes: gate/up
+# (17408 rows), ssm_in (16480), qkv.q4_k (12288) and the head (248320); the step 6945.6 -> 6683.2
+# us (-3.8 %). Unset or "": KV9_WIDE_MIN_ROWS, the default since session 15; "off": never; an
+# integer: that threshold (below 8192 not measured: split-1 [5120x6144] Q6_K and [4096x4096] Q8_0
+# were 1-3 % faster wide in the kernel table). Not bitwise equal to the 16-warp build on nodes with
+# a fused RMSNorm (block_sum adds the sum of squares over 32 warps' partials, not 16).
+KV9_WIDE_MIN_ROWS = 8192
 GEMV_KQ_WIDE_MIN_ROWS = os.environ.get("GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS", "")
 
 
@@ -256,10 +260,11 @@ def kv9_defines() -> tuple[str, ...]:
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
-    KQ_WMAJ=1, then
+    KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
-    both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, for F32_XPERM with XLANE=0 (it
+    both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, for a BW other than 16 or 32, for a
+    WIDE_MIN_ROWS other than a row count or off, for F32_XPERM with XLANE=0 (it
     would build the default), and as kv9_p2_types, kv9_p2_max_k and kv9_p2_min_rows."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
@@ -547,6 +552,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     if impl == "q8_1" and any(s.w.type_id in FLOAT_TYPES for s in segs):
         impl = "f32"  # llama.cpp: float weights see x unrounded (no q8_1)
     v9_rows = 1  # rows a warp takes at a time (2 for the gemvkq4_ kernels)
+    kdefs: tuple[str, ...] = ()  # the gemv_kq.cu build's defines (v9 nodes; Node.defines)
     if impl == "f32":
         wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
@@ -621,7 +627,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
                 (table, x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
                  np.int32(rows)), smem=smem, bytes=wbytes + act,
                 flops=2 * K * sum(s.w.rows for s in segs), out=segs[0].out,
-                fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[] if by_value else [table])
+                fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[] if by_value else [table],
+                defines=kdefs)
 
 
 def tma_defines() -> tuple[str, ...]:

@@ -480,18 +480,20 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 }
 
 #ifndef KQ_BLOCK_WARPS
-// Warps per block. KQ_BLOCK_WARPS=32 (A/B build, ops GGUF_HARNESS_GEMV_KQ_BW=32; session 15): one
-// block of 32 warps per SM instead of two of 16. Why (KQ_TRACE on the H200, session 15): of an SM's
-// two blocks the one resident first (up to 15 us before the PDL wait returns, in the previous
-// kernel's tail) finishes its rows first: 2x[17408x5120] IQ4_XS, median per SM first / last warp
-// end 20 / 30.6 us, so for the last third of the kernel most SMs run one block of 16 warps, and
-// dealing rows evenly per SM (KQ_WMAJ) did not help (+5 %). Warps of one block share an age, and
-// x is staged once per SM (half the L2 reads of x).
+// Warps per block. KQ_BLOCK_WARPS=32 (ops GGUF_HARNESS_GEMV_KQ_BW=32 for every node, or the wide build
+// of ops.kv9_wide with KQ_WMAJ; session 15): one block of 32 warps per SM instead of two of 16.
+// Why (KQ_TRACE on the H200, session 15, 2x[17408x5120] IQ4_XS): of an SM's two blocks the one
+// resident first (up to 15 us before the PDL wait returns) ends first (a warp's loop time against
+// its block's entry time: correlation 0.79; per SM, median first / last warp end 18.9 / 30.3 us), so
+// for the last third of the kernel most SMs ran one block of 16 warps. With 32-warp blocks the
+// correlation was -0.19 and the per-SM ends 24.4 / 27.8 us; staging x took 1.7 us instead of 2.2
+// (IQ4_XS and [10240x5120] Q4_K). The Q6_K S > 1 instances spill 4-8 bytes at 32 warps (ptxas 13.0).
 #define KQ_BLOCK_WARPS 16
 #endif
 static_assert(KQ_BLOCK_WARPS == 16 || KQ_BLOCK_WARPS == 32, "KQ_BLOCK_WARPS: 16 or 32");
-// minBlocks below are chosen for blocks of 16 warps; 32 warps take half (both: 64 registers at 2)
-template <int MB> constexpr int kKqLbScale = KQ_BLOCK_WARPS == 16 ? MB : (MB + 1) / 2;
+// minBlocks below are chosen for blocks of 16 warps; 32-warp blocks take half, at least 1 (2 -> 1:
+// 64 registers either way; an A/B KQ_MINB of 3 gets 1, 64 registers, not the 42 of 3 x 16 warps)
+template <int MB> constexpr int kKqLbScale = KQ_BLOCK_WARPS == 16 || MB <= 1 ? MB : MB / 2;
 // Launch bounds: minBlocks 2 (64 registers) for every 8-lane instance (KQ_MINB, default 2). Why:
 // without, ptxas gave the Q6_K S > 1 instances 83 registers, so 1 block of 16 warps per SM
 // (NVRTC 13.0, sm_90; session 8); the S = 1 instances stayed uncapped (77-94 registers) until
