@@ -22,7 +22,10 @@ from harness.synth import PRESETS, encode, quant_source, resolve_quant, tensor_s
 from harness.synth import qwen2 as synth_qwen2
 from harness.synth.qwen2 import Qwen2Shape
 
-L = pytest.importorskip("llama_cpp")
+try:  # llama_cpp's Python files without their shared libraries raise FileNotFoundError, not ImportError
+    import llama_cpp as L
+except (ImportError, OSError) as e:
+    pytest.skip(f"llama_cpp not usable: {type(e).__name__}: {str(e)[:200]}", allow_module_level=True)
 TEXT = "The quick brown fox"
 TINY = {k: v for k, v in PRESETS["qwen2-tiny"].items() if k != "quant"}
 
