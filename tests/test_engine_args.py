@@ -749,3 +749,18 @@ def test_wide_min_rows_switch(monkeypatch):
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS"):
             ops.kv9_defines()
     assert "GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS" in machine.ENGINE_SWITCHES
+
+
+def test_xs_l1pf_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_XS_L1PF: "1" builds gemv_kq.cu with XS_L1PF=1 (stage_xq prefetches x into
+    L1), "0" or "" leaves the default; anything else is refused before a build; results record it."""
+    monkeypatch.setattr(ops, "GEMV_XS_L1PF", "1")
+    assert "XS_L1PF=1" in ops.kv9_defines()
+    assert "XS_L1PF=1" in ops.kv9_wide_defines(ops.kv9_defines())  # the wide nodes get it too
+    for v in ("0", ""):
+        monkeypatch.setattr(ops, "GEMV_XS_L1PF", v)
+        assert not any(d.startswith("XS_L1PF") for d in ops.kv9_defines())
+    monkeypatch.setattr(ops, "GEMV_XS_L1PF", "2")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_XS_L1PF"):
+        ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_XS_L1PF" in machine.ENGINE_SWITCHES

@@ -798,6 +798,15 @@ def test_wide_nodes_match_the_default(kq, monkeypatch):
                             monkeypatch, kq=kq, relaunch=3, normed=False)
 
 
+def test_xs_l1pf_build_is_bitwise_equal_to_the_default(monkeypatch):
+    """GGUF_HARNESS_GEMV_XS_L1PF=1 (kernels/xstage.cuh XS_L1PF: stage_xq asks L1 for its x and norm
+    lines first) changes no value, so every output must equal the default build's bit for bit:
+    K = 17408 (5 entries per thread) and 5120, store nodes behind a fused RMSNorm, SwiGLU, add and
+    ssm_in-like nodes, every split."""
+    _build_is_bitwise_equal("GEMV_XS_L1PF", ("0", "1"), "XS_L1PF=1", "1",
+                            (("Q4_K", 17408, 301), ("Q6_K", 5120, 301), ("IQ4_XS", 5120, 77)), monkeypatch)
+
+
 def _build_is_bitwise_equal(knob, values, define, define_when, cases, monkeypatch, kq="v9l8", relaunch=1,
                             normed=True):
     """Outputs of v9 nodes under ops.<knob> = values[0] and values[1] (ops.kv9_defines holds

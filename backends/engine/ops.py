@@ -205,6 +205,10 @@ GEMV_KQ_WMAJ = os.environ.get("GGUF_HARNESS_GEMV_KQ_WMAJ", "0")
 # equal on nodes with a fused RMSNorm (block_sum adds 32 warps' partials); the Q6_K S > 1 instances
 # spill 4-8 bytes at 32 warps (ptxas 13.0).
 GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
+# XS_L1PF: stage_xq asks L1 for its x (and norm) lines before its first entry (kernels/xstage.cuh
+# XS_L1PF; v9 builds only). "1": that build (A/B, written in session 15, not yet run on a GPU);
+# "0" or unset: the default. Bitwise equal outputs (a prefetch changes no value).
+GEMV_XS_L1PF = os.environ.get("GGUF_HARNESS_GEMV_XS_L1PF", "0")
 
 
 # KQ_WIDE_MIN_ROWS: v9 nodes of at least this many output rows whose split is 1 (kv9_split with
@@ -260,10 +264,10 @@ def kv9_defines() -> tuple[str, ...]:
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
-    KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), then
+    KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_XS_L1PF=1 -> XS_L1PF=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
-    both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, for a BW other than 16 or 32, for a
+    both), XLANE, IQ4_KREG, F32_XPERM, WMAJ and XS_L1PF unless empty, 0 or 1, for a BW other than 16 or 32, for a
     WIDE_MIN_ROWS other than a row count or off, for F32_XPERM with XLANE=0 (it
     would build the default), and as kv9_p2_types, kv9_p2_max_k and kv9_p2_min_rows."""
     out = []
@@ -303,6 +307,9 @@ def kv9_defines() -> tuple[str, ...]:
         out.append("KQ_WMAJ=1")
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
+    _switch01("GGUF_HARNESS_GEMV_XS_L1PF", GEMV_XS_L1PF)
+    if GEMV_XS_L1PF == "1":
+        out.append("XS_L1PF=1")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
     return tuple(out) + iq4_xil_defines()
 

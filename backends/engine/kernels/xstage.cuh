@@ -15,6 +15,15 @@
 #else
 #define XQ_MAX 32767.f
 #endif
+#ifndef XS_L1PF
+// XS_L1PF=1 (A/B build, ops GGUF_HARNESS_GEMV_XS_L1PF=1; written in session 15, not yet run on a
+// GPU): before its first entry stage_xq asks L1 for every 128-byte line of x (and of the norm
+// weights) its entries will read, so the loop's loads hit L1 instead of waiting one L2 round trip
+// each. Why: KQ_TRACE (docs/perf-notes.md session 15) timed the staging at 4.9 us at K = 17408 (5
+// entries per thread of a 512-thread block) against 2.2 us at K = 5120 (1-2); the loop body
+// branches per entry before its shuffles, so its loads are not issued ahead. Values unchanged.
+#define XS_L1PF 0
+#endif
 #define XQ_FLUSH 1e-30f  // blocks with max |x| below this become zeros (XQ_MAX / amax overflows ~1e-34)
 
 // Largest |v| and whether any value is NaN/Inf, over a thread's 8 values and then the 4 lanes
@@ -68,6 +77,13 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
     float* xf = xd + nch / 4;
 #endif
     float ss = 0.f;
+#if XS_L1PF
+    // entry c's 32 bytes (an IL entry's too) lie in line c / 4 of x and of the norm weights
+    for (int c = threadIdx.x; c < nch && 8 * c < K; c += blockDim.x) {
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(x + 8 * c));
+        if (norm) asm volatile("prefetch.global.L1 [%0];" ::"l"(norm + 8 * c));
+    }
+#endif
 #pragma unroll 2
     for (int c0 = 0; c0 < nch; c0 += blockDim.x) {
         const int c = c0 + threadIdx.x, i0 = 8 * c;
