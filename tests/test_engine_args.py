@@ -697,20 +697,6 @@ def test_iq4_kreg_switch(monkeypatch):
     assert "GGUF_HARNESS_GEMV_IQ4_KREG" in machine.ENGINE_SWITCHES
 
 
-def test_wmaj_switch(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_WMAJ: "1" builds gemv_kq.cu with KQ_WMAJ=1 (row groups dealt warp-major),
-    "0" or "" leaves the kernel's default; anything else is refused before a build; results record it."""
-    monkeypatch.setattr(ops, "GEMV_KQ_WMAJ", "1")
-    assert "KQ_WMAJ=1" in ops.kv9_defines()
-    for v in ("0", ""):
-        monkeypatch.setattr(ops, "GEMV_KQ_WMAJ", v)
-        assert not any(d.startswith("KQ_WMAJ") for d in ops.kv9_defines())
-    monkeypatch.setattr(ops, "GEMV_KQ_WMAJ", "on")
-    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_WMAJ"):
-        ops.kv9_defines()
-    assert "GGUF_HARNESS_GEMV_KQ_WMAJ" in machine.ENGINE_SWITCHES
-
-
 def test_bw_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_BW: "" or "16" the default 16-warp blocks (no define), "32" builds
     KQ_BLOCK_WARPS=32 and the node's block, grid and split model follow (kv9_warps); anything else
@@ -751,16 +737,21 @@ def test_wide_min_rows_switch(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS" in machine.ENGINE_SWITCHES
 
 
-def test_xs_l1pf_switch(monkeypatch):
-    """GGUF_HARNESS_GEMV_XS_L1PF: "1" builds gemv_kq.cu with XS_L1PF=1 (stage_xq prefetches x into
-    L1), "0" or "" leaves the default; anything else is refused before a build; results record it."""
-    monkeypatch.setattr(ops, "GEMV_XS_L1PF", "1")
-    assert "XS_L1PF=1" in ops.kv9_defines()
-    assert "XS_L1PF=1" in ops.kv9_wide_defines(ops.kv9_defines())  # the wide nodes get it too
+
+@pytest.mark.parametrize("attr,env,define", [("GEMV_KQ_WMAJ", "GGUF_HARNESS_GEMV_KQ_WMAJ", "KQ_WMAJ=1"),
+                                             ("GEMV_XS_L1PF", "GGUF_HARNESS_GEMV_XS_L1PF", "XS_L1PF=1")])
+def test_off_by_default_switches(attr, env, define, monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_WMAJ (row groups dealt warp-major) and GGUF_HARNESS_GEMV_XS_L1PF (stage_xq
+    prefetches x into L1): "1" builds gemv_kq.cu with the define, and the wide build keeps it; "0"
+    or "" leaves the kernel's default; anything else is refused before a build; results record it."""
+    monkeypatch.setattr(ops, attr, "1")
+    assert define in ops.kv9_defines()
+    assert define in ops.kv9_wide_defines(ops.kv9_defines())
     for v in ("0", ""):
-        monkeypatch.setattr(ops, "GEMV_XS_L1PF", v)
-        assert not any(d.startswith("XS_L1PF") for d in ops.kv9_defines())
-    monkeypatch.setattr(ops, "GEMV_XS_L1PF", "2")
-    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_XS_L1PF"):
-        ops.kv9_defines()
-    assert "GGUF_HARNESS_GEMV_XS_L1PF" in machine.ENGINE_SWITCHES
+        monkeypatch.setattr(ops, attr, v)
+        assert not any(d.startswith(define.split("=")[0]) for d in ops.kv9_defines())
+    for bad in ("on", "2"):
+        monkeypatch.setattr(ops, attr, bad)
+        with pytest.raises(ValueError, match=env):
+            ops.kv9_defines()
+    assert env in machine.ENGINE_SWITCHES

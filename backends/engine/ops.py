@@ -302,14 +302,13 @@ def kv9_defines() -> tuple[str, ...]:
         if GEMV_KQ_XLANE == "0":  # f32_row permutes only lane-record reads: the build would be the default's
             raise ValueError("GGUF_HARNESS_GEMV_KQ_F32_XPERM=1 needs the lane records (GGUF_HARNESS_GEMV_KQ_XLANE=1)")
         out.append("KQ_F32_XPERM=1")
-    _switch01("GGUF_HARNESS_GEMV_KQ_WMAJ", GEMV_KQ_WMAJ)  # (KQ_BLOCK_WARPS below: kv9_warps)
-    if GEMV_KQ_WMAJ == "1":
-        out.append("KQ_WMAJ=1")
+    for env, val, define in (("GGUF_HARNESS_GEMV_KQ_WMAJ", GEMV_KQ_WMAJ, "KQ_WMAJ=1"),  # off-by-default A/B builds
+                             ("GGUF_HARNESS_GEMV_XS_L1PF", GEMV_XS_L1PF, "XS_L1PF=1")):
+        _switch01(env, val)
+        if val == "1":
+            out.append(define)
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
-    _switch01("GGUF_HARNESS_GEMV_XS_L1PF", GEMV_XS_L1PF)
-    if GEMV_XS_L1PF == "1":
-        out.append("XS_L1PF=1")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
     return tuple(out) + iq4_xil_defines()
 
