@@ -738,12 +738,11 @@ def test_wide_min_rows_switch(monkeypatch):
 
 
 
-@pytest.mark.parametrize("attr,env,define", [("GEMV_KQ_WMAJ", "GGUF_HARNESS_GEMV_KQ_WMAJ", "KQ_WMAJ=1"),
-                                             ("GEMV_XS_L1PF", "GGUF_HARNESS_GEMV_XS_L1PF", "XS_L1PF=1")])
-def test_off_by_default_switches(attr, env, define, monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_WMAJ (row groups dealt warp-major) and GGUF_HARNESS_GEMV_XS_L1PF (stage_xq
-    prefetches x into L1): "1" builds gemv_kq.cu with the define, and the wide build keeps it; "0"
-    or "" leaves the kernel's default; anything else is refused before a build; results record it."""
+def test_wmaj_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_WMAJ (row groups dealt warp-major): "1" builds gemv_kq.cu with KQ_WMAJ=1,
+    and the wide build keeps it; "0" or "" leaves the kernel's default; anything else is refused
+    before a build; results record it."""
+    attr, env, define = "GEMV_KQ_WMAJ", "GGUF_HARNESS_GEMV_KQ_WMAJ", "KQ_WMAJ=1"
     monkeypatch.setattr(ops, attr, "1")
     assert define in ops.kv9_defines()
     assert define in ops.kv9_wide_defines(ops.kv9_defines())
@@ -755,3 +754,31 @@ def test_off_by_default_switches(attr, env, define, monkeypatch):
         with pytest.raises(ValueError, match=env):
             ops.kv9_defines()
     assert env in machine.ENGINE_SWITCHES
+
+
+def test_csplit_routing(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_CSPLIT=1 (kernels/gemv_kq.cu KQ_CSPLIT): ops.kv9_csplit names the _c<S>
+    cluster kernel for the 8-lane store/add kernels of split 2 or 4 without a fused norm, and
+    nothing else (SwiGLU pairs, split 1, the _p2 and gemvkq4_ kernels, normed nodes, the switch
+    off); a bad value is refused, also by kv9_defines before any build; results record it."""
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "1")
+    assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) == "gemvkq_store_q4_k_c4"
+    assert ops.kv9_csplit("gemvkq_add_q5_k_s2", "add", 2, False) == "gemvkq_add_q5_k_c2"
+    assert ops.kv9_csplit("gemvkq_add_iq3_s_s4", "add", 4, False) == "gemvkq_add_iq3_s_c4"
+    for args in (("gemvkq_store_q4_k_s4", "store", 4, True),     # a fused norm
+                 ("gemvkq_swiglu_q4_k_s2", "swiglu", 2, False),  # a pair
+                 ("gemvkq_store_q4_k", "store", 1, False),       # split 1
+                 ("gemvkq_store_q6_k_p2_s2", "store", 2, False),  # two rows per warp
+                 ("gemvkq4_store_q4_k_s2", "store", 2, False),   # 4 lanes per super-block
+                 ("gemvkq_store_q4_k_s2", "store", 4, False)):   # a name of another split
+        assert ops.kv9_csplit(*args) is None, args
+    for off in ("0", ""):
+        monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", off)
+        assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) is None
+    for bad in ("on", "2"):
+        monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_CSPLIT"):
+            ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_CSPLIT"):
+            ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_CSPLIT" in machine.ENGINE_SWITCHES

@@ -798,13 +798,75 @@ def test_wide_nodes_match_the_default(kq, monkeypatch):
                             monkeypatch, kq=kq, relaunch=3, normed=False)
 
 
-def test_xs_l1pf_build_is_bitwise_equal_to_the_default(monkeypatch):
-    """GGUF_HARNESS_GEMV_XS_L1PF=1 (kernels/xstage.cuh XS_L1PF: stage_xq asks L1 for its x and norm
-    lines first) changes no value, so every output must equal the default build's bit for bit:
-    K = 17408 (5 entries per thread) and 5120, store nodes behind a fused RMSNorm, SwiGLU, add and
-    ssm_in-like nodes, every split."""
-    _build_is_bitwise_equal("GEMV_XS_L1PF", ("0", "1"), "XS_L1PF=1", "1",
-                            (("Q4_K", 17408, 301), ("Q6_K", 5120, 301), ("IQ4_XS", 5120, 77)), monkeypatch)
+@pytest.mark.parametrize("split", ["2", "4"])
+def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_CSPLIT=1 (kernels/gemv_kq.cu KQ_CSPLIT): the parts of a row group in the
+    blocks of a thread-block cluster compute the partial sums the _s<S> kernel's warps compute and
+    rank 0 adds them in the same order, so store and add nodes without a norm must equal the
+    S-split's outputs bit for bit (also on relaunch), each checked against the oracle, and each
+    node must have run the _c<S> kernel with a grid of whole clusters. Cases: every 8-lane type; K
+    = 17408 (17 groups of 4 super-blocks: parts of unequal size), K = 2816 (a partial group), K =
+    512 at S = 4 (parts without a super-block), row counts above one round of clusters, two
+    segments of different row counts. A node of more than KQ_CS_MAXR rounds falls back to the
+    S-split kernel, and a normed node is never taken."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("q16 kernels")
+    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
+    monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "1000000")  # Q6_K on the one-row-per-warp kernels
+    monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
+    S = int(split)
+    rng = np.random.default_rng(41)
+    keep = []
+    cases = [("Q4_K", 17408, 1500), ("Q5_K", 6144, 4099), ("Q6_K", 5120, 301), ("IQ4_XS", 5120, 777),
+             ("IQ3_S", 2048, 333), ("Q8_0", 4096, 257), ("Q4_0", 2048, 97), ("Q4_K", 2816, 123)]
+    if S == 4:
+        cases.append(("Q4_K", 512, 77))
+    for name, K, rows in cases:
+        t = TYPES[name]
+        (ra, wa), (rb, wb) = _matrix(t, rows, K, seed=rows + 7), _matrix(t, 29, K, seed=rows + 8)
+        a_dev = device_tensor(cp, "a", ra, t, (K, rows), keep)
+        b_dev = device_tensor(cp, "b", rb, t, (K, 29), keep)
+        x = (rng.normal(size=K) * 0.7).astype(np.float32)
+        base = rng.normal(size=rows).astype(np.float32)
+        got = {}
+        for cs in ("0", "1"):
+            monkeypatch.setattr(eops, "GEMV_KQ_CSPLIT", cs)
+            ya, yb = nan_poisoned(cp, rows), nan_poisoned(cp, 29)
+            acc = cp.asarray(base)
+            nodes = [eops.gemv("s", "store", [eops.Seg(a_dev, ya), eops.Seg(b_dev, yb)], cp.asarray(x), K),
+                     eops.gemv("o", "add", [eops.Seg(a_dev, acc)], cp.asarray(x), K)]
+            want = f"_c{S}" if cs == "1" else f"_s{S}"
+            for n in nodes:
+                assert n.kernel.name.startswith("gemvkq_") and n.kernel.name.endswith(want), (cs, n.kernel.name)
+                assert n.grid[0] % S == 0 or cs == "0", n.grid
+                assert ("KQ_CSPLIT=1" in n.defines) == (cs == "1"), n.defines
+                n.launch()
+            got[cs] = (ya.get(), yb.get(), acc.get())
+            nodes[0].launch()
+            assert np.array_equal(got[cs][0], ya.get()) and np.array_equal(got[cs][1], yb.get()), \
+                f"{name} [{rows}x{K}] CSPLIT={cs}: store changed on relaunch"
+            what = f"{name} [{rows}x{K}] S={S} CSPLIT={cs}"
+            _check_rows(got[cs][0].astype(np.float64), wa, x, f"{what} store, segment 0")
+            _check_rows(got[cs][1].astype(np.float64), wb, x, f"{what} store, segment 1")
+            _check_rows(got[cs][2].astype(np.float64) - base, wa, x, f"{what} add")
+        for what, u, v in zip(("store seg 0", "store seg 1", "add"), got["0"], got["1"]):
+            assert np.array_equal(u, v), f"{name} [{rows}x{K}] S={S}: {what} differs from the S-split"
+    # more rounds than KQ_CS_MAXR: the S-split kernel; a fused norm: never a cluster
+    monkeypatch.setattr(eops, "GEMV_KQ_CSPLIT", "1")
+    rows = 9 * 16 * eops.module.sm_count()  # > 8 rounds even with a cluster on every SM's 16 warps
+    raw, _ = _matrix(TYPES["Q8_0"], rows, 256, seed=3)
+    big = device_tensor(cp, "big", raw, TYPES["Q8_0"], (256, rows), keep)
+    out = cp.zeros(rows, dtype=cp.float32)
+    n = eops.gemv("big", "store", [eops.Seg(big, out)], cp.ones(256, dtype=cp.float32), 256)
+    assert n.kernel.name.endswith(f"_s{S}"), n.kernel.name
+    nw = device_tensor(cp, "nw", np.ones(5120, np.float32).view(np.uint8).reshape(1, -1), 0, (5120,), keep)
+    (r6, _) = _matrix(TYPES["Q6_K"], 301, 5120, seed=9)
+    w6 = device_tensor(cp, "w6", r6, TYPES["Q6_K"], (5120, 301), keep)
+    n = eops.gemv("normed", "store", [eops.Seg(w6, cp.zeros(301, dtype=cp.float32))], cp.ones(5120, dtype=cp.float32),
+                  5120, nw, 1e-6)
+    assert n.kernel.name.endswith(f"_s{S}"), n.kernel.name
 
 
 def _build_is_bitwise_equal(knob, values, define, define_when, cases, monkeypatch, kq="v9l8", relaunch=1,

@@ -41,7 +41,7 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1",)), ("gemv_kq.cu", ("IQ4_XIL=0",)), ("gemv
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "IQ4_KREG=0")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_F32_XPERM=1"))]
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_WMAJ=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_TRACE=1"))]  # session 15: warp-major rows, the timeline build
 # (the wide build of ops.kv9_wide, KQ_P2=1 KQ_BLOCK_WARPS=32 KQ_WMAJ=1: test_v9_wide_build_launch_bounds)
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "XS_L1PF=1"))]  # stage_xq's L1 prefetch of x (ops GGUF_HARNESS_GEMV_XS_L1PF)
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1"))]  # session 16: the cluster-split instances alone (ops.kv9_csplit)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XLANE=0"))]  # the xq_slot staging (x in lane records is the default since session 13)
 # the small-ring v10 builds (ops.tma_defines: GGUF_HARNESS_GEMV_TMA_NST / _WARPS / _MINB / _RPW)
 SOURCES += [("gemv_tma.cu", ("TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2")), ("gemv_tma.cu", ("TMA_NST=3", "TMA_WARPS=4")),

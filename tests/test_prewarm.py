@@ -29,6 +29,7 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
         for types in ([12], [23]):
             assert ops.gemv_kernel("gemv", "store", 1, 4, types, impl)[1] in gemv_defs
     assert {s for s, _, _ in prewarm.BUILDS} >= set(module.SOURCES)
+    assert not any("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds())  # off by default
     # every prefetch distance ops.pf_ahead can pick other than the default has its builds
     for pf in {ops.pf_ahead(b) for b in (1, 9 << 20, 17 << 20, 1 << 40)} - {ops.PF_DEFAULT}:
         for d in ((), ("GEMV_IQ4",)):
@@ -68,3 +69,12 @@ def test_the_wide_v9_build_is_prewarmed_unless_off(monkeypatch):
     assert "KQ_BLOCK_WARPS=32" in kq[1] and "KQ_WMAJ=1" in kq[1]
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "off")
     assert [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu"] == [ops.kv9_defines()]
+
+
+def test_csplit_build_only_when_switched_on(monkeypatch):
+    """Under GGUF_HARNESS_GEMV_KQ_CSPLIT=1 prewarm also compiles the cluster-split build, with the
+    defines ops.gemv passes for it (kv9_defines() + KQ_CSPLIT=1) and a kernel that build defines."""
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "1")
+    cs = [(d, n) for s, d, n in prewarm.builds() if "KQ_CSPLIT=1" in d]
+    assert cs == [(ops.kv9_defines() + ("KQ_CSPLIT=1",), "gemvkq_store_q4_k_c4")]
+    assert "KQ_CMODES(T_Q4_K, q4_k)" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()

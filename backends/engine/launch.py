@@ -84,6 +84,29 @@ def _driver():
     return fn
 
 
+@lru_cache(maxsize=None)
+def _occupancy_clusters():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuOccupancyMaxActiveClusters
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(LaunchConfig)]
+    return fn
+
+
+def max_active_clusters(kernel, cluster: int, threads: int, smem: int) -> int:
+    """Clusters of `cluster` blocks of `kernel` (a cupy RawKernel compiled with
+    __cluster_dims__(cluster, 1, 1)) that can be resident on the device at once, at `threads`
+    threads and `smem` bytes of dynamic shared memory per block (cuOccupancyMaxActiveClusters,
+    CUDA driver API >= 12.0: blocks of a cluster share one GPC, so this can be less than the
+    blocks per SM x SMs / cluster). Raises RuntimeError when the driver call fails."""
+    cfg = LaunchConfig(cluster, 1, 1, threads, 1, 1, smem, None, None, 0)
+    n = ctypes.c_int(0)
+    rc = _occupancy_clusters()(ctypes.byref(n), kernel.kernel.ptr, ctypes.byref(cfg))
+    if rc != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with CUresult {rc}")
+    return int(n.value)
+
+
 # "on" (default where the hardware allows) or "off" (CuPy's plain launches, for same-run A/B)
 MODE = os.environ.get("GGUF_HARNESS_PDL", "on")
 

@@ -205,10 +205,12 @@ GEMV_KQ_WMAJ = os.environ.get("GGUF_HARNESS_GEMV_KQ_WMAJ", "0")
 # equal on nodes with a fused RMSNorm (block_sum adds 32 warps' partials); the Q6_K S > 1 instances
 # spill 4-8 bytes at 32 warps (ptxas 13.0).
 GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
-# XS_L1PF: stage_xq asks L1 for its x (and norm) lines before its first entry (kernels/xstage.cuh
-# XS_L1PF; v9 builds only). "1": that build (A/B, written in session 15, not yet run on a GPU);
-# "0" or unset: the default. Bitwise equal outputs (a prefetch changes no value).
-GEMV_XS_L1PF = os.environ.get("GGUF_HARNESS_GEMV_XS_L1PF", "0")
+# KQ_CSPLIT: v9 store/add nodes of split S > 1 without a fused norm run the cluster-split kernels
+# (kernels/gemv_kq.cu KQ_CSPLIT: the S parts of a row group in the S blocks of a thread-block
+# cluster, each staging only its part of x; kv9_csplit). "1": on (A/B, written in session 16);
+# "0" or unset: off. Bitwise equal outputs (the same partial sums, added in the same order).
+GEMV_KQ_CSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_CSPLIT", "0")
+KQ_CS_MAXR = 8  # kernels/gemv_kq.cu KQ_CS_MAXR: grid-stride rounds a cluster-split warp may have
 
 
 # KQ_WIDE_MIN_ROWS: v9 nodes of at least this many output rows whose split is 1 (kv9_split with
@@ -245,6 +247,20 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     return keep + ("KQ_BLOCK_WARPS=32", "KQ_WMAJ=1")
 
 
+def kv9_csplit(kname: str, mode: str, split: int, normed: bool) -> str | None:
+    """The cluster-split kernel (kernels/gemv_kq.cu KQ_CSPLIT build) that replaces the v9 kernel
+    `kname` of a node at split `split` when GGUF_HARNESS_GEMV_KQ_CSPLIT=1, else None: only 8-lane
+    store/add kernels of one row per warp (gemvkq_, not _p2), split 2 or 4, without a fused norm
+    (`normed`: the cluster's blocks stage disjoint parts of x, so none sees every square).
+    gemvkq_<mode>_<type>_s<S> -> gemvkq_<mode>_<type>_c<S>. ValueError on a switch value other
+    than "", 0 or 1. The caller also bounds the rounds per warp (KQ_CS_MAXR)."""
+    _switch01("GGUF_HARNESS_GEMV_KQ_CSPLIT", GEMV_KQ_CSPLIT)
+    if (GEMV_KQ_CSPLIT != "1" or split not in (2, 4) or mode not in ("store", "add") or normed
+            or not kname.startswith("gemvkq_") or "_p2" in kname or not kname.endswith(f"_s{split}")):
+        return None
+    return kname[: -len(f"_s{split}")] + f"_c{split}"
+
+
 def kv9_warps() -> int:
     """Warps per block of the gemv_kq.cu build (GGUF_HARNESS_GEMV_KQ_BW: 16, the default, or 32);
     ValueError on another value."""
@@ -264,10 +280,10 @@ def kv9_defines() -> tuple[str, ...]:
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
-    KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_XS_L1PF=1 -> XS_L1PF=1, then
-    iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
+    KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), then iq4_xil_defines(); unset: the
+    kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
-    both), XLANE, IQ4_KREG, F32_XPERM, WMAJ and XS_L1PF unless empty, 0 or 1, for a BW other than 16 or 32, for a
+    both), XLANE, IQ4_KREG, F32_XPERM, WMAJ and CSPLIT unless empty, 0 or 1, for a BW other than 16 or 32, for a
     WIDE_MIN_ROWS other than a row count or off, for F32_XPERM with XLANE=0 (it
     would build the default), and as kv9_p2_types, kv9_p2_max_k and kv9_p2_min_rows."""
     out = []
@@ -302,11 +318,10 @@ def kv9_defines() -> tuple[str, ...]:
         if GEMV_KQ_XLANE == "0":  # f32_row permutes only lane-record reads: the build would be the default's
             raise ValueError("GGUF_HARNESS_GEMV_KQ_F32_XPERM=1 needs the lane records (GGUF_HARNESS_GEMV_KQ_XLANE=1)")
         out.append("KQ_F32_XPERM=1")
-    for env, val, define in (("GGUF_HARNESS_GEMV_KQ_WMAJ", GEMV_KQ_WMAJ, "KQ_WMAJ=1"),  # off-by-default A/B builds
-                             ("GGUF_HARNESS_GEMV_XS_L1PF", GEMV_XS_L1PF, "XS_L1PF=1")):
-        _switch01(env, val)
-        if val == "1":
-            out.append(define)
+    _switch01("GGUF_HARNESS_GEMV_KQ_WMAJ", GEMV_KQ_WMAJ)  # an off-by-default A/B build
+    if GEMV_KQ_WMAJ == "1":
+        out.append("KQ_WMAJ=1")
+    _switch01("GGUF_HARNESS_GEMV_KQ_CSPLIT", GEMV_KQ_CSPLIT)  # a routing switch (kv9_csplit), refused early
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
@@ -558,6 +573,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     if impl == "q8_1" and any(s.w.type_id in FLOAT_TYPES for s in segs):
         impl = "f32"  # llama.cpp: float weights see x unrounded (no q8_1)
     v9_rows = 1  # rows a warp takes at a time (2 for the gemvkq4_ kernels)
+    cs_grid = 0  # a cluster-split node's grid (kv9_csplit)
     kdefs: tuple[str, ...] = ()  # the gemv_kq.cu build's defines (v9 nodes; Node.defines)
     if impl == "f32":
         wpr, nw = warps_per_row(K), WARPS
@@ -594,6 +610,15 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         if kv9_wide(rows, split):  # GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS: 32 warps per block, warp-major
             kdefs = kv9_wide_defines(kdefs)
             k, nw = v9k(split), 32
+        elif cname := kv9_csplit(kv9_kernel(mode, types, K, l4, split, rows), mode, split, norm is not None):
+            # GGUF_HARNESS_GEMV_KQ_CSPLIT: a cluster of `split` blocks per row group, one wave of clusters
+            ck = module.kernel_in("gemv_kq.cu", cname, kdefs + ("KQ_CSPLIT=1",))
+            module.allow_smem(ck, smem)
+            from .launch import max_active_clusters
+            clusters = min(-(-rows // nw), max_active_clusters(ck, split, nw * 32, smem))
+            if clusters > 0 and -(-rows // (nw * clusters)) <= KQ_CS_MAXR:
+                kdefs, k = kdefs + ("KQ_CSPLIT=1",), ck
+                cs_grid = clusters * split
     elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)
         wpr, nw = wpr or dw, nw or dn
@@ -628,7 +653,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     # one wave: at most as many blocks as can be resident; a block then walks its rows with
     # a grid-stride loop that prefetches the next iteration's rows (kernels/gemv.cu)
     rows_per_block = (nw // wpr) * v9_rows
-    grid = min(math.ceil(rows / rows_per_block), module.blocks_per_sm(k, nw * 32, smem) * module.sm_count())
+    grid = cs_grid or min(math.ceil(rows / rows_per_block), module.blocks_per_sm(k, nw * 32, smem) * module.sm_count())
     return Node(name, "gemv", k, (grid,), (nw * 32,),
                 (table, x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
                  np.int32(rows)), smem=smem, bytes=wbytes + act,

@@ -311,6 +311,55 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 // SM, +5 % on that pair (the SM's older block still ends first, KQ_BLOCK_WARPS below); with one
 // 32-warp block per SM, -6.1 % against the default (without WMAJ the 32-warp blocks put the partial
 // pass on 16 SMs). Only which warp computes a row changes: outputs are the block-major build's.
+#ifndef KQ_CSPLIT
+// KQ_CSPLIT=1 (ops GGUF_HARNESS_GEMV_KQ_CSPLIT, session 16): a build holding only the cluster-split
+// instances gemvkq_<store|add>_<type>_c2 / _c4 (below). They do what the _s2 / _s4 kernels do
+// with the S parts of a row group in the S blocks of a thread-block cluster (__cluster_dims__)
+// instead of S warps of one block: block rank q takes the super-blocks the S-split's warp part q
+// takes, stages only the x those need (stage_xq's CS), sends each row's partial sum to rank 0's
+// shared memory (DSMEM) and, after one cluster barrier, rank 0 adds the parts in part order and
+// stores. Why (KQ_TRACE on the H200, session 15/16): staging x took 5.0 us of the 22.4 us of
+// [5120x17408] Q4_K at S 4, every block reading and quantising all 17408 values; a part needs a
+// quarter. The per-round barrier of S > 1 goes too. Nodes with a fused RMSNorm are not taken (the
+// norm needs every value's square). Bitwise equal to the _s<CS> kernels.
+#define KQ_CSPLIT 0
+#endif
+#define KQ_CS_MAXR 8  // rounds (grid-stride passes) a cluster-split warp may have (ops.kv9_csplit bounds it)
+
+// Thread-block cluster primitives (PTX ISA: %cluster_ctarank, barrier.cluster, mapa, st.shared::cluster).
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+// full barrier: this thread's earlier shared::cluster stores are visible to the cluster after it
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// *p of the block of cluster rank `rank` (p: this block's address of the same shared variable) = v
+__device__ __forceinline__ void st_cluster_f32(float* p, unsigned rank, float v) {
+#if __CUDA_ARCH__ >= 900
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    unsigned ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
+#endif
+}
+
 #ifndef KQ_WMAJ
 #define KQ_WMAJ 0
 #endif
@@ -355,34 +404,46 @@ template <int N> __device__ __forceinline__ float group_sum(float v) {
 // (shared memory, one barrier per round) and stores. Why S > 1: a row per warp leaves the
 // [5120 x K] nodes 1.2 waves of warps at 2 blocks of 16 warps per SM (measured session 8:
 // Q6_K [5120x17408] 46.0 us against gemv.cu's 39.9 with 4 warps per row).
-template <class Q, int MODE, int NW, int S>
+// CS > 1 (the KQ_CSPLIT build's _c2 / _c4 instances; S = 1): the S parts of a row group sit in
+// the CS blocks of a thread-block cluster instead of S warps of one block (see KQ_CSPLIT below).
+template <class Q, int MODE, int NW, int S, int CS = 1>
 __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const float* norm, float eps,
                                         int K, int total_rows) {
     static_assert(NW % S == 0, "S divides the block's warps");
+    static_assert(CS == 1 || (S == 1 && MODE != 2 && !IsP2<Q>::v && Q::R == 1 && !KQ_WMAJ),
+                  "cluster parts: 8-lane store/add rows, one row per warp, block-major");
+    static_assert(CS == 1 || CS == 2 || CS == 4, "cluster parts: 2 or 4");
     constexpr bool P2 = IsP2<Q>::v;  // two rows per warp, every lane on both (KQ_P2)
     static_assert(!(P2 && MODE == 2), "KQ_P2 is for store/add nodes");
     constexpr int LPR = P2 ? 32 : 32 / Q::R;  // lanes per row
     __shared__ float scratch[32];
     __shared__ float part[S > 1 ? 2 : 1][S > 1 ? NW : 1][2 * Q::R];  // [round & 1][warp][(y, up) per row]
+    __shared__ float cpart[CS > 1 ? KQ_CS_MAXR : 1][CS][CS > 1 ? NW : 1];  // rank 0's: [round][part][warp]
     int4* xq = smem4;
     int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
     float* xd = (float*)(xs + K / 8);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = P2 ? 0 : lane / LPR, l = lane % LPR;
     const int G = NW / S, g = warp / S, ws = warp - g * S;  // row groups per block, this warp's
+    // CS > 1: the cluster takes the block's place in the row order; the block's rank is its part
+    // wpart (nparts of them) where S > 1 uses the warp's part ws
+    const int cb = CS > 1 ? (int)blockIdx.x / CS : (int)blockIdx.x, ncb = CS > 1 ? (int)gridDim.x / CS : (int)gridDim.x;
+    const int wpart = CS > 1 ? (int)cluster_rank() : ws;
+    constexpr int nparts = CS > 1 ? CS : S;
+    if constexpr (CS > 1) cluster_arrive_relaxed();  // paired with the wait before the first DSMEM store
 #if KQ_WMAJ  // the warp's first row group: warp-major g gridDim.x + b
-    const int rpb = Q::R * G, first = Q::R * (g * (int)gridDim.x + (int)blockIdx.x) + h, step = rpb * gridDim.x;
-    const int gstride = gridDim.x;  // row groups between those of the block's warp groups g and g + 1
+    const int rpb = Q::R * G, first = Q::R * (g * ncb + cb) + h, step = rpb * ncb;
+    const int gstride = ncb;  // row groups between those of the block's warp groups g and g + 1
 #else  // block-major b G + g
-    const int rpb = Q::R * G, first = rpb * blockIdx.x + Q::R * g + h, step = rpb * gridDim.x;
+    const int rpb = Q::R * G, first = rpb * cb + Q::R * g + h, step = rpb * ncb;
     constexpr int gstride = 1;
 #endif
     // A row's 128-byte lines to L2 (each of the S parts a share of them; a gate/up pair both rows).
     auto prefetch_row = [&](int r) {
         if (r >= total_rows) return;
         const int si = MODE == 2 ? 0 : find_seg(t, r);
-        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], l + LPR * ws, LPR * S);
+        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], l + LPR * wpart, LPR * nparts);
         if (MODE == 2)
-            prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], l + LPR * ws, LPR * S);
+            prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], l + LPR * wpart, LPR * nparts);
     };
     // Before the PDL wait (weights are constants): the first row, overlapping the previous
     // kernel's tail.
@@ -393,11 +454,13 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     KQ_MARK(1);
     pdl_trigger();
     // barriers inside; IQ4_XS rows of an IQ4_XIL build take x with interleaved halves (kwide_iq4.cuh)
-    const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(x, norm, eps, K, xq, xs, xd, scratch);
+    // CS > 1: only the part's super-blocks (no norm: ops.kv9_csplit)
+    const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL, CS>(x, norm, eps, K, xq, xs, xd, scratch, wpart);
     KQ_MARK(2);
+    if constexpr (CS > 1) cluster_wait();  // every block of the cluster has started: DSMEM stores allowed
     const XS xa = xs_addr(xq, xs, xd);
     const int grp = Q::grp(lane), i = Q::idx(lane), nsb = K >> 8;
-    const int sb0 = grp + 4 * ws, st = 4 * S;
+    const int sb0 = grp + 4 * wpart, st = 4 * nparts;
     const typename Q::Lane w = Q::lane(i);
     // The loop bound is block-uniform when S > 1 (every warp reaches each round's barrier) and
     // warp-uniform otherwise (the lane groups iterate while any has a row), so every lane reaches
@@ -467,13 +530,31 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
                     if (MODE == 2 || P2) up += part[round & 1][warp + s][2 * h + 1];
                 }
         }
-        if constexpr (P2) {
+        if constexpr (CS > 1) {  // the part's sum into rank 0's cpart (store after the loop)
+            if (l == 0 && round < KQ_CS_MAXR) st_cluster_f32(&cpart[round][wpart][g], 0, y);
+        } else if constexpr (P2) {
             if (l == 0 && ws == 0) {
                 if (live) store_row<MODE>(t.s[si], r, y * rs, 0.f);
                 if (live1) store_row<MODE>(t.s[si1], r1, up * rs, 0.f);
             }
         } else if (live && l == 0 && ws == 0) {
             store_row<MODE>(t.s[si], r, y * rs, up * rs);
+        }
+    }
+    if constexpr (CS > 1) {
+        // every part's stores have landed in rank 0's shared memory (release / acquire); rank 0
+        // adds them in part order, as part 0 of an S = CS row group does, so the outputs are the
+        // _s<CS> kernel's bit for bit; lane j of warp g stores the row of its round j
+        cluster_sync();
+        if (wpart == 0 && lane < round && lane < KQ_CS_MAXR) {
+            int r = first + lane * step;  // (h = 0, R = 1)
+            if (r < total_rows) {
+                float y = cpart[lane][0][g];
+#pragma unroll
+                for (int q = 1; q < CS; ++q) y += cpart[lane][q][g];
+                const int si = find_seg(t, r);
+                store_row<MODE>(t.s[si], r, y * rs, 0.f);
+            }
         }
     }
     KQ_MARK(3);
@@ -534,6 +615,20 @@ template <int S, int T, int MODE> constexpr int kKqMinBlocks =
     KQ_SPLITS(PFX, TRAIT, LB, 1, add, T, TNAME) KQ_SPLITS(PFX, TRAIT, LB, 2, swiglu, T, TNAME)
 #define KQ_LB8(S, T, MODE) __launch_bounds__(KQ_BLOCK_WARPS * 32, kKqLbScale<kKqMinBlocks<S, T, MODE>>)
 #define KQ_MODES(T, TNAME) KQ_ALL_MODES(gemvkq, KQ, KQ_LB8, T, TNAME)
+#if KQ_CSPLIT
+// kernel names: gemvkq_<store|add>_<type>_c2 / _c4 (CS blocks of a cluster per row group; the
+// KQ_CSPLIT build holds these alone). Launch bounds as the S = 1 instances'.
+#define KQ_CINSTANCE(MODE, MNAME, T, TNAME, CS)                                                    \
+    extern "C" __global__ void __cluster_dims__(CS, 1, 1) KQ_LB8(1, T, MODE)                      \
+    gemvkq_##MNAME##_##TNAME##_c##CS(const SegTable t, const float* x, const float* norm, float eps, \
+                                     int K, int total_rows) {                                     \
+        kq_body<KQ<T>, MODE, KQ_BLOCK_WARPS, 1, CS>(t, x, norm, eps, K, total_rows);              \
+    }
+#define KQ_CMODES(T, TNAME) KQ_CINSTANCE(0, store, T, TNAME, 2) KQ_CINSTANCE(0, store, T, TNAME, 4) \
+    KQ_CINSTANCE(1, add, T, TNAME, 2) KQ_CINSTANCE(1, add, T, TNAME, 4)
+KQ_CMODES(T_Q4_K, q4_k) KQ_CMODES(T_Q5_K, q5_k) KQ_CMODES(T_Q6_K, q6_k) KQ_CMODES(T_IQ4_XS, iq4_xs)
+KQ_CMODES(T_IQ3_S, iq3_s) KQ_CMODES(T_Q8_0, q8_0) KQ_CMODES(T_Q4_0, q4_0)
+#else
 // kernel names: gemvkq_<store|add|swiglu>_<q4_k|q5_k|q6_k|iq4_xs|iq3_s|q8_0|q4_0>[_s2|_s4] (S warps
 // per row group); the iq3_s ones unless GGUF_HARNESS_GEMV_KQ_IQ3S=0, the q8_0 / q4_0 ones unless
 // GGUF_HARNESS_GEMV_KQ_Q0=0 (ops.kv9_kernel)
@@ -562,3 +657,4 @@ template <int T> constexpr int kKq4MinBlocks = T == T_Q5_K ? 1 : 2;
 // kernel names: gemvkq4_<store|add|swiglu>_<q4_k|q5_k>[_s2|_s4] (4 lanes per super-block, 2 rows
 // per warp; S warps per row group)
 KQ4_MODES(T_Q4_K, q4_k) KQ4_MODES(T_Q5_K, q5_k)
+#endif  // KQ_CSPLIT (the default build: every instance above but the cluster ones)

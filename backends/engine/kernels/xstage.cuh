@@ -15,16 +15,19 @@
 #else
 #define XQ_MAX 32767.f
 #endif
-#ifndef XS_L1PF
-// XS_L1PF=1 (A/B build, ops GGUF_HARNESS_GEMV_XS_L1PF=1; written in session 15, not yet run on a
-// GPU): before its first entry stage_xq asks L1 for every 128-byte line of x (and of the norm
-// weights) its entries will read, so the loop's loads hit L1 instead of waiting one L2 round trip
-// each. Why: KQ_TRACE (docs/perf-notes.md session 15) timed the staging at 4.9 us at K = 17408 (5
-// entries per thread of a 512-thread block) against 2.2 us at K = 5120 (1-2); the loop body
-// branches per entry before its shuffles, so its loads are not issued ahead. Values unchanged.
-#define XS_L1PF 0
-#endif
 #define XQ_FLUSH 1e-30f  // blocks with max |x| below this become zeros (XQ_MAX / amax overflows ~1e-34)
+
+// Cluster parts (gemv_kq.cu KQ_CSPLIT): a part takes the groups of 4 super-blocks (128 entries of 8
+// values) j = part, part + cs, ... of the nch entries. cs_entries: how many entries that is (a
+// multiple of 128, so of 32: warp-uniform); cs_entry: the entry of the part's v-th, or nch (no
+// entry) for v >= nv. A warp's 32 entries stay one aligned run of a super-block (XLANE's records).
+__device__ __forceinline__ int cs_entries(int nch, int cs, int part) {
+    const int ng = (nch + 127) >> 7;
+    return ng > part ? 128 * ((ng - part + cs - 1) / cs) : 0;
+}
+__device__ __forceinline__ int cs_entry(int v, int nv, int nch, int cs, int part) {
+    return v < nv ? ((((v >> 7) * cs + part) << 7) | (v & 127)) : nch;
+}
 
 // Largest |v| and whether any value is NaN/Inf, over a thread's 8 values and then the 4 lanes
 // 4j..4j+3 that hold one 32-value block (every lane of the 4 gets the block's); shared by
@@ -64,9 +67,12 @@ __device__ __forceinline__ void block_amax_bad(const float (&v)[8], float& am, i
 // XL (1, 2; kwide.cuh XLANE): entries in lane records at xl_slot (xq and xs replaced by the records,
 // same bytes; xd natural); each warp stages one super-block (32 consecutive entries), so a record's
 // run sums and scales come from its neighbours by shuffles.
-template <bool SW4 = false, bool IL = false, int XL = 0>
+// CS > 1 (gemv_kq.cu KQ_CSPLIT, no norm): only the entries of the super-blocks sb with
+// (sb / 4) % CS == part (those kq_body's cluster part reads); the others are left unwritten.
+template <bool SW4 = false, bool IL = false, int XL = 0, int CS = 1>
 __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const float* __restrict__ norm,
-                                          float eps, int K, int4* xq, int* xs, float* xd, float* scratch) {
+                                          float eps, int K, int4* xq, int* xs, float* xd, float* scratch,
+                                          int part = 0) {
     static_assert(XL == 0 || (!SW4 && !IL), "XL: lane records of the 8-lane K-quant rows only");
 #ifdef ACT_Q8_1
     static_assert(XL == 0, "XL: q16 staging only");
@@ -77,16 +83,11 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
     float* xf = xd + nch / 4;
 #endif
     float ss = 0.f;
-#if XS_L1PF
-    // entry c's 32 bytes (an IL entry's too) lie in line c / 4 of x and of the norm weights
-    for (int c = threadIdx.x; c < nch && 8 * c < K; c += blockDim.x) {
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(x + 8 * c));
-        if (norm) asm volatile("prefetch.global.L1 [%0];" ::"l"(norm + 8 * c));
-    }
-#endif
+    // CS > 1: the entries of part `part` only, as c = cs_entry (the super-blocks of kq_body's part)
+    const int nv = CS > 1 ? cs_entries(nch, CS, part) : nch;
 #pragma unroll 2
-    for (int c0 = 0; c0 < nch; c0 += blockDim.x) {
-        const int c = c0 + threadIdx.x, i0 = 8 * c;
+    for (int c0 = 0; c0 < nv; c0 += blockDim.x) {
+        const int c = CS > 1 ? cs_entry(c0 + threadIdx.x, nv, nch, CS, part) : c0 + threadIdx.x, i0 = 8 * c;
         float v[8];
         // value index of the entry's code j (IL: block 32 (c >> 2), quad c & 3, halves interleaved)
         auto at = [&](int j) { return IL ? 32 * (c >> 2) + 4 * (c & 3) + (j >> 1) + 16 * (j & 1) : i0 + j; };
