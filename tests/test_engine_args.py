@@ -758,7 +758,8 @@ def test_wmaj_switch(monkeypatch):
 
 def test_csplit_routing(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_CSPLIT=1 (kernels/gemv_kq.cu KQ_CSPLIT): ops.kv9_csplit names the _c<S>
-    cluster kernel for the 8-lane store/add kernels of split 2 or 4 without a fused norm, and
+    cluster kernel for the 8-lane store/add kernels of split 2 or 4 without a fused norm (=2: _c2
+    for both), and
     nothing else (SwiGLU pairs, split 1, the _p2 and gemvkq4_ kernels, normed nodes, the switch
     off); a bad value is refused, also by kv9_defines before any build; results record it."""
     monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "1")
@@ -772,10 +773,14 @@ def test_csplit_routing(monkeypatch):
                  ("gemvkq4_store_q4_k_s2", "store", 2, False),   # 4 lanes per super-block
                  ("gemvkq_store_q4_k_s2", "store", 4, False)):   # a name of another split
         assert ops.kv9_csplit(*args) is None, args
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")  # clusters of at most 2 blocks
+    assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) == "gemvkq_store_q4_k_c2"
+    assert ops.kv9_csplit("gemvkq_add_q5_k_s2", "add", 2, False) == "gemvkq_add_q5_k_c2"
+    assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, True) is None
     for off in ("0", ""):
         monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", off)
         assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) is None
-    for bad in ("on", "2"):
+    for bad in ("on", "3"):
         monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_CSPLIT"):
             ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False)

@@ -207,8 +207,11 @@ GEMV_KQ_WMAJ = os.environ.get("GGUF_HARNESS_GEMV_KQ_WMAJ", "0")
 GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
 # KQ_CSPLIT: v9 store/add nodes of split S > 1 without a fused norm run the cluster-split kernels
 # (kernels/gemv_kq.cu KQ_CSPLIT: the S parts of a row group in the S blocks of a thread-block
-# cluster, each staging only its part of x; kv9_csplit). "1": on (A/B, written in session 16);
-# "0" or unset: off. Bitwise equal outputs (the same partial sums, added in the same order).
+# cluster, each staging only its part of x; kv9_csplit). "1": on, a cluster of S blocks (A/B,
+# written in session 16); "2": on, clusters of at most 2 blocks (an S = 4 node runs as a cluster
+# of 2: H200, session 16, only 61-62 clusters of 4 were resident, 248 of 264 block slots, and one
+# cluster ran as a second wave); "0" or unset: off. Bitwise equal outputs to the _s<cluster size>
+# kernels (the same partial sums, added in the same order).
 GEMV_KQ_CSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_CSPLIT", "0")
 KQ_CS_MAXR = 8  # kernels/gemv_kq.cu KQ_CS_MAXR: grid-stride rounds a cluster-split warp may have
 
@@ -249,16 +252,17 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool) -> str | None:
     """The cluster-split kernel (kernels/gemv_kq.cu KQ_CSPLIT build) that replaces the v9 kernel
-    `kname` of a node at split `split` when GGUF_HARNESS_GEMV_KQ_CSPLIT=1, else None: only 8-lane
+    `kname` of a node at split `split` when GGUF_HARNESS_GEMV_KQ_CSPLIT is 1 or 2, else None: only 8-lane
     store/add kernels of one row per warp (gemvkq_, not _p2), split 2 or 4, without a fused norm
     (`normed`: the cluster's blocks stage disjoint parts of x, so none sees every square).
-    gemvkq_<mode>_<type>_s<S> -> gemvkq_<mode>_<type>_c<S>. ValueError on a switch value other
-    than "", 0 or 1. The caller also bounds the rounds per warp (KQ_CS_MAXR)."""
-    _switch01("GGUF_HARNESS_GEMV_KQ_CSPLIT", GEMV_KQ_CSPLIT)
-    if (GEMV_KQ_CSPLIT != "1" or split not in (2, 4) or mode not in ("store", "add") or normed
+    gemvkq_<mode>_<type>_s<S> -> gemvkq_<mode>_<type>_c<S> (switch 2: _c2 for S = 4 too). ValueError
+    on a switch value other than "", 0, 1 or 2. The caller also bounds the rounds per warp (KQ_CS_MAXR)."""
+    if GEMV_KQ_CSPLIT not in ("", "0", "1", "2"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_CSPLIT={GEMV_KQ_CSPLIT!r}: expected 0, 1 or 2")
+    if (GEMV_KQ_CSPLIT not in ("1", "2") or split not in (2, 4) or mode not in ("store", "add") or normed
             or not kname.startswith("gemvkq_") or "_p2" in kname or not kname.endswith(f"_s{split}")):
         return None
-    return kname[: -len(f"_s{split}")] + f"_c{split}"
+    return kname[: -len(f"_s{split}")] + f"_c{min(split, 4 if GEMV_KQ_CSPLIT == '1' else 2)}"
 
 
 def kv9_warps() -> int:
@@ -321,7 +325,7 @@ def kv9_defines() -> tuple[str, ...]:
     _switch01("GGUF_HARNESS_GEMV_KQ_WMAJ", GEMV_KQ_WMAJ)  # an off-by-default A/B build
     if GEMV_KQ_WMAJ == "1":
         out.append("KQ_WMAJ=1")
-    _switch01("GGUF_HARNESS_GEMV_KQ_CSPLIT", GEMV_KQ_CSPLIT)  # a routing switch (kv9_csplit), refused early
+    kv9_csplit("", "store", 1, False)  # refuse a bad GGUF_HARNESS_GEMV_KQ_CSPLIT (a routing switch) early
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
@@ -615,10 +619,11 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             ck = module.kernel_in("gemv_kq.cu", cname, kdefs + ("KQ_CSPLIT=1",))
             module.allow_smem(ck, smem)
             from .launch import max_active_clusters
-            clusters = min(-(-rows // nw), max_active_clusters(ck, split, nw * 32, smem))
+            cs = int(cname[-1])  # the cluster size (_c2 / _c4)
+            clusters = min(-(-rows // nw), max_active_clusters(ck, cs, nw * 32, smem))
             if clusters > 0 and -(-rows // (nw * clusters)) <= KQ_CS_MAXR:
                 kdefs, k = kdefs + ("KQ_CSPLIT=1",), ck
-                cs_grid = clusters * split
+                cs_grid = clusters * cs
     elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)
         wpr, nw = wpr or dw, nw or dn
