@@ -63,6 +63,8 @@ def _fake_module(monkeypatch) -> list:
     monkeypatch.setattr(ops.module, "allow_smem", lambda k, n: None)
     monkeypatch.setattr(ops.module, "blocks_per_sm", lambda k, threads, smem: 2)
     monkeypatch.setattr(ops.module, "sm_count", lambda: 132)
+    # the H200's cluster occupancy at 2 blocks per SM (session 16: 62 clusters of 4, not 66)
+    monkeypatch.setattr(ops.module, "max_active_clusters", lambda k, cs, threads, smem: 132 if cs == 2 else 62)
     monkeypatch.setattr(ops, "_device_bytes", lambda raw: NS(raw=raw))
     return asked
 
@@ -221,14 +223,16 @@ def test_v9_iq3s_grid_defines(monkeypatch):
         ops.kv9_iq3s_defines([21])
 
 
-def _v9_launches(monkeypatch, cases, ptr_of=lambda i: 1 << 20 + i):
+def _v9_launches(monkeypatch, cases, ptr_of=lambda i: 1 << 20 + i, csplit="0"):
     """(source, kernel name, defines) ops.gemv asks module.kernel_in for, per (mode, types) case,
-    with the default v9l8 path and module's compile/occupancy calls faked (no GPU)."""
+    with the default v9l8 path and module's compile/occupancy calls faked (no GPU); the cluster
+    split (GGUF_HARNESS_GEMV_KQ_CSPLIT) at `csplit` (off unless asked: test_gemv_routes_csplit)."""
     asked = _fake_module(monkeypatch)
     monkeypatch.setattr(ops, "GEMV_IMPL", "q16")
     monkeypatch.setattr(ops, "GEMV_ARGS", "value")
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "auto")
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", csplit)
     got = []
     for mode, types in cases:
         node = _gemv_node(mode, types, 5120, 64, ptr_of)
@@ -397,8 +401,8 @@ def test_gemv_nodes_split_mixed_types_only_when_asked(monkeypatch):
     from backends.engine.formats import FORMATS
     asked = _fake_module(monkeypatch)
     for knob, val in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"),
-                      ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_IQ3S", "1")):
-        monkeypatch.setattr(ops, knob, val)
+                      ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_IQ3S", "1"), ("GEMV_KQ_CSPLIT", "0")):
+        monkeypatch.setattr(ops, knob, val)  # (the cluster split: test_gemv_routes_csplit)
 
     def segs(types, K=5120, rows=64):
         out = []
@@ -777,9 +781,14 @@ def test_csplit_routing(monkeypatch):
     assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) == "gemvkq_store_q4_k_c2"
     assert ops.kv9_csplit("gemvkq_add_q5_k_s2", "add", 2, False) == "gemvkq_add_q5_k_c2"
     assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, True) is None
+    for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):  # the latency A/B builds keep the S-split
+        monkeypatch.setattr(ops, knob, "1")
+        assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) is None
+        monkeypatch.setattr(ops, knob, "")
     for off in ("0", ""):
         monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", off)
         assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) is None
+    assert ops.kv9_csplit_defines(("KQ_P2=1", "KQ_WMAJ=1", "IQ4_XIL=0")) == ("KQ_P2=1", "IQ4_XIL=0", "KQ_CSPLIT=1")
     for bad in ("on", "3"):
         monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_CSPLIT"):
@@ -787,3 +796,33 @@ def test_csplit_routing(monkeypatch):
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_CSPLIT"):
             ops.kv9_defines()
     assert "GGUF_HARNESS_GEMV_KQ_CSPLIT" in machine.ENGINE_SWITCHES
+
+
+def test_gemv_routes_csplit(monkeypatch):
+    """ops.gemv with GGUF_HARNESS_GEMV_KQ_CSPLIT on (2, the default; 1): a v9 store/add node of split
+    2 or 4 without a norm runs the _c kernel of the cluster-split build (kv9_csplit_defines) on a
+    grid of whole clusters, as many as are co-resident (module.max_active_clusters) and no more
+    than its row groups need; a SwiGLU pair, a split-1 node and a node of more than KQ_CS_MAXR
+    rounds keep their kernels."""
+    IQ3_S, Q4_K, Q8_0 = 21, 12, 8
+    asked = _fake_module(monkeypatch)
+    monkeypatch.setattr(ops, "GEMV_IMPL", "q16")
+    monkeypatch.setattr(ops, "GEMV_ARGS", "value")
+    monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
+    monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "auto")
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")
+    ptr = lambda i: 1 << 20 + i
+    n = _gemv_node("store", [IQ3_S], 5120, 64, ptr)  # split 2 by kv9_split (test above)
+    assert n.kernel.name == "gemvkq_store_iq3_s_c2" and n.grid == (2 * 4,) and n.block == (512,)
+    assert n.defines == ops.kv9_csplit_defines(ops.kv9_defines() + ops.kv9_iq3s_defines([IQ3_S]))
+    n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)  # the 27B's ffn_down: split 4
+    assert n.kernel.name == "gemvkq_add_q4_k_c2" and n.grid == (2 * 132,)
+    assert _gemv_node("swiglu", [IQ3_S, IQ3_S], 5120, 64, ptr).kernel.name == "gemvkq_swiglu_iq3_s_s2"
+    assert _gemv_node("store", [Q4_K], 5120, 10240, ptr).kernel.name == "gemvkq_store_q4_k"
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "1")
+    n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)
+    assert n.kernel.name == "gemvkq_add_q4_k_c4" and n.grid == (4 * 62,)  # 6 rounds of 62 clusters
+    monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "2")
+    n = _gemv_node("store", [Q8_0], 4096, 40000, ptr)  # 19 rounds of 132 clusters of 2 > KQ_CS_MAXR
+    assert n.kernel.name == "gemvkq_store_q8_0_s2" and "KQ_CSPLIT=1" not in n.defines
+    assert asked[-1][1] == "gemvkq_store_q8_0_c2"  # compiled for the occupancy query, then not used

@@ -13,14 +13,15 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
     made_by = {"gemv_store_w1_b4": "GEMV_MODES(1, 4)", "gemv_store_w1_b4_iq4": "GEMV_MODES(1, 4)",
                "gemvf_store_w1": "GEMV_KERNEL(gemvf_store_w1,", "attn_gqa_d128": "GQA_KERNEL(128)",
                "attn_head_d128": "HEAD_KERNEL(128)", "attn_gated_d128": "GATED_KERNEL(128)",
-               "gdn_step_s128_r8": "GDN_STEP_KERNEL(128, 8)", "gemvkq_store_q4_k": "KQ_MODES(T_Q4_K, q4_k)"}
+               "gdn_step_s128_r8": "GDN_STEP_KERNEL(128, 8)", "gemvkq_store_q4_k": "KQ_MODES(T_Q4_K, q4_k)",
+               "gemvkq_store_q4_k_c4": "KQ_CMODES(T_Q4_K, q4_k)"}
     for source, defines, name in prewarm.builds():
         text = (module.KERNEL_DIR / source).read_text()
         assert (made_by.get(name, "\x00") in text or re.search(rf"\b{re.escape(name)}\(", text)), (source, name)
         if source == "gemv_kq.cu":  # the builds the engine's v9 nodes use (ops.gemv: kv9_defines() + IQ3_S grid's (),
             # and the wide build of that for the split-1 nodes of many rows)
             base = ops.kv9_defines() + ops.kv9_iq3s_defines([12])
-            assert defines in (base, ops.kv9_wide_defines(base)), defines
+            assert defines in (base, ops.kv9_wide_defines(base), ops.kv9_csplit_defines(base)), defines
         else:
             assert set(defines) <= {"GEMV_IQ4", "ACT_Q8_1", "PF_AHEAD=0", "PF_AHEAD=1"}
     gemv_defs = {d for s, d, _ in prewarm.builds() if s == "gemv.cu"}
@@ -29,7 +30,7 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
         for types in ([12], [23]):
             assert ops.gemv_kernel("gemv", "store", 1, 4, types, impl)[1] in gemv_defs
     assert {s for s, _, _ in prewarm.BUILDS} >= set(module.SOURCES)
-    assert not any("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds())  # off by default
+    assert sum("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds()) == 1  # on by default (session 16)
     # every prefetch distance ops.pf_ahead can pick other than the default has its builds
     for pf in {ops.pf_ahead(b) for b in (1, 9 << 20, 17 << 20, 1 << 40)} - {ops.PF_DEFAULT}:
         for d in ((), ("GEMV_IQ4",)):
@@ -64,17 +65,26 @@ def test_the_wide_v9_build_is_prewarmed_unless_off(monkeypatch):
     """With GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS unset (the default) both v9 builds are compiled
     ahead; with "off" only the 16-warp one (no node would take the wide build)."""
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "")  # the default, whatever the environment says
-    kq = [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu"]
+    kq = [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu" and "KQ_CSPLIT=1" not in d]
     assert kq == [ops.kv9_defines(), ops.kv9_wide_defines(ops.kv9_defines())]
     assert "KQ_BLOCK_WARPS=32" in kq[1] and "KQ_WMAJ=1" in kq[1]
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "off")
-    assert [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu"] == [ops.kv9_defines()]
+    assert [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu" and "KQ_CSPLIT=1" not in d] == [ops.kv9_defines()]
 
 
 def test_csplit_build_only_when_switched_on(monkeypatch):
-    """Under GGUF_HARNESS_GEMV_KQ_CSPLIT=1 prewarm also compiles the cluster-split build, with the
-    defines ops.gemv passes for it (kv9_defines() + KQ_CSPLIT=1) and a kernel that build defines."""
-    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "1")
-    cs = [(d, n) for s, d, n in prewarm.builds() if "KQ_CSPLIT=1" in d]
-    assert cs == [(ops.kv9_defines() + ("KQ_CSPLIT=1",), "gemvkq_store_q4_k_c4")]
+    """While GGUF_HARNESS_GEMV_KQ_CSPLIT is on prewarm also compiles the cluster-split build, with
+    the defines ops.gemv passes for it (kv9_csplit_defines: KQ_WMAJ dropped, KQ_CSPLIT=1 added)
+    and a kernel that build defines; with the switch at 0, or a latency A/B build set, it does not."""
+    for on in ("1", "2"):
+        monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", on)
+        monkeypatch.setattr(ops, "GEMV_KQ_WMAJ", "1")
+        cs = [(d, n) for s, d, n in prewarm.builds() if "KQ_CSPLIT=1" in d]
+        assert cs == [(ops.kv9_csplit_defines(ops.kv9_defines()), "gemvkq_store_q4_k_c4")]
+        assert "KQ_WMAJ=1" in ops.kv9_defines() and not any(d.startswith("KQ_WMAJ") for d in cs[0][0])
     assert "KQ_CMODES(T_Q4_K, q4_k)" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    monkeypatch.setattr(ops, "GEMV_KQ_PIPE", "2")
+    assert not any("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds())
+    monkeypatch.setattr(ops, "GEMV_KQ_PIPE", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "0")
+    assert not any("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds())

@@ -121,3 +121,15 @@ def blocks_per_sm(k, threads: int, smem: int) -> int:
     from cupy_backends.cuda.api import driver
     return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, threads, smem)))
 
+
+
+def max_active_clusters(k, cluster: int, threads: int, smem: int) -> int:
+    """Co-resident clusters of `cluster` blocks of kernel `k` (compiled with __cluster_dims__)
+    on the current device (launch.max_active_clusters: cuOccupancyMaxActiveClusters; blocks of a
+    cluster share a GPC). Where the driver cannot answer (no libcuda, an old driver), the blocks
+    per SM x SMs // cluster, an upper bound."""
+    from .launch import max_active_clusters as query
+    try:
+        return query(k, cluster, threads, smem)
+    except (OSError, AttributeError, RuntimeError):
+        return blocks_per_sm(k, threads, smem) * sm_count() // cluster

@@ -210,9 +210,12 @@ GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
 # cluster, each staging only its part of x; kv9_csplit). "1": on, a cluster of S blocks (A/B,
 # written in session 16); "2": on, clusters of at most 2 blocks (an S = 4 node runs as a cluster
 # of 2: H200, session 16, only 61-62 clusters of 4 were resident, 248 of 264 block slots, and one
-# cluster ran as a second wave); "0" or unset: off. Bitwise equal outputs to the _s<cluster size>
-# kernels (the same partial sums, added in the same order).
-GEMV_KQ_CSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_CSPLIT", "0")
+# cluster ran as a second wave), the default since session 16 (H200: the 27B step 6673.0 -> 6463.4
+# us, -3.1 %; decode x1.67 -> x1.72 llama.cpp); "0": off. Bitwise equal outputs to the
+# _s<cluster size> kernels (the same partial sums, added in the same order). The latency A/B builds
+# (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF) keep the S-split kernels (their prefetch and carry code
+# has not run in cluster form), and a cluster build never has KQ_WMAJ (block-major clusters only).
+GEMV_KQ_CSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_CSPLIT", "2")
 KQ_CS_MAXR = 8  # kernels/gemv_kq.cu KQ_CS_MAXR: grid-stride rounds a cluster-split warp may have
 
 
@@ -252,17 +255,25 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool) -> str | None:
     """The cluster-split kernel (kernels/gemv_kq.cu KQ_CSPLIT build) that replaces the v9 kernel
-    `kname` of a node at split `split` when GGUF_HARNESS_GEMV_KQ_CSPLIT is 1 or 2, else None: only 8-lane
+    `kname` of a node at split `split` when GGUF_HARNESS_GEMV_KQ_CSPLIT is 1 or 2 (the default) and
+    no latency A/B build (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF) is set, else None: only 8-lane
     store/add kernels of one row per warp (gemvkq_, not _p2), split 2 or 4, without a fused norm
     (`normed`: the cluster's blocks stage disjoint parts of x, so none sees every square).
     gemvkq_<mode>_<type>_s<S> -> gemvkq_<mode>_<type>_c<S> (switch 2: _c2 for S = 4 too). ValueError
     on a switch value other than "", 0, 1 or 2. The caller also bounds the rounds per warp (KQ_CS_MAXR)."""
     if GEMV_KQ_CSPLIT not in ("", "0", "1", "2"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_CSPLIT={GEMV_KQ_CSPLIT!r}: expected 0, 1 or 2")
-    if (GEMV_KQ_CSPLIT not in ("1", "2") or split not in (2, 4) or mode not in ("store", "add") or normed
+    if (GEMV_KQ_CSPLIT not in ("1", "2") or GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF
+            or split not in (2, 4) or mode not in ("store", "add") or normed
             or not kname.startswith("gemvkq_") or "_p2" in kname or not kname.endswith(f"_s{split}")):
         return None
     return kname[: -len(f"_s{split}")] + f"_c{min(split, 4 if GEMV_KQ_CSPLIT == '1' else 2)}"
+
+
+def kv9_csplit_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
+    """The gemv_kq.cu defines of the cluster-split build: `defines` (kv9_defines() + ...) without
+    KQ_WMAJ (the cluster kernels deal row groups block-major), plus KQ_CSPLIT=1."""
+    return tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
 
 
 def kv9_warps() -> int:
@@ -616,13 +627,13 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             k, nw = v9k(split), 32
         elif cname := kv9_csplit(kv9_kernel(mode, types, K, l4, split, rows), mode, split, norm is not None):
             # GGUF_HARNESS_GEMV_KQ_CSPLIT: a cluster of `split` blocks per row group, one wave of clusters
-            ck = module.kernel_in("gemv_kq.cu", cname, kdefs + ("KQ_CSPLIT=1",))
+            cdefs = kv9_csplit_defines(kdefs)
+            ck = module.kernel_in("gemv_kq.cu", cname, cdefs)
             module.allow_smem(ck, smem)
-            from .launch import max_active_clusters
             cs = int(cname[-1])  # the cluster size (_c2 / _c4)
-            clusters = min(-(-rows // nw), max_active_clusters(ck, cs, nw * 32, smem))
+            clusters = min(-(-rows // nw), module.max_active_clusters(ck, cs, nw * 32, smem))
             if clusters > 0 and -(-rows // (nw * clusters)) <= KQ_CS_MAXR:
-                kdefs, k = kdefs + ("KQ_CSPLIT=1",), ck
+                kdefs, k = cdefs, ck
                 cs_grid = clusters * cs
     elif impl in ("q16", "q8_1"):
         dw, dn = gemv_shape(K, sum(s.w.rows for s in segs), mode)

@@ -56,7 +56,7 @@ BUILDS: tuple[tuple[str, tuple[str, ...] | None, str], ...] = (
     # its wide build (32 warps per block, warp-major rows; ops.kv9_wide_defines) for the split-1
     # nodes of >= GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS rows (default 8192 since session 15)
     ("gemv_kq.cu", WIDE, "gemvkq_store_q4_k"),
-    # the cluster-split build (ops.kv9_csplit) under GGUF_HARNESS_GEMV_KQ_CSPLIT=1 only
+    # the cluster-split build (ops.kv9_csplit) while GGUF_HARNESS_GEMV_KQ_CSPLIT is on (the default)
     ("gemv_kq.cu", CSPLIT, "gemvkq_store_q4_k_c4"),
 )
 
@@ -64,7 +64,7 @@ BUILDS: tuple[tuple[str, tuple[str, ...] | None, str], ...] = (
 def builds() -> list[tuple[str, tuple[str, ...], str]]:
     """BUILDS with the engine's v9 defines filled in (ops.kv9_defines(); the wide entry as
     ops.kv9_wide_defines of those, left out under GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS=off; the
-    cluster-split build only under GGUF_HARNESS_GEMV_KQ_CSPLIT=1; ValueError
+    cluster-split build while GGUF_HARNESS_GEMV_KQ_CSPLIT is on; ValueError
     on a bad GGUF_HARNESS_GEMV_KQ_* / IQ4_* switch value)."""
     out = []
     for src, d, name in BUILDS:
@@ -73,7 +73,7 @@ def builds() -> list[tuple[str, tuple[str, ...], str]]:
                 out.append((src, ops.kv9_wide_defines(ops.kv9_defines()), name))
         elif d is CSPLIT:
             if ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False):  # the switch is on
-                out.append((src, ops.kv9_defines() + ("KQ_CSPLIT=1",), name))
+                out.append((src, ops.kv9_csplit_defines(ops.kv9_defines()), name))
         else:
             out.append((src, ops.kv9_defines() if d is None else d, name))
     return out
