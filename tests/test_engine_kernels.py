@@ -402,6 +402,11 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
         want = kv9_name(mode, types, K)
         if want is None:  # a node v9 does not take stays on gemv.cu
             return name.startswith("gemv_")
+        if name.endswith(("_c2", "_c4")):  # the cluster split (ops.kv9_csplit; default on since session 16)
+            if "KQ_CSPLIT=1" not in node.defines:
+                return False
+            return (name == eops.kv9_csplit(want, mode, int(split), False) if split != "auto"
+                    else re.sub(r"_c[24]$", "", name) == want)
         return name == want if split != "auto" else re.sub(r"_s[24]$", "", name) == want
     for name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "Q8_0", "Q4_0"):
         t = TYPES[name]
