@@ -217,6 +217,10 @@ GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
 # has not run in cluster form), and a cluster build never has KQ_WMAJ (block-major clusters only).
 GEMV_KQ_CSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_CSPLIT", "2")
 KQ_CS_MAXR = 8  # kernels/gemv_kq.cu KQ_CS_MAXR: grid-stride rounds a cluster-split warp may have
+# The types whose nodes take it: the ones measured faster (H200, session 16, cold back to back,
+# clusters of 2: [5120x17408] Q4_K -2.5 %, Q5_K -5.4 %, [5120x6144] Q5_K -9.1 %); measured slower:
+# [5120x17408] Q6_K +3.1 %, IQ3_S +5.3 %, [1024x5120] Q6_K +7 %; the others not measured.
+KV9_CSPLIT_TYPES = ("q4_k", "q5_k")
 
 
 # KQ_WIDE_MIN_ROWS: v9 nodes of at least this many output rows whose split is 1 (kv9_split with
@@ -257,7 +261,8 @@ def kv9_csplit(kname: str, mode: str, split: int, normed: bool) -> str | None:
     """The cluster-split kernel (kernels/gemv_kq.cu KQ_CSPLIT build) that replaces the v9 kernel
     `kname` of a node at split `split` when GGUF_HARNESS_GEMV_KQ_CSPLIT is 1 or 2 (the default) and
     no latency A/B build (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF) is set, else None: only 8-lane
-    store/add kernels of one row per warp (gemvkq_, not _p2), split 2 or 4, without a fused norm
+    store/add kernels of one row per warp (gemvkq_, not _p2) of a KV9_CSPLIT_TYPES type (Q4_K,
+    Q5_K), split 2 or 4, without a fused norm
     (`normed`: the cluster's blocks stage disjoint parts of x, so none sees every square).
     gemvkq_<mode>_<type>_s<S> -> gemvkq_<mode>_<type>_c<S> (switch 2: _c2 for S = 4 too). ValueError
     on a switch value other than "", 0, 1 or 2. The caller also bounds the rounds per warp (KQ_CS_MAXR)."""
@@ -265,6 +270,7 @@ def kv9_csplit(kname: str, mode: str, split: int, normed: bool) -> str | None:
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_CSPLIT={GEMV_KQ_CSPLIT!r}: expected 0, 1 or 2")
     if (GEMV_KQ_CSPLIT not in ("1", "2") or GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF
             or split not in (2, 4) or mode not in ("store", "add") or normed
+            or not any(f"_{t}_s" in kname for t in KV9_CSPLIT_TYPES)
             or not kname.startswith("gemvkq_") or "_p2" in kname or not kname.endswith(f"_s{split}")):
         return None
     return kname[: -len(f"_s{split}")] + f"_c{min(split, 4 if GEMV_KQ_CSPLIT == '1' else 2)}"
