@@ -27,6 +27,8 @@ def _default_build_switches(monkeypatch):
                  "GEMV_TMA_WARPS", "GEMV_TMA_MINB", "GEMV_TMA_RING", "GEMV_TMA_RPW", "GEMV_TMA_BPS"):
         monkeypatch.setattr(ops, knob, "")
     monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "1")
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")
+    monkeypatch.setattr(ops, "GEMV_KQ_BW", "")
 
 
 def test_table_matches_the_c_struct_layout():
@@ -790,6 +792,31 @@ def test_csplit_routing(monkeypatch):
         monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", off)
         assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) is None
     assert ops.kv9_csplit_defines(("KQ_P2=1", "KQ_WMAJ=1", "IQ4_XIL=0")) == ("KQ_P2=1", "IQ4_XIL=0", "KQ_CSPLIT=1")
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")
+    assert ops.kv9_csplit("gemvkq_store_q4_k_s2", "store", 2, False, f32_rows=True) is None  # F32 rows beside
+
+
+def test_csplit_round_bound_matches_the_kernel():
+    """ops.KQ_CS_MAXR (the host's bound on a cluster-split warp's rounds) is the kernel's
+    KQ_CS_MAXR (the partial sums it keeps: rows of later rounds would not be stored)."""
+    src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
+    m = re.search(r"^#define KQ_CS_MAXR (\d+)", src, re.M)
+    assert m and int(m.group(1)) == ops.KQ_CS_MAXR
+
+
+def test_max_active_clusters_falls_back_without_the_driver(monkeypatch):
+    """module.max_active_clusters: where cuOccupancyMaxActiveClusters cannot answer (no libcuda, a
+    failed call), blocks per SM x SMs // cluster size."""
+    from backends.engine import launch, module
+    monkeypatch.setattr(module, "blocks_per_sm", lambda k, threads, smem: 2)
+    monkeypatch.setattr(module, "sm_count", lambda: 132)
+    for exc in (OSError("libcuda.so.1"), RuntimeError("CUresult 1")):
+        def fail(*a, exc=exc):
+            raise exc
+        monkeypatch.setattr(launch, "max_active_clusters", fail)
+        assert module.max_active_clusters(NS(), 2, 512, 0) == 132 and module.max_active_clusters(NS(), 4, 512, 0) == 66
+    monkeypatch.setattr(launch, "max_active_clusters", lambda k, cs, threads, smem: 61)
+    assert module.max_active_clusters(NS(), 4, 512, 0) == 61
     for bad in ("on", "3"):
         monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_CSPLIT"):
@@ -829,3 +856,25 @@ def test_gemv_routes_csplit(monkeypatch):
     n = _gemv_node("store", [Q4_K], 4096, 40000, ptr)  # 19 rounds of 132 clusters of 2 > KQ_CS_MAXR
     assert n.kernel.name == "gemvkq_store_q4_k_s2" and "KQ_CSPLIT=1" not in n.defines
     assert asked[-1][1] == "gemvkq_store_q4_k_c2"  # compiled for the occupancy query, then not used
+    monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "auto")
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")
+    # F32 rows beside (an ssm_in without its norm): the S-split (f32_row reads a whole row per block)
+    assert _gemv_node("store", [Q4_K, 0], 5120, 64, ptr).kernel.name == "gemvkq_store_q4_k_s2"
+    # a fused norm: the S-split (the norm needs every square)
+    from backends.engine.arena import DeviceTensor
+    from backends.engine.formats import FORMATS
+    rb = 5120 // FORMATS[Q4_K].block_size * FORMATS[Q4_K].type_size
+    w = DeviceTensor("w", 1 << 20, Q4_K, (5120, 64), rb, rb * 64)
+    nw = DeviceTensor("nw", 1 << 21, 0, (5120,), 4 * 5120, 4 * 5120)
+    n = ops.gemv("n", "store", [ops.Seg(w, NS(size=64, data=NS(ptr=4096)))], NS(), 5120, nw, 1e-6)
+    assert n.kernel.name == "gemvkq_store_q4_k_s2"
+    # 32-warp blocks (GGUF_HARNESS_GEMV_KQ_BW=32): 32 row groups per cluster, 1024-thread blocks
+    monkeypatch.setattr(ops, "GEMV_KQ_BW", "32")
+    monkeypatch.setattr(ops.module, "blocks_per_sm", lambda k, threads, smem: 1)
+    n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)
+    assert n.kernel.name.endswith("_c2") and n.block == (1024,) and n.grid == (2 * 132,)
+    assert "KQ_BLOCK_WARPS=32" in n.defines and "KQ_CSPLIT=1" in n.defines
+    # the 4-lane kernels (GGUF_HARNESS_GEMV_KQ=v9) have no cluster form
+    monkeypatch.setattr(ops, "GEMV_KQ_BW", "")
+    monkeypatch.setattr(ops, "GEMV_KQ", "v9")
+    assert _gemv_node("add", [Q4_K], 17408, 5120, ptr).kernel.name.startswith("gemvkq4_")

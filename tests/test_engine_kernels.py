@@ -863,7 +863,8 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, monkeypatch)
             assert np.array_equal(u, v), f"{name} [{rows}x{K}] S={S}: {what} differs from the S-split"
     # more rounds than KQ_CS_MAXR: the S-split kernel; a fused norm: never a cluster
     monkeypatch.setattr(eops, "GEMV_KQ_CSPLIT", "1")
-    rows = 9 * 16 * eops.module.sm_count()  # > 8 rounds even with a cluster on every SM's 16 warps
+    # more than KQ_CS_MAXR rounds even at 4 blocks of 16 warps per SM (2 clusters of 2 per SM)
+    rows = (eops.KQ_CS_MAXR + 1) * 16 * 2 * eops.module.sm_count()
     raw, _ = _matrix(TYPES["Q8_0"], rows, 256, seed=3)
     big = device_tensor(cp, "big", raw, TYPES["Q8_0"], (256, rows), keep)
     out = cp.zeros(rows, dtype=cp.float32)
@@ -892,6 +893,7 @@ def _build_is_bitwise_equal(knob, values, define, define_when, cases, monkeypatc
     monkeypatch.setattr(eops, "GEMV_KQ", kq)
     monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "")  # the Q6_K nodes below through P2 despite few rows
     monkeypatch.setattr(eops, "GEMV_KQ_WIDE_MIN_ROWS", "off")  # every node on the build under test (a knob may set it)
+    monkeypatch.setattr(eops, "GEMV_KQ_CSPLIT", "0")  # the S-split kernels, as these builds were measured
     rng = np.random.default_rng(31)
     keep = []
     for name, K, rows in cases:

@@ -5,7 +5,19 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from backends.engine import module, ops, prewarm
+
+
+@pytest.fixture(autouse=True)
+def _default_switches(monkeypatch):
+    """The builds at the engine's defaults, whatever the shell exports (the cluster split on,
+    no latency A/B build, the 8-lane kernels)."""
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")
+    monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
+    for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF", "GEMV_KQ_WMAJ", "GEMV_KQ_BW"):
+        monkeypatch.setattr(ops, knob, "")
 
 
 def test_builds_name_existing_kernels_and_engine_define_orders():
@@ -45,7 +57,6 @@ def test_without_a_gpu_it_exits_2(capsys):
     except Exception:
         has_gpu = False
     if has_gpu:
-        import pytest
         pytest.skip("a GPU is present: prewarm would compile")
     assert prewarm.main([]) == 2
     assert "needs CuPy and a GPU" in capsys.readouterr().err
@@ -86,5 +97,8 @@ def test_csplit_build_only_when_switched_on(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_PIPE", "2")
     assert not any("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds())
     monkeypatch.setattr(ops, "GEMV_KQ_PIPE", "")
+    monkeypatch.setattr(ops, "GEMV_KQ", "v9")  # Q4_K / Q5_K on the 4-lane kernels: no cluster node
+    assert not any("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds())
+    monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "0")
     assert not any("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds())

@@ -216,7 +216,8 @@ GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
 # (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF) keep the S-split kernels (their prefetch and carry code
 # has not run in cluster form), and a cluster build never has KQ_WMAJ (block-major clusters only).
 GEMV_KQ_CSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_CSPLIT", "2")
-KQ_CS_MAXR = 8  # kernels/gemv_kq.cu KQ_CS_MAXR: grid-stride rounds a cluster-split warp may have
+KQ_CS_MAXR = 8  # kernels/gemv_kq.cu KQ_CS_MAXR: grid-stride rounds a cluster-split warp may have (ops.gemv
+# bounds it: the kernel keeps the partial sums of that many rounds; a test ties the two values)
 # The types whose nodes take it: the ones measured faster (H200, session 16, cold back to back,
 # clusters of 2: [5120x17408] Q4_K -2.5 %, Q5_K -5.4 %, [5120x6144] Q5_K -9.1 %); measured slower:
 # [5120x17408] Q6_K +3.1 %, IQ3_S +5.3 %, [1024x5120] Q6_K +7 %; the others not measured.
@@ -257,19 +258,20 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     return keep + ("KQ_BLOCK_WARPS=32", "KQ_WMAJ=1")
 
 
-def kv9_csplit(kname: str, mode: str, split: int, normed: bool) -> str | None:
+def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:
     """The cluster-split kernel (kernels/gemv_kq.cu KQ_CSPLIT build) that replaces the v9 kernel
     `kname` of a node at split `split` when GGUF_HARNESS_GEMV_KQ_CSPLIT is 1 or 2 (the default) and
     no latency A/B build (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF) is set, else None: only 8-lane
     store/add kernels of one row per warp (gemvkq_, not _p2) of a KV9_CSPLIT_TYPES type (Q4_K,
-    Q5_K), split 2 or 4, without a fused norm
+    Q5_K), split 2 or 4, without a fused norm and without F32 rows beside (`f32_rows`: f32_row
+    walks a whole row in every block, not a part's super-blocks)
     (`normed`: the cluster's blocks stage disjoint parts of x, so none sees every square).
     gemvkq_<mode>_<type>_s<S> -> gemvkq_<mode>_<type>_c<S> (switch 2: _c2 for S = 4 too). ValueError
     on a switch value other than "", 0, 1 or 2. The caller also bounds the rounds per warp (KQ_CS_MAXR)."""
     if GEMV_KQ_CSPLIT not in ("", "0", "1", "2"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_CSPLIT={GEMV_KQ_CSPLIT!r}: expected 0, 1 or 2")
     if (GEMV_KQ_CSPLIT not in ("1", "2") or GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF
-            or split not in (2, 4) or mode not in ("store", "add") or normed
+            or split not in (2, 4) or mode not in ("store", "add") or normed or f32_rows
             or not any(f"_{t}_s" in kname for t in KV9_CSPLIT_TYPES)
             or not kname.startswith("gemvkq_") or "_p2" in kname or not kname.endswith(f"_s{split}")):
         return None
@@ -304,7 +306,8 @@ def kv9_defines() -> tuple[str, ...]:
     KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), then iq4_xil_defines(); unset: the
     kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
-    both), XLANE, IQ4_KREG, F32_XPERM, WMAJ and CSPLIT unless empty, 0 or 1, for a BW other than 16 or 32, for a
+    both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
+    2, for a BW other than 16 or 32, for a
     WIDE_MIN_ROWS other than a row count or off, for F32_XPERM with XLANE=0 (it
     would build the default), and as kv9_p2_types, kv9_p2_max_k and kv9_p2_min_rows."""
     out = []
@@ -631,8 +634,10 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         if kv9_wide(rows, split):  # GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS: 32 warps per block, warp-major
             kdefs = kv9_wide_defines(kdefs)
             k, nw = v9k(split), 32
-        elif cname := kv9_csplit(kv9_kernel(mode, types, K, l4, split, rows), mode, split, norm is not None):
-            # GGUF_HARNESS_GEMV_KQ_CSPLIT: a cluster of `split` blocks per row group, one wave of clusters
+        elif cname := kv9_csplit(kv9_kernel(mode, types, K, l4, split, rows), mode, split, norm is not None,
+                                 f32_rows=0 in types):
+            # GGUF_HARNESS_GEMV_KQ_CSPLIT: a cluster of 2 (switch 1: `split`) blocks per row group,
+            # as many clusters as are co-resident, at most KQ_CS_MAXR rounds (else the S-split)
             cdefs = kv9_csplit_defines(kdefs)
             ck = module.kernel_in("gemv_kq.cu", cname, cdefs)
             module.allow_smem(ck, smem)

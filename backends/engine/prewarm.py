@@ -72,7 +72,9 @@ def builds() -> list[tuple[str, tuple[str, ...], str]]:
             if ops.kv9_wide(1 << 30, 1):  # some node could take it
                 out.append((src, ops.kv9_wide_defines(ops.kv9_defines()), name))
         elif d is CSPLIT:
-            if ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False):  # the switch is on
+            # the switch is on and the 8-lane kernels run (GGUF_HARNESS_GEMV_KQ=v9 puts Q4_K / Q5_K
+            # on the 4-lane ones, which have no cluster form)
+            if ops.GEMV_KQ == "v9l8" and ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False):
                 out.append((src, ops.kv9_csplit_defines(ops.kv9_defines()), name))
         else:
             out.append((src, ops.kv9_defines() if d is None else d, name))

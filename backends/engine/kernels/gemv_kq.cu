@@ -324,7 +324,11 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 // norm needs every value's square). Bitwise equal to the _s<CS> kernels.
 #define KQ_CSPLIT 0
 #endif
-#define KQ_CS_MAXR 8  // rounds (grid-stride passes) a cluster-split warp may have (ops.kv9_csplit bounds it)
+#define KQ_CS_MAXR 8  // rounds (grid-stride passes) a cluster-split warp may have (ops.gemv bounds it;
+                      // rows of later rounds would not be stored)
+#if KQ_CSPLIT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "KQ_CSPLIT: thread-block clusters need sm_90 or newer"
+#endif
 
 // Thread-block cluster primitives (PTX ISA: %cluster_ctarank, barrier.cluster, mapa, st.shared::cluster).
 __device__ __forceinline__ unsigned cluster_rank() {

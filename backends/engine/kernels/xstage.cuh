@@ -20,7 +20,8 @@
 // Cluster parts (gemv_kq.cu KQ_CSPLIT): a part takes the groups of 4 super-blocks (128 entries of 8
 // values) j = part, part + cs, ... of the nch entries. cs_entries: how many entries that is (a
 // multiple of 128, so of 32: warp-uniform); cs_entry: the entry of the part's v-th, or nch (no
-// entry) for v >= nv. A warp's 32 entries stay one aligned run of a super-block (XLANE's records).
+// entry) for v >= nv; in a partial last group it is >= nch too, which stage_xq's c < nch test
+// skips. A warp's 32 entries stay one aligned run of a super-block (XLANE's records).
 __device__ __forceinline__ int cs_entries(int nch, int cs, int part) {
     const int ng = (nch + 127) >> 7;
     return ng > part ? 128 * ((ng - part + cs - 1) / cs) : 0;
