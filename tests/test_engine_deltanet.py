@@ -412,3 +412,57 @@ def test_fp32_emulation_meets_the_bounds_and_a_wrong_mapping_does_not(shape):
             worst = max(worst, float((d / L.B[:, None]).max()), float((np.abs(out - out_ref) / tol).max()))
         if ok:
             assert worst < 0.05, worst
+
+
+def test_gdn_csplit_routing(monkeypatch):
+    """GGUF_HARNESS_GDN_CSPLIT=1: the S = 128 step runs gdn_step_cs4_s128 on a grid of 4 Hv blocks
+    (a cluster of 4 per head: __cluster_dims__(4) in the source), S = 64 and the switch off keep
+    gdn_step_s<S>_r<rows> on Hv blocks; another value is refused before any kernel is asked for."""
+    from types import SimpleNamespace as NS
+    from backends.engine import deltanet_ops as G
+    from backends.engine.module import KERNEL_DIR
+    asked = []
+    monkeypatch.setattr(G, "kernel", lambda name: asked.append(name) or NS(name=name))
+    monkeypatch.setattr(G, "_arg", lambda t: t)
+    for (Hk, Hv, S), on, want, grid in (((16, 48, 128), "1", "gdn_step_cs4_s128", 4 * 48),
+                                        ((16, 48, 128), "0", "gdn_step_s128_r2", 48),
+                                        ((2, 4, 64), "1", "gdn_step_s64_r2", 4)):
+        monkeypatch.setattr(G, "GDN_CSPLIT", on)
+        _, _, step = _cpu_args(Hk, Hv, S, 4)
+        n = G.gdn_step("g", **step, Hk=Hk, Hv=Hv, S=S, eps=EPS)
+        assert (n.kernel.name, n.grid, n.block) == (want, (grid,), (4 * S,))
+    text = (KERNEL_DIR / "deltanet.cu").read_text()
+    assert re.search(r"__cluster_dims__\(4, 1, 1\)[^\n]*gdn_step_cs4_s128\(", text) and G.GDN_CS == 4
+    monkeypatch.setattr(G, "GDN_CSPLIT", "2")
+    n_asked = len(asked)
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GDN_CSPLIT"):
+        G.gdn_step("g", **_cpu_args(16, 48, 128, 4)[2], Hk=16, Hv=48, S=128, eps=EPS)
+    assert len(asked) == n_asked
+
+
+@pytest.mark.gpu
+def test_gdn_csplit_is_bitwise_equal_to_the_step_kernel(monkeypatch):
+    """gdn_step_cs4_s128 (GGUF_HARNESS_GDN_CSPLIT=1, kernels/deltanet.cu 3.) computes every row as
+    gdn_step_s128 does and adds the mean square's warp partials in block_sum's order, so over 6
+    tokens at the 27B widths from a random state its outputs and the state must equal the default
+    kernel's bit for bit; both also against the oracle (_run_steps' checks)."""
+    cp = cupy_or_skip()
+    from backends.engine import deltanet_ops as G
+    got = {}
+    for on in ("0", "1"):
+        monkeypatch.setattr(G, "GDN_CSPLIT", on)
+        L = Layer(**SHAPES["27b"], seed=77, state_scale=0.3)
+        d = _device(cp, L)
+        conv, step = _nodes(d, L, G.DEFAULT_ROWS)
+        assert step.kernel.name == ("gdn_step_cs4_s128" if on == "1" else "gdn_step_s128_r2")
+        outs = []
+
+        def run():
+            conv.launch()
+            step.launch()
+            outs.append((d["out"].get(), d["state"].get()))
+        _run_steps(cp, L, d, run, 6, f"27b GDN_CSPLIT={on}")
+        got[on] = outs
+    for t, ((o0, s0), (o1, s1)) in enumerate(zip(got["0"], got["1"])):
+        assert np.array_equal(o0, o1), f"token {t}: out differs"
+        assert np.array_equal(s0, s1), f"token {t}: state differs"

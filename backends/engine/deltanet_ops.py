@@ -21,6 +21,8 @@ numpy arrays).
 """
 from __future__ import annotations
 
+import os
+
 
 import numpy as np
 
@@ -36,6 +38,11 @@ STEP_ROWS = {64: (2, 4), 128: (2, 8)}  # GDN_STEP_KERNEL(S, R) instantiations
 # §2), S/16 puts a warp's whole share of the state in flight. Not measured yet (DELTANET.md).
 DEFAULT_ROWS = 2
 F32 = 0                       # GGML type id
+# GDN_CSPLIT: "1" runs the S = 128 step as gdn_step_cs4_s128 (kernels/deltanet.cu 3.: a head's
+# rows over the 4 blocks of a thread-block cluster, grid 4 Hv; bitwise equal to gdn_step_s128;
+# A/B, written in session 16, not yet run on a GPU); "0" or unset: gdn_step_s<S>_r<rows>.
+GDN_CSPLIT = os.environ.get("GGUF_HARNESS_GDN_CSPLIT", "0")
+GDN_CS = 4                    # blocks per head of gdn_step_cs4_s128
 
 
 def kernel(name: str):
@@ -141,17 +148,22 @@ def gdn_step(name: str, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *
     dt_bias[h]) * ssm_a[h]; q, k = l2_norm; M = e^g M; delta = beta (v - M k); M += delta k^T;
     o = M q / sqrt(S); out = o / rms(o) * norm_w * silu(z) (oracles.qwen35 _deltanet,
     llama.cpp qwen35.cpp build_layer_attn_linear, ggml ops.cpp gated_delta_net_one_chunk).
-    Grid Hv blocks of 4*S threads. Raises ValueError on inconsistent shapes, dtypes,
-    alignment, S or rows not instantiated, Hv % Hk != 0.
+    Grid Hv blocks of 4*S threads (GGUF_HARNESS_GDN_CSPLIT=1 and S = 128: 4 Hv, a cluster of 4
+    blocks per head, `rows` unused). Raises ValueError on inconsistent shapes, dtypes,
+    alignment, S or rows not instantiated, Hv % Hk != 0, a GGUF_HARNESS_GDN_CSPLIT other than 0
+    or 1.
     """
     check_gdn_step(y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, Hk=Hk, Hv=Hv, S=S,
                    rows=rows)
-    k = kernel(f"gdn_step_s{S}_r{rows}")
+    if GDN_CSPLIT not in ("", "0", "1"):
+        raise ValueError(f"GGUF_HARNESS_GDN_CSPLIT={GDN_CSPLIT!r}: expected 0 or 1")
+    cs = GDN_CS if GDN_CSPLIT == "1" and S == 128 else 1  # GGUF_HARNESS_GDN_CSPLIT: a cluster per head
+    k = kernel(f"gdn_step_cs{cs}_s{S}" if cs > 1 else f"gdn_step_s{S}_r{rows}")
     state_bytes = 4 * Hv * S * S
     # state read + written; q, k (per value head, L2 hits after the first), v, z, out, gates
     nbytes = 2 * state_bytes + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S)
     # per state element: two dot-product multiply-adds (M.k, M.q) and the update (mul + fma)
     flops = 2 * 4 * Hv * S * S
-    return Node(name, "deltanet", k, (Hv,), (step_threads(S),),
+    return Node(name, "deltanet", k, (cs * Hv,), (step_threads(S),),
                 (y, z, alpha, beta, _arg(dt_bias), _arg(ssm_a), _arg(norm_w), state, out,
                  np.int32(Hk), np.float32(eps)), bytes=nbytes, flops=flops, out=out, fmt="F32")

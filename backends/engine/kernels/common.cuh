@@ -45,6 +45,42 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// Thread-block cluster primitives (PTX ISA: %cluster_ctarank, barrier.cluster, mapa,
+// st.shared::cluster), for kernels compiled with __cluster_dims__ (gemv_kq.cu KQ_CSPLIT,
+// deltanet.cu gdn_step_cs4_s128); without a cluster they act on a cluster of one block.
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+// full barrier: this thread's earlier shared::cluster stores are visible to the cluster after it
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// *p of the block of cluster rank `rank` (p: this block's address of the same shared variable) = v
+__device__ __forceinline__ void st_cluster_f32(float* p, unsigned rank, float v) {
+#if __CUDA_ARCH__ >= 900
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    unsigned ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
 // Little-endian loads at 2-byte aligned addresses (Q8_0, Q5_0, Q6_K, Q3_K blocks are only

@@ -252,3 +252,129 @@ GDN_STEP_KERNEL(64, 2)
 GDN_STEP_KERNEL(64, 4)
 GDN_STEP_KERNEL(128, 2)
 GDN_STEP_KERNEL(128, 8)
+
+// ----------------------------------------------------------------------------------------
+// 3. gdn_step_cs4_s128 (A/B, deltanet_ops GGUF_HARNESS_GDN_CSPLIT=1; written in session 16, not
+//    yet run on a GPU): gdn_step_s128 with each head's 128 state rows split over the 4 blocks of
+//    a thread-block cluster (grid 4 Hv). Why: gdn_step runs one block per value head, 48 blocks
+//    on the 27B, so 84 of the H200's 132 SMs stream nothing while 48 move 128 KB each; the node
+//    took 4.87 us for 6.4 MB (1312 GB/s, session 15/16 node tables). Rows are independent (C
+//    above), so block rank q takes rows [32 q, 32 q + 32): 2 per lane group (R = 2, one pass).
+//    Only the gated RMS norm (D) needs the whole head: each block's warp 0 sums its 32 o^2 (as
+//    block_sum's warp q does in gdn_step_s128) and stores the partial into every rank's msp[q]
+//    (DSMEM); after one cluster barrier every block adds them as block_sum's butterfly does,
+//    (p0 + p2) + (p1 + p3), and writes its 32 outputs. Per-row arithmetic, row order of the sums
+//    and that total are gdn_step_s128_r<R>'s, so the outputs and the state are bitwise equal.
+// ----------------------------------------------------------------------------------------
+template <int S, int CS>
+__device__ void gdn_step_cs_body(const float* y, const float* z, const float* alpha,
+                                 const float* beta_in, const float* __restrict__ dt_bias,
+                                 const float* __restrict__ ssm_a, const float* __restrict__ norm_w,
+                                 float* state, float* out, int n_k_heads, float eps) {
+    constexpr int NW = S / 8, NT = NW * 32;  // as gdn_step_body
+    constexpr int LPR = S / 4, RPW = 32 / LPR;
+    constexpr int ROWS = S / CS;             // this block's rows of the head
+    constexpr int R = ROWS / (NW * RPW);     // rows per lane group, one pass
+    static_assert(S == 128 && CS == 4 && ROWS == 32 && R * NW * RPW == ROWS,
+                  "one warp's worth of rows per block: the mean square adds warp partials as block_sum");
+    static_assert(2 * S + ROWS <= NT, "q, k and the block's v staging");
+    __shared__ __align__(16) float qs[S];
+    __shared__ __align__(16) float ks[S];
+    __shared__ float vs[ROWS], os[ROWS], red[NW], msp[CS];
+
+    const int q = (int)cluster_rank(), h = blockIdx.x / CS, hk = h % n_k_heads, j0 = q * ROWS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float* M = state + (size_t)h * S * S;
+    cluster_arrive_relaxed();  // paired with the wait before the DSMEM stores
+
+    for (int l = tid; l < ROWS * S / 32; l += NT) asm volatile("prefetch.global.L2 [%0];" ::"l"(M + (size_t)j0 * S + 32 * l));
+    const float a = ssm_a[h], dtb = dt_bias[h];
+    const float wn = tid < ROWS ? norm_w[j0 + tid] : 0.f;
+    pdl_wait();     // y (conv node), z, alpha, beta (GEMV nodes) come from earlier kernels
+    pdl_trigger();  // the ssm_out GEMV may launch and prefetch its weights
+
+    const float xa = alpha[h] + dtb;  // A. gates, as gdn_step_body
+    const float g = (xa > 20.f ? xa : log1pf(expf(xa))) * a;
+    const float e = expf(g);
+    const float b = 1.f / (1.f + expf(-beta_in[h]));
+
+    // B. q, k of key head hk normalised in parallel halves (as gdn_step_body); v of this block's rows
+    const int ck = n_k_heads * S;
+    float val = 0.f;
+    if (tid < S) val = y[hk * S + tid];
+    else if (tid < 2 * S) val = y[ck + hk * S + (tid - S)];
+    else if (tid < 2 * S + ROWS) vs[tid - 2 * S] = y[2 * ck + h * S + j0 + (tid - 2 * S)];
+    const float ss = warp_sum(val * val);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (tid < 2 * S) {
+        const int w0 = tid < S ? 0 : S / 32;
+        float tot = 0.f;
+#pragma unroll
+        for (int i = 0; i < S / 32; ++i) tot += red[w0 + i];
+        const float r = 1.f / sqrtf(tot + eps);
+        if (tid < S) qs[tid] = val * r;
+        else ks[tid - S] = val * r;
+    }
+    __syncthreads();
+
+    // C. the delta rule on rows j0 + [0, ROWS), all R rows of a lane group in flight
+    const int c4 = lane % LPR, sub = lane / LPR;
+    const float4 k4 = ((const float4*)ks)[c4], q4 = ((const float4*)qs)[c4];
+    const float kq = group_sum<LPR>(dot4(k4, q4));
+    const float scale = 1.f / sqrtf((float)S);
+    float4 m[R];
+    int lr[R];  // local row
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        lr[r] = (warp * R + r) * RPW + sub;
+        m[r] = __ldcg((const float4*)(M + (size_t)(j0 + lr[r]) * S) + c4);
+    }
+    float pk[R], pq[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        pk[r] = dot4(m[r], k4);
+        pq[r] = dot4(m[r], q4);
+    }
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            pk[r] += __shfl_xor_sync(0xffffffffu, pk[r], o);
+            pq[r] += __shfl_xor_sync(0xffffffffu, pq[r], o);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float delta = b * (vs[lr[r]] - e * pk[r]);
+        float4 n;
+        n.x = fmaf(delta, k4.x, e * m[r].x);
+        n.y = fmaf(delta, k4.y, e * m[r].y);
+        n.z = fmaf(delta, k4.z, e * m[r].z);
+        n.w = fmaf(delta, k4.w, e * m[r].w);
+        __stcg((float4*)(M + (size_t)(j0 + lr[r]) * S) + c4, n);
+        if (c4 == 0) os[lr[r]] = fmaf(delta, kq, e * pq[r]) * scale;
+    }
+
+    // D. gated RMS norm across the cluster
+    __syncthreads();  // os complete
+    cluster_wait();   // every block of the cluster has started: DSMEM stores allowed
+    const float o = tid < ROWS ? os[tid] : 0.f;
+    if (warp == 0) {
+        const float p = warp_sum(o * o);  // = block_sum's partial of warp q in gdn_step_s128
+        if (lane < CS) st_cluster_f32(&msp[q], lane, p);
+    }
+    cluster_sync();
+    const float ms = ((msp[0] + msp[2]) + (msp[1] + msp[3])) * (1.f / S);
+    if (tid < ROWS) {
+        const float zz = z[h * S + j0 + tid];
+        out[h * S + j0 + tid] = o / sqrtf(ms + eps) * wn * silu(zz);
+    }
+}
+
+// grid 4 Hv (a cluster of 4 blocks per value head), 4 S threads per block
+extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128 * 4) gdn_step_cs4_s128(
+    const float* y, const float* z, const float* alpha, const float* beta_in, const float* dt_bias,
+    const float* ssm_a, const float* norm_w, float* state, float* out, int n_k_heads, float eps) {
+    gdn_step_cs_body<128, 4>(y, z, alpha, beta_in, dt_bias, ssm_a, norm_w, state, out, n_k_heads, eps);
+}

@@ -330,39 +330,7 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 #error "KQ_CSPLIT: thread-block clusters need sm_90 or newer"
 #endif
 
-// Thread-block cluster primitives (PTX ISA: %cluster_ctarank, barrier.cluster, mapa, st.shared::cluster).
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r = 0;
-#if __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-    return r;
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-#endif
-}
-// full barrier: this thread's earlier shared::cluster stores are visible to the cluster after it
-__device__ __forceinline__ void cluster_sync() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-// *p of the block of cluster rank `rank` (p: this block's address of the same shared variable) = v
-__device__ __forceinline__ void st_cluster_f32(float* p, unsigned rank, float v) {
-#if __CUDA_ARCH__ >= 900
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    unsigned ra;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
-#endif
-}
+// (the cluster primitives cluster_rank / cluster_sync / st_cluster_f32: common.cuh)
 
 #ifndef KQ_WMAJ
 #define KQ_WMAJ 0
