@@ -131,6 +131,80 @@ __device__ __forceinline__ float dot4(float4 a, float4 b) {
     return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
 }
 
+// A. the gates of value head h (see above): e = exp(g), b = beta.
+__device__ __forceinline__ void gdn_gates(const float* alpha, const float* beta_in, int h, float a, float dtb,
+                                          float& e, float& b) {
+    const float xa = alpha[h] + dtb;
+    const float g = (xa > 20.f ? xa : log1pf(expf(xa))) * a;
+    e = expf(g);
+    b = 1.f / (1.f + expf(-beta_in[h]));
+}
+
+// B. q, k of key head hk L2-normalised into qs, ks (threads [0, S) and [S, 2S)), and the NV values
+// v[h S + v0 ...] staged into vs by threads [2S, 2S + NV). Ends with a barrier.
+template <int S, int NV>
+__device__ __forceinline__ void gdn_stage_qkv(const float* y, int n_k_heads, int h, int hk, int v0, float eps,
+                                              int tid, int lane, int warp, float* qs, float* ks, float* vs,
+                                              float* red) {
+    const int ck = n_k_heads * S;
+    float val = 0.f;
+    if (tid < S) val = y[hk * S + tid];
+    else if (tid < 2 * S) val = y[ck + hk * S + (tid - S)];
+    else if (tid < 2 * S + NV) vs[tid - 2 * S] = y[2 * ck + h * S + v0 + (tid - 2 * S)];
+    const float ss = warp_sum(val * val);  // warps never straddle the halves (S % 32 == 0)
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (tid < 2 * S) {
+        const int w0 = tid < S ? 0 : S / 32;
+        float tot = 0.f;
+#pragma unroll
+        for (int i = 0; i < S / 32; ++i) tot += red[w0 + i];
+        const float r = 1.f / sqrtf(tot + eps);
+        if (tid < S) qs[tid] = val * r;
+        else ks[tid - S] = val * r;
+    }
+    __syncthreads();
+}
+
+// C. R rows of M in flight for one lane group: row lr[r] = row_of(r) of M (a head's state, or the
+// block's first row of it), also its index in vs / os (see above for the algebra). k4, q4: the lane's columns of k and q; kq = k . q.
+template <int LPR, int R, class RowOf>
+__device__ __forceinline__ void gdn_rows(float* M, int S, RowOf row_of, int c4, float4 k4, float4 q4,
+                                         float kq, float e, float b, float scale, const float* vs, float* os) {
+    float4 m[R];
+    int lr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        lr[r] = row_of(r);
+        m[r] = __ldcg((const float4*)(M + (size_t)lr[r] * S) + c4);
+    }
+    float pk[R], pq[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        pk[r] = dot4(m[r], k4);
+        pq[r] = dot4(m[r], q4);
+    }
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            pk[r] += __shfl_xor_sync(0xffffffffu, pk[r], o);
+            pq[r] += __shfl_xor_sync(0xffffffffu, pq[r], o);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float delta = b * (vs[lr[r]] - e * pk[r]);
+        float4 n;
+        n.x = fmaf(delta, k4.x, e * m[r].x);
+        n.y = fmaf(delta, k4.y, e * m[r].y);
+        n.z = fmaf(delta, k4.z, e * m[r].z);
+        n.w = fmaf(delta, k4.w, e * m[r].w);
+        __stcg((float4*)(M + (size_t)lr[r] * S) + c4, n);
+        if (c4 == 0) os[lr[r]] = fmaf(delta, kq, e * pq[r]) * scale;
+    }
+}
+
 template <int S, int R>
 __device__ void gdn_step_body(const float* y, const float* z, const float* alpha,
                               const float* beta_in, const float* __restrict__ dt_bias,
@@ -159,31 +233,10 @@ __device__ void gdn_step_body(const float* y, const float* z, const float* alpha
     pdl_wait();     // y (conv node), z, alpha, beta (GEMV nodes) come from earlier kernels
     pdl_trigger();  // the ssm_out GEMV may launch and prefetch its weights
 
-    // A. gates
-    const float xa = alpha[h] + dtb;
-    const float g = (xa > 20.f ? xa : log1pf(expf(xa))) * a;
-    const float e = expf(g);
-    const float b = 1.f / (1.f + expf(-beta_in[h]));
-
+    float e, b;  // A. gates
+    gdn_gates(alpha, beta_in, h, a, dtb, e, b);
     // B. q, k of key head hk normalised in parallel halves; v of value head h staged
-    const int ck = n_k_heads * S;
-    float val = 0.f;
-    if (tid < S) val = y[hk * S + tid];
-    else if (tid < 2 * S) val = y[ck + hk * S + (tid - S)];
-    else if (tid < 3 * S) vs[tid - 2 * S] = y[2 * ck + h * S + (tid - 2 * S)];
-    const float ss = warp_sum(val * val);  // warps never straddle the halves (S % 32 == 0)
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    if (tid < 2 * S) {
-        const int w0 = tid < S ? 0 : S / 32;
-        float tot = 0.f;
-#pragma unroll
-        for (int i = 0; i < S / 32; ++i) tot += red[w0 + i];
-        const float r = 1.f / sqrtf(tot + eps);
-        if (tid < S) qs[tid] = val * r;
-        else ks[tid - S] = val * r;
-    }
-    __syncthreads();
+    gdn_stage_qkv<S, S>(y, n_k_heads, h, hk, 0, eps, tid, lane, warp, qs, ks, vs, red);
 
     // C. delta rule, R rows in flight per lane group
     const int c4 = lane % LPR, sub = lane / LPR;
@@ -192,38 +245,7 @@ __device__ void gdn_step_body(const float* y, const float* z, const float* alpha
     const float scale = 1.f / sqrtf((float)S);
 #pragma unroll 1
     for (int it = 0; it < ITERS; ++it) {
-        float4 m[R];
-        int row[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            row[r] = ((it * NW + warp) * R + r) * RPW + sub;
-            m[r] = __ldcg((const float4*)(M + (size_t)row[r] * S) + c4);
-        }
-        float pk[R], pq[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            pk[r] = dot4(m[r], k4);
-            pq[r] = dot4(m[r], q4);
-        }
-#pragma unroll
-        for (int o = LPR / 2; o > 0; o >>= 1) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                pk[r] += __shfl_xor_sync(0xffffffffu, pk[r], o);
-                pq[r] += __shfl_xor_sync(0xffffffffu, pq[r], o);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const float delta = b * (vs[row[r]] - e * pk[r]);
-            float4 n;
-            n.x = fmaf(delta, k4.x, e * m[r].x);
-            n.y = fmaf(delta, k4.y, e * m[r].y);
-            n.z = fmaf(delta, k4.z, e * m[r].z);
-            n.w = fmaf(delta, k4.w, e * m[r].w);
-            __stcg((float4*)(M + (size_t)row[r] * S) + c4, n);
-            if (c4 == 0) os[row[r]] = fmaf(delta, kq, e * pq[r]) * scale;
-        }
+        gdn_rows<LPR, R>(M, S, [&](int r) { return ((it * NW + warp) * R + r) * RPW + sub; }, c4, k4, q4, kq, e, b, scale, vs, os);
     }
 
     // D. gated RMS norm of o with z. The barrier is needed: os[j] was written by lane c4 == 0
@@ -293,68 +315,18 @@ __device__ void gdn_step_cs_body(const float* y, const float* z, const float* al
     pdl_wait();     // y (conv node), z, alpha, beta (GEMV nodes) come from earlier kernels
     pdl_trigger();  // the ssm_out GEMV may launch and prefetch its weights
 
-    const float xa = alpha[h] + dtb;  // A. gates, as gdn_step_body
-    const float g = (xa > 20.f ? xa : log1pf(expf(xa))) * a;
-    const float e = expf(g);
-    const float b = 1.f / (1.f + expf(-beta_in[h]));
-
-    // B. q, k of key head hk normalised in parallel halves (as gdn_step_body); v of this block's rows
-    const int ck = n_k_heads * S;
-    float val = 0.f;
-    if (tid < S) val = y[hk * S + tid];
-    else if (tid < 2 * S) val = y[ck + hk * S + (tid - S)];
-    else if (tid < 2 * S + ROWS) vs[tid - 2 * S] = y[2 * ck + h * S + j0 + (tid - 2 * S)];
-    const float ss = warp_sum(val * val);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    if (tid < 2 * S) {
-        const int w0 = tid < S ? 0 : S / 32;
-        float tot = 0.f;
-#pragma unroll
-        for (int i = 0; i < S / 32; ++i) tot += red[w0 + i];
-        const float r = 1.f / sqrtf(tot + eps);
-        if (tid < S) qs[tid] = val * r;
-        else ks[tid - S] = val * r;
-    }
-    __syncthreads();
+    float e, b;  // A. gates, as gdn_step_body
+    gdn_gates(alpha, beta_in, h, a, dtb, e, b);
+    // B. q, k of key head hk normalised (as gdn_step_body); v of this block's rows
+    gdn_stage_qkv<S, ROWS>(y, n_k_heads, h, hk, j0, eps, tid, lane, warp, qs, ks, vs, red);
 
     // C. the delta rule on rows j0 + [0, ROWS), all R rows of a lane group in flight
     const int c4 = lane % LPR, sub = lane / LPR;
     const float4 k4 = ((const float4*)ks)[c4], q4 = ((const float4*)qs)[c4];
     const float kq = group_sum<LPR>(dot4(k4, q4));
     const float scale = 1.f / sqrtf((float)S);
-    float4 m[R];
-    int lr[R];  // local row
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        lr[r] = (warp * R + r) * RPW + sub;
-        m[r] = __ldcg((const float4*)(M + (size_t)(j0 + lr[r]) * S) + c4);
-    }
-    float pk[R], pq[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        pk[r] = dot4(m[r], k4);
-        pq[r] = dot4(m[r], q4);
-    }
-#pragma unroll
-    for (int o = LPR / 2; o > 0; o >>= 1) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            pk[r] += __shfl_xor_sync(0xffffffffu, pk[r], o);
-            pq[r] += __shfl_xor_sync(0xffffffffu, pq[r], o);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float delta = b * (vs[lr[r]] - e * pk[r]);
-        float4 n;
-        n.x = fmaf(delta, k4.x, e * m[r].x);
-        n.y = fmaf(delta, k4.y, e * m[r].y);
-        n.z = fmaf(delta, k4.z, e * m[r].z);
-        n.w = fmaf(delta, k4.w, e * m[r].w);
-        __stcg((float4*)(M + (size_t)(j0 + lr[r]) * S) + c4, n);
-        if (c4 == 0) os[lr[r]] = fmaf(delta, kq, e * pq[r]) * scale;
-    }
+    // local rows (of vs, os); state rows j0 + those
+    gdn_rows<LPR, R>(M + (size_t)j0 * S, S, [&](int r) { return (warp * R + r) * RPW + sub; }, c4, k4, q4, kq, e, b, scale, vs, os);
 
     // D. gated RMS norm across the cluster
     __syncthreads();  // os complete
