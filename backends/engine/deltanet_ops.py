@@ -39,9 +39,11 @@ STEP_ROWS = {64: (2, 4), 128: (2, 8)}  # GDN_STEP_KERNEL(S, R) instantiations
 DEFAULT_ROWS = 2
 F32 = 0                       # GGML type id
 # GDN_CSPLIT: "1" runs the S = 128 step as gdn_step_cs4_s128 (kernels/deltanet.cu 3.: a head's
-# rows over the 4 blocks of a thread-block cluster, grid 4 Hv; bitwise equal to gdn_step_s128;
-# A/B, written in session 16, not yet run on a GPU); "0" or unset: gdn_step_s<S>_r<rows>.
-GDN_CSPLIT = os.environ.get("GGUF_HARNESS_GDN_CSPLIT", "0")
+# rows over the 4 blocks of a thread-block cluster, grid 4 Hv; bitwise equal to gdn_step_s128: GPU
+# test passed on the H200, session 17), the default since session 17 (H200, 27B c = 2048 graph
+# replay, one machine start: ssm_step 4.87 -> 4.54 us per layer, the step 6460.7 / 6460.1 ->
+# 6403.9 us, -0.9 %); "0": gdn_step_s<S>_r<rows> (S = 64 always takes that).
+GDN_CSPLIT = os.environ.get("GGUF_HARNESS_GDN_CSPLIT", "1")
 GDN_CS = 4                    # blocks per head of gdn_step_cs4_s128
 
 
