@@ -878,6 +878,107 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, monkeypatch)
     assert n.kernel.name.endswith(f"_s{S}"), n.kernel.name
 
 
+def _dq_tail(n_rows, grid, nw=32):
+    """Boolean [n_rows]: the rows kernels/gemv_kq.cu kq_dq_body splits into parts, the last
+    min(rows, nw) of each block's range [b N / B, (b + 1) N / B) (written from the kernel's comment,
+    not from ops)."""
+    tail = np.zeros(n_rows, bool)
+    for b in range(grid):
+        r0, r1 = b * n_rows // grid, (b + 1) * n_rows // grid
+        tail[r1 - min(r1 - r0, nw):r1] = True
+    return tail
+
+
+def _dq_parts(K, pmax=4):
+    """Parts of a tail row: pmax for rows of >= 4 rounds of 4 super-blocks, 2 for 2-3, 1 for one."""
+    rounds = -(-(K // 256) // 4)
+    return pmax if rounds >= 4 else min(pmax, 2) if rounds >= 2 else 1
+
+
+@pytest.mark.gpu
+def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_DQ=1 (kernels/gemv_kq.cu KQ_DQ): a wide node's rows come from a queue
+    per block and each block's last rows are split into P parts, so every full row must equal the
+    32-warp S = 1 kernel's bit for bit and every tail row the 32-warp _s<P> kernel's (the same
+    partial sums added in the same order; the same block_sum for a fused norm), also on relaunch;
+    each output also against the oracle. Cases: a normed IQ4_XS SwiGLU pair (P 4), normed Q4_K store
+    and add, an ssm_in-like normed Q5_K store with F32 rows beside in blocks of fewer rows than warps
+    (every row a tail row), Q6_K at K = 17408 (17 rounds), an IQ3_S pair at K = 2816 (3 rounds: P 2)
+    and Q8_0 at K = 512 (one round: P 1)."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("q16 kernels")
+    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
+    monkeypatch.setattr(eops, "GEMV_KQ_CSPLIT", "0")
+    monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "1000000")  # Q6_K on the one-row-per-warp kernels
+    monkeypatch.setattr(eops, "GEMV_KQ_DQ_P", "")
+    rng = np.random.default_rng(43)
+    keep = []
+    cases = [("IQ4_XS", 5120, 8777, "swiglu"), ("Q4_K", 5120, 9001, "store"), ("Q4_K", 5120, 9001, "add"),
+             ("Q5_K", 5120, 700, "ssm_in"), ("Q6_K", 17408, 1500, "store"), ("IQ3_S", 2816, 3001, "swiglu"),
+             ("Q8_0", 512, 4099, "store")]
+    runs = {"dq": dict(GEMV_KQ_BW="", GEMV_KQ_WIDE_MIN_ROWS="0", GEMV_KQ_DQ="1"),
+            "s1": dict(GEMV_KQ_BW="32", GEMV_KQ_WIDE_MIN_ROWS="off", GEMV_KQ_DQ="0")}
+    for name, K, rows, kind in cases:
+        t = TYPES[name]
+        P = _dq_parts(K)
+        (ra, wa), (rb, wb) = _matrix(t, rows, K, seed=rows + 1), _matrix(t, rows, K, seed=rows + 2)
+        a_dev = device_tensor(cp, "a", ra, t, (K, rows), keep)
+        b_dev = device_tensor(cp, "b", rb, t, (K, rows), keep)
+        f32 = (rng.normal(size=(29, K)) * 0.05).astype(np.float32)
+        f_dev = device_tensor(cp, "f", f32.view(np.uint8), 0, (K, 29), keep)
+        nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+        nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
+        x = (rng.normal(size=K) * 0.7).astype(np.float32)
+        xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
+        base = rng.normal(size=rows).astype(np.float32)
+        got, grid = {}, None
+        for run in ("dq", "s1", "sP"):
+            for k, v in (runs[run] if run != "sP" else runs["s1"]).items():
+                monkeypatch.setattr(eops, k, v)
+            monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", str(P) if run == "sP" else "1")
+            outs = [nan_poisoned(cp, rows)] + ([nan_poisoned(cp, 29)] if kind == "ssm_in" else [])
+            if kind == "swiglu":
+                node = eops.gemv("f", "swiglu", [eops.Seg(a_dev, outs[0]), eops.Seg(b_dev, outs[0])], cp.asarray(x), K,
+                                 nw_dev, 1e-6)
+            elif kind == "ssm_in":
+                node = eops.gemv("ssm_in", "store", [eops.Seg(a_dev, outs[0]), eops.Seg(f_dev, outs[1])], cp.asarray(x),
+                                 K, nw_dev, 1e-6)
+            elif kind == "add":
+                outs = [cp.asarray(base)]
+                node = eops.gemv("o", "add", [eops.Seg(a_dev, outs[0])], cp.asarray(x), K)
+            else:
+                node = eops.gemv("s", "store", [eops.Seg(a_dev, outs[0])], cp.asarray(x), K, nw_dev, 1e-6)
+            what = f"{name} [{rows}x{K}] {kind} {run}"
+            assert node.kernel.name.startswith("gemvkq_") and "_p2" not in node.kernel.name, (what, node.kernel.name)
+            assert ("KQ_DQ=1" in node.defines) == (run == "dq"), (what, node.defines)
+            assert node.block == (1024,), (what, node.block)
+            if run == "dq":
+                assert "KQ_WMAJ=1" not in node.defines, node.defines
+                grid = node.grid[0]
+            node.launch()
+            got[run] = np.concatenate([o.get() for o in outs])
+            if kind != "add":  # relaunch: the same outputs (the add accumulates)
+                node.launch()
+                assert np.array_equal(got[run], np.concatenate([o.get() for o in outs])), f"{what}: changed on relaunch"
+            y = got[run].astype(np.float64)
+            if kind == "swiglu":
+                v = gemv_check.check_swiglu(y, wa, wb, xn, impl=eops.GEMV_IMPL)
+                assert v["ok"], f"{what}: {v}"
+            elif kind == "add":
+                _check_rows(y - base, wa, x, what)
+            else:
+                _check_rows(y[:rows], wa, xn, what)
+                if kind == "ssm_in":
+                    _check_rows(y[rows:], f32.astype(np.float64), xn, f"{what} F32 rows")
+        tail = _dq_tail(got["dq"].size, grid)
+        assert tail.any() and (kind == "ssm_in" or not tail.all())
+        what = f"{name} [{rows}x{K}] {kind} (P {P}, grid {grid})"
+        assert np.array_equal(got["dq"][~tail], got["s1"][~tail]), f"{what}: full rows differ from S = 1"
+        assert np.array_equal(got["dq"][tail], got["sP"][tail]), f"{what}: tail rows differ from S = {P}"
+
+
 def _build_is_bitwise_equal(knob, values, define, define_when, cases, monkeypatch, kq="v9l8", relaunch=1,
                             normed=True):
     """Outputs of v9 nodes under ops.<knob> = values[0] and values[1] (ops.kv9_defines holds

@@ -102,3 +102,16 @@ def test_csplit_build_only_when_switched_on(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "0")
     assert not any("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds())
+
+
+def test_dq_build_only_when_switched_on(monkeypatch):
+    """With GGUF_HARNESS_GEMV_KQ_DQ=1 prewarm also compiles the queue build with the defines ops.gemv
+    passes for it (kv9_dq_defines of the wide build); not with the switch off, the wide nodes off
+    or a latency A/B build set."""
+    monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "1")
+    dq = [(d, n) for s, d, n in prewarm.builds() if "KQ_DQ=1" in d]
+    assert dq == [(ops.kv9_dq_defines(ops.kv9_wide_defines(ops.kv9_defines())), "gemvkq_store_q4_k")]
+    for knob, value in (("GEMV_KQ_DQ", "0"), ("GEMV_KQ_WIDE_MIN_ROWS", "off"), ("GEMV_KQ_PIPE", "2")):
+        monkeypatch.setattr(ops, knob, value)
+        assert not any("KQ_DQ=1" in d for _, d, _ in prewarm.builds()), knob

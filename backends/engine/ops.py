@@ -258,6 +258,35 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     return keep + ("KQ_BLOCK_WARPS=32", "KQ_WMAJ=1")
 
 
+# KQ_DQ: the wide nodes' one-row-per-warp 8-lane kernels (gemvkq_, not _p2) take their rows from a
+# queue in shared memory, the last rows of each block split into parts (kernels/gemv_kq.cu KQ_DQ,
+# kq_dq_body; kv9_dq). "1": that build (A/B, session 17); "0" or unset: the warp-major wide build.
+# GGUF_HARNESS_GEMV_KQ_DQ_P: the most parts of a tail row (1, 2 or 4; unset: the kernel's 4). Full
+# rows are the S = 1 kernel's bit for bit, tail rows the _s<P> kernel's (32-warp builds).
+GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "0")
+GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
+
+
+def kv9_dq(kname: str) -> bool:
+    """Whether a wide node (kv9_wide) whose v9 kernel is `kname` runs the queue build
+    (GGUF_HARNESS_GEMV_KQ_DQ=1): 8-lane kernels of one row per warp at split 1 (gemvkq_, not _p2,
+    no _s suffix) and no latency A/B build (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF: their code
+    is not in the queue loop). ValueError on a switch value other than "", 0 or 1, or a
+    GGUF_HARNESS_GEMV_KQ_DQ_P other than "", 1, 2 or 4."""
+    _switch01("GGUF_HARNESS_GEMV_KQ_DQ", GEMV_KQ_DQ)
+    if GEMV_KQ_DQ_P not in ("", "1", "2", "4"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_P={GEMV_KQ_DQ_P!r}: expected 1, 2 or 4")
+    return (GEMV_KQ_DQ == "1" and not (GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF)
+            and kname.startswith("gemvkq_") and "_p2" not in kname and not kname[-3:-1] == "_s")
+
+
+def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
+    """The gemv_kq.cu defines of the queue build: `defines` (a wide build's) without KQ_WMAJ (the
+    queue deals contiguous rows per block), plus KQ_DQ=1 and, when set, KQ_DQ_P."""
+    return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
+            + ((f"KQ_DQ_P={GEMV_KQ_DQ_P}",) if GEMV_KQ_DQ_P else ()))
+
+
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:
     """The cluster-split kernel (kernels/gemv_kq.cu KQ_CSPLIT build) that replaces the v9 kernel
     `kname` of a node at split `split` when GGUF_HARNESS_GEMV_KQ_CSPLIT is 1 or 2 (the default) and
@@ -349,6 +378,7 @@ def kv9_defines() -> tuple[str, ...]:
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
+    kv9_dq("")  # likewise GGUF_HARNESS_GEMV_KQ_DQ / _DQ_P (routing switches of the wide nodes)
     return tuple(out) + iq4_xil_defines()
 
 
@@ -633,6 +663,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         wpr, nw = split, kv9_warps()  # a row group of `split` warps takes v9_rows rows
         if kv9_wide(rows, split):  # GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS: 32 warps per block, warp-major
             kdefs = kv9_wide_defines(kdefs)
+            if kv9_dq(kv9_kernel(mode, types, K, l4, split, rows)):  # GGUF_HARNESS_GEMV_KQ_DQ: a row queue per block
+                kdefs = kv9_dq_defines(kdefs)
             k, nw = v9k(split), 32
         elif cname := kv9_csplit(kv9_kernel(mode, types, K, l4, split, rows), mode, split, norm is not None,
                                  f32_rows=0 in types):

@@ -30,6 +30,7 @@ from . import ops
 # None: the defines the engine passes under this environment, resolved at run time (builds()).
 WIDE = ("<the wide v9 build>",)  # resolved in builds()
 CSPLIT = ("<the cluster-split v9 build>",)  # likewise
+DQ = ("<the queue v9 build>",)  # likewise
 BUILDS: tuple[tuple[str, tuple[str, ...] | None, str], ...] = (
     ("gemv.cu", (), "gemv_store_w1_b4"),
     ("gemv.cu", ("GEMV_IQ4",), "gemv_store_w1_b4_iq4"),
@@ -58,13 +59,16 @@ BUILDS: tuple[tuple[str, tuple[str, ...] | None, str], ...] = (
     ("gemv_kq.cu", WIDE, "gemvkq_store_q4_k"),
     # the cluster-split build (ops.kv9_csplit) while GGUF_HARNESS_GEMV_KQ_CSPLIT is on (the default)
     ("gemv_kq.cu", CSPLIT, "gemvkq_store_q4_k_c4"),
+    # the queue build of the wide nodes (ops.kv9_dq) while GGUF_HARNESS_GEMV_KQ_DQ=1
+    ("gemv_kq.cu", DQ, "gemvkq_store_q4_k"),
 )
 
 
 def builds() -> list[tuple[str, tuple[str, ...], str]]:
     """BUILDS with the engine's v9 defines filled in (ops.kv9_defines(); the wide entry as
     ops.kv9_wide_defines of those, left out under GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS=off; the
-    cluster-split build while GGUF_HARNESS_GEMV_KQ_CSPLIT is on; ValueError
+    cluster-split build while GGUF_HARNESS_GEMV_KQ_CSPLIT is on, the queue build while
+    GGUF_HARNESS_GEMV_KQ_DQ=1 and wide nodes are on; ValueError
     on a bad GGUF_HARNESS_GEMV_KQ_* / IQ4_* switch value)."""
     out = []
     for src, d, name in BUILDS:
@@ -76,6 +80,9 @@ def builds() -> list[tuple[str, tuple[str, ...], str]]:
             # on the 4-lane ones, which have no cluster form)
             if ops.GEMV_KQ == "v9l8" and ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False):
                 out.append((src, ops.kv9_csplit_defines(ops.kv9_defines()), name))
+        elif d is DQ:
+            if ops.kv9_wide(1 << 30, 1) and ops.kv9_dq("gemvkq_store_q4_k"):
+                out.append((src, ops.kv9_dq_defines(ops.kv9_wide_defines(ops.kv9_defines())), name))
         else:
             out.append((src, ops.kv9_defines() if d is None else d, name))
     return out

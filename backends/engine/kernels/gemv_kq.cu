@@ -369,6 +369,120 @@ template <int N> __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
+#ifndef KQ_DQ
+// KQ_DQ=1 (ops GGUF_HARNESS_GEMV_KQ_DQ; session 17, an A/B build of the wide nodes, 32-warp
+// blocks): the split-1 8-lane rows (one row per warp) of a block are handed out by a counter in
+// shared memory instead of a fixed grid stride, and the block's last rows are split into parts.
+// Block b takes the contiguous rows [b N / B, (b + 1) N / B); of those, the first F are "full"
+// units (a row), the last T = min(rows, warps) are P units each (P = KQ_DQ_P, fewer when a row has
+// fewer than 4 rounds of 4 super-blocks: 2 for 2-3 rounds, 1 for one). Warp w takes unit w first
+// (its row prefetched to L2 before the PDL wait, as kq_body does), then whatever the counter gives.
+// A part p of P runs the super-blocks grp + 4 p, grp + 4 p + 4 P, ... (the _s<P> kernel's part p),
+// writes its sum to shared memory and counts itself in; the row's last part adds the P sums in
+// part order and stores. So a full row is the S = 1 kernel's bit for bit and a tail row the _s<P>
+// kernel's (same block_sum for a fused norm: both 32-warp builds).
+// Why (KQ_TRACE on the H200, session 15, the wide build of the 2x[17408x5120] IQ4_XS pair): all
+// warps ran until 24 us, then the active fraction fell to 0.54 at 27 us and 0.10 at 30 us, the last
+// warp ending at 32.8 us; the mean warp end was 27.1 us (per SM at most 27.8). Two causes: 4.12
+// rows per warp (about 4 warps per SM run a fifth row alone) and unequal warp speeds. A queue
+// evens the speeds; the parts cut the last rows into pieces a quarter of the size.
+#define KQ_DQ 0
+#endif
+#ifndef KQ_DQ_P
+#define KQ_DQ_P 4  // the most parts a tail row is split into (1, 2 or 4: the S-split kernels' parts)
+#endif
+static_assert(KQ_DQ_P == 1 || KQ_DQ_P == 2 || KQ_DQ_P == 4, "KQ_DQ_P: 1, 2 or 4");
+#if KQ_DQ
+template <class Q, int MODE, int NW>
+__device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, const float* norm, float eps,
+                                           int K, int total_rows) {
+    __shared__ float scratch[32];
+    __shared__ int dq_next;                    // the next unit to hand out
+    __shared__ int dq_seen[NW];                // tail row j: parts added so far
+    __shared__ float dq_part[NW][KQ_DQ_P][2];  // tail row j, part p: (y, up)
+    int4* xq = smem4;
+    int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
+    float* xd = (float*)(xs + K / 8);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nsb = K >> 8, rounds = (nsb + 3) >> 2;
+    const int P = rounds >= 4 ? KQ_DQ_P : rounds >= 2 ? (KQ_DQ_P < 2 ? KQ_DQ_P : 2) : 1;
+    const int r0 = (int)((long long)blockIdx.x * total_rows / gridDim.x);
+    const int r1 = (int)((long long)(blockIdx.x + 1) * total_rows / gridDim.x);
+    const int T = min(r1 - r0, NW), F = r1 - r0 - T, nunits = F + T * P;
+    // unit u: its row (node-global), part and parts
+    auto unit = [&](int u, int& row, int& p, int& np) {
+        if (u < F) {
+            row = r0 + u, p = 0, np = 1;
+        } else {
+            const int j = (u - F) / P;
+            row = r0 + F + j, p = u - F - j * P, np = P;
+        }
+    };
+    if (threadIdx.x == 0) dq_next = NW;  // units 0..NW-1 are the warps' first (stage_xq's barriers publish these)
+    if (threadIdx.x < NW) dq_seen[threadIdx.x] = 0;
+    KQ_MARK(0);
+    if (warp < nunits) {  // the first unit's row(s) to L2 before the PDL wait (weights are constants)
+        int row, p, np;
+        unit(warp, row, p, np);
+        const int si = MODE == 2 ? 0 : find_seg(t, row);
+        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row, t.row_bytes[si], lane, 32);
+        if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, t.row_bytes[1], lane, 32);
+    }
+    Q::setup();
+    pdl_wait();
+    KQ_MARK(1);
+    pdl_trigger();
+    const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL, 1>(x, norm, eps, K, xq, xs, xd, scratch, 0);
+    KQ_MARK(2);
+    const XS xa = xs_addr(xq, xs, xd);
+    const int grp = Q::grp(lane), i = Q::idx(lane);
+    const typename Q::Lane w = Q::lane(i);
+    for (int u = warp; u < nunits;) {
+        int nu = 0;  // the warp's next unit, asked for before this one's loads
+        if (lane == 0) nu = atomicAdd(&dq_next, 1);
+        nu = __shfl_sync(0xffffffffu, nu, 0);
+        int row, p, np;
+        unit(u, row, p, np);
+        const int j = row - r0 - F;  // tail row index (j >= 0 when np > 1)
+        const int sb0 = grp + 4 * p, st = 4 * np;
+        float y, up = 0.f;
+        int si = 0;
+        if constexpr (MODE == 2) {
+            const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row,
+                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, xa, w, nsb, sb0, st, i);
+            y = group_sum<32>(v.x);
+            up = group_sum<32>(v.y);
+        } else {
+            si = find_seg(t, row);  // row: segment-local from here
+            const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row;
+            y = group_sum<32>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, sb0, st, i)
+                                                      : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, lane + 32 * p, 32 * np));
+        }
+        if (lane == 0) {
+            if (np == 1) {
+                store_row<MODE>(t.s[si], row, y * rs, up * rs);
+            } else {
+                volatile float* pp = &dq_part[j][0][0];
+                pp[2 * p] = y;
+                pp[2 * p + 1] = up;
+                __threadfence_block();
+                if (atomicAdd(&dq_seen[j], 1) == np - 1) {  // the row's last part: the parts in part order
+                    __threadfence_block();
+                    float ys = pp[0], us = pp[1];
+                    for (int q = 1; q < np; ++q) {
+                        ys += pp[2 * q];
+                        us += pp[2 * q + 1];
+                    }
+                    store_row<MODE>(t.s[si], row, ys * rs, us * rs);
+                }
+            }
+        }
+        u = nu;
+    }
+    KQ_MARK(3);
+}
+#endif
+
 // The kernel body for format trait Q (KQ<T> or KQ4<T>). S (1, 2 or 4; ops.kv9_split) warps
 // share a row group: warp w is part ws = w % S of group g = w / S, which takes rows R g + h
 // (h < Q::R, the row of its lane group of 32 / R lanes) of every block round; part ws takes the
@@ -382,6 +496,12 @@ template <class Q, int MODE, int NW, int S, int CS = 1>
 __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const float* norm, float eps,
                                         int K, int total_rows) {
     static_assert(NW % S == 0, "S divides the block's warps");
+#if KQ_DQ
+    if constexpr (S == 1 && CS == 1 && !IsP2<Q>::v && Q::R == 1) {  // the queue build's rows (kq_dq_body)
+        kq_dq_body<Q, MODE, NW>(t, x, norm, eps, K, total_rows);
+        return;
+    }
+#endif
     static_assert(CS == 1 || (S == 1 && MODE != 2 && !IsP2<Q>::v && Q::R == 1 && !KQ_WMAJ),
                   "cluster parts: 8-lane store/add rows, one row per warp, block-major");
     static_assert(CS == 1 || CS == 2 || CS == 4, "cluster parts: 2 or 4");
