@@ -843,6 +843,8 @@ def test_dq_routing(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_P2", "q6_k")
     monkeypatch.setattr(ops, "GEMV_KQ_P2_MIN_ROWS", "2048")
     monkeypatch.setattr(ops, "GEMV_KQ_DQ_P", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ_T", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ_MAP", "")
     ptr = lambda i: 1 << 20 + i
     monkeypatch.setattr(ops, "GEMV_KQ_DQ", "1")
     wide = ops.kv9_wide_defines(ops.kv9_defines())

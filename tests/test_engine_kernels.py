@@ -878,25 +878,20 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, monkeypatch)
     assert n.kernel.name.endswith(f"_s{S}"), n.kernel.name
 
 
-def _dq_tail(n_rows, grid, nw=32):
+def _dq_tail(n_rows, grid, T, strided=False):
     """Boolean [n_rows]: the rows kernels/gemv_kq.cu kq_dq_body splits into parts, the last
-    min(rows, nw) of each block's range [b N / B, (b + 1) N / B) (written from the kernel's comment,
-    not from ops)."""
+    min(rows, T) of each block's rows: the range [b N / B, (b + 1) N / B), or (KQ_DQ_MAP=1) the rows
+    b, b + B, ... (written from the kernel's comment, not from ops)."""
     tail = np.zeros(n_rows, bool)
     for b in range(grid):
-        r0, r1 = b * n_rows // grid, (b + 1) * n_rows // grid
-        tail[r1 - min(r1 - r0, nw):r1] = True
+        mine = np.arange(b, n_rows, grid) if strided else np.arange(b * n_rows // grid, (b + 1) * n_rows // grid)
+        tail[mine[mine.size - min(mine.size, T):]] = True
     return tail
 
 
-def _dq_parts(K, pmax=4):
-    """Parts of a tail row: pmax for rows of >= 4 rounds of 4 super-blocks, 2 for 2-3, 1 for one."""
-    rounds = -(-(K // 256) // 4)
-    return pmax if rounds >= 4 else min(pmax, 2) if rounds >= 2 else 1
-
-
 @pytest.mark.gpu
-def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(monkeypatch):
+@pytest.mark.parametrize("T,P,MAP", [("8", "4", "0"), ("32", "2", "1"), ("32", "1", "0")])
+def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_DQ=1 (kernels/gemv_kq.cu KQ_DQ): a wide node's rows come from a queue
     per block and each block's last rows are split into P parts, so every full row must equal the
     32-warp S = 1 kernel's bit for bit and every tail row the 32-warp _s<P> kernel's (the same
@@ -912,17 +907,19 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(monkeypatch):
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(eops, "GEMV_KQ_CSPLIT", "0")
     monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "1000000")  # Q6_K on the one-row-per-warp kernels
-    monkeypatch.setattr(eops, "GEMV_KQ_DQ_P", "")
+    monkeypatch.setattr(eops, "GEMV_KQ_DQ_P", P)
+    monkeypatch.setattr(eops, "GEMV_KQ_DQ_T", T)
+    monkeypatch.setattr(eops, "GEMV_KQ_DQ_MAP", MAP)
+    P, T = int(P), int(T)
     rng = np.random.default_rng(43)
     keep = []
     cases = [("IQ4_XS", 5120, 8777, "swiglu"), ("Q4_K", 5120, 9001, "store"), ("Q4_K", 5120, 9001, "add"),
-             ("Q5_K", 5120, 700, "ssm_in"), ("Q6_K", 17408, 1500, "store"), ("IQ3_S", 2816, 3001, "swiglu"),
-             ("Q8_0", 512, 4099, "store")]
+             ("Q5_K", 5120, 700, "ssm_in"), ("Q6_K", 17408, 5000, "store"), ("IQ3_S", 2816, 3001, "swiglu"),
+             ("Q8_0", 512, 9001, "store")]
     runs = {"dq": dict(GEMV_KQ_BW="", GEMV_KQ_WIDE_MIN_ROWS="0", GEMV_KQ_DQ="1"),
             "s1": dict(GEMV_KQ_BW="32", GEMV_KQ_WIDE_MIN_ROWS="off", GEMV_KQ_DQ="0")}
     for name, K, rows, kind in cases:
         t = TYPES[name]
-        P = _dq_parts(K)
         (ra, wa), (rb, wb) = _matrix(t, rows, K, seed=rows + 1), _matrix(t, rows, K, seed=rows + 2)
         a_dev = device_tensor(cp, "a", ra, t, (K, rows), keep)
         b_dev = device_tensor(cp, "b", rb, t, (K, rows), keep)
@@ -972,8 +969,8 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(monkeypatch):
                 _check_rows(y[:rows], wa, xn, what)
                 if kind == "ssm_in":
                     _check_rows(y[rows:], f32.astype(np.float64), xn, f"{what} F32 rows")
-        tail = _dq_tail(got["dq"].size, grid)
-        assert tail.any() and (kind == "ssm_in" or not tail.all())
+        tail = _dq_tail(got["dq"].size, grid, T, MAP == "1")
+        assert tail.any() and (kind == "ssm_in" or not tail.all() or T == 32)
         what = f"{name} [{rows}x{K}] {kind} (P {P}, grid {grid})"
         assert np.array_equal(got["dq"][~tail], got["s1"][~tail]), f"{what}: full rows differ from S = 1"
         assert np.array_equal(got["dq"][tail], got["sP"][tail]), f"{what}: tail rows differ from S = {P}"

@@ -265,6 +265,8 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 # rows are the S = 1 kernel's bit for bit, tail rows the _s<P> kernel's (32-warp builds).
 GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "0")
 GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
+GEMV_KQ_DQ_MAP = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_MAP", "")  # "1": rows b, b + B, ... per block
+GEMV_KQ_DQ_T = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_T", "")  # most tail rows per block (kernel default 32)
 
 
 def kv9_dq(kname: str) -> bool:
@@ -284,7 +286,9 @@ def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the queue build: `defines` (a wide build's) without KQ_WMAJ (the
     queue deals contiguous rows per block), plus KQ_DQ=1 and, when set, KQ_DQ_P."""
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
-            + ((f"KQ_DQ_P={GEMV_KQ_DQ_P}",) if GEMV_KQ_DQ_P else ()))
+            + ((f"KQ_DQ_P={GEMV_KQ_DQ_P}",) if GEMV_KQ_DQ_P else ())
+            + (("KQ_DQ_MAP=1",) if GEMV_KQ_DQ_MAP == "1" else ())
+            + ((f"KQ_DQ_T={GEMV_KQ_DQ_T}",) if GEMV_KQ_DQ_T else ()))
 
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:

@@ -391,6 +391,12 @@ template <int N> __device__ __forceinline__ float group_sum(float v) {
 #ifndef KQ_DQ_P
 #define KQ_DQ_P 4  // the most parts a tail row is split into (1, 2 or 4: the S-split kernels' parts)
 #endif
+#ifndef KQ_DQ_T
+#define KQ_DQ_T 32  // the most tail rows (split into parts) per block
+#endif
+#ifndef KQ_DQ_MAP
+#define KQ_DQ_MAP 0  // 0: a block's rows are a contiguous range; 1: rows b, b + B, b + 2 B, ...
+#endif
 static_assert(KQ_DQ_P == 1 || KQ_DQ_P == 2 || KQ_DQ_P == 4, "KQ_DQ_P: 1, 2 or 4");
 #if KQ_DQ
 template <class Q, int MODE, int NW>
@@ -398,32 +404,38 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                                            int K, int total_rows) {
     __shared__ float scratch[32];
     __shared__ int dq_next;                    // the next unit to hand out
-    __shared__ int dq_seen[NW];                // tail row j: parts added so far
-    __shared__ float dq_part[NW][KQ_DQ_P][2];  // tail row j, part p: (y, up)
+    __shared__ int dq_seen[KQ_DQ_T];                // tail row j: parts added so far
+    __shared__ float dq_part[KQ_DQ_T][KQ_DQ_P][2];  // tail row j, part p: (y, up)
     int4* xq = smem4;
     int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
     float* xd = (float*)(xs + K / 8);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int nsb = K >> 8, rounds = (nsb + 3) >> 2;
-    const int P = rounds >= 4 ? KQ_DQ_P : rounds >= 2 ? (KQ_DQ_P < 2 ? KQ_DQ_P : 2) : 1;
+    const int nsb = K >> 8;
+    constexpr int P = KQ_DQ_P;  // compile-time: a runtime stride slowed every row's loop (+9-20 %, session 17)
+#if KQ_DQ_MAP  // the block's k-th row is b + k B (rows dealt round-robin over the blocks)
+    const int r0 = 0, nb = (int)blockIdx.x < total_rows ? (total_rows - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+    auto grow = [&](int k) { return (int)blockIdx.x + k * (int)gridDim.x; };
+#else  // the block's k-th row is r0 + k (a contiguous range)
     const int r0 = (int)((long long)blockIdx.x * total_rows / gridDim.x);
-    const int r1 = (int)((long long)(blockIdx.x + 1) * total_rows / gridDim.x);
-    const int T = min(r1 - r0, NW), F = r1 - r0 - T, nunits = F + T * P;
-    // unit u: its row (node-global), part and parts
-    auto unit = [&](int u, int& row, int& p, int& np) {
+    const int nb = (int)((long long)(blockIdx.x + 1) * total_rows / gridDim.x) - r0;
+    auto grow = [&](int k) { return r0 + k; };
+#endif
+    const int T = min(nb, KQ_DQ_T), F = nb - T, nunits = F + T * P;
+    // unit u: its row (node-global), part and parts; j: the tail row's index
+    auto unit = [&](int u, int& row, int& p, int& np, int& j) {
         if (u < F) {
-            row = r0 + u, p = 0, np = 1;
+            row = grow(u), p = 0, np = 1, j = 0;
         } else {
-            const int j = (u - F) / P;
-            row = r0 + F + j, p = u - F - j * P, np = P;
+            j = (u - F) / P;
+            row = grow(F + j), p = u - F - j * P, np = P;
         }
     };
     if (threadIdx.x == 0) dq_next = NW;  // units 0..NW-1 are the warps' first (stage_xq's barriers publish these)
-    if (threadIdx.x < NW) dq_seen[threadIdx.x] = 0;
+    if (threadIdx.x < KQ_DQ_T) dq_seen[threadIdx.x] = 0;
     KQ_MARK(0);
     if (warp < nunits) {  // the first unit's row(s) to L2 before the PDL wait (weights are constants)
-        int row, p, np;
-        unit(warp, row, p, np);
+        int row, p, np, j;
+        unit(warp, row, p, np, j);
         const int si = MODE == 2 ? 0 : find_seg(t, row);
         prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row, t.row_bytes[si], lane, 32);
         if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, t.row_bytes[1], lane, 32);
@@ -441,22 +453,25 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         int nu = 0;  // the warp's next unit, asked for before this one's loads
         if (lane == 0) nu = atomicAdd(&dq_next, 1);
         nu = __shfl_sync(0xffffffffu, nu, 0);
-        int row, p, np;
-        unit(u, row, p, np);
-        const int j = row - r0 - F;  // tail row index (j >= 0 when np > 1)
-        const int sb0 = grp + 4 * p, st = 4 * np;
+        int row, p, np, j;
+        unit(u, row, p, np, j);
         float y, up = 0.f;
         int si = 0;
+        // a full row and a part as separate calls, each with a compile-time stride
         if constexpr (MODE == 2) {
-            const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row,
-                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, xa, w, nsb, sb0, st, i);
+            const u8 *g = (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row, *h = (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row;
+            const float2 v = np == 1 ? kq_row2<Q>(g, h, xa, w, nsb, grp, 4, i) : kq_row2<Q>(g, h, xa, w, nsb, grp + 4 * p, 4 * P, i);
             y = group_sum<32>(v.x);
             up = group_sum<32>(v.y);
         } else {
             si = find_seg(t, row);  // row: segment-local from here
             const u8* rp = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row;
-            y = group_sum<32>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, sb0, st, i)
-                                                      : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, lane + 32 * p, 32 * np));
+            if (t.s[si].type != Q::TYPE)
+                y = np == 1 ? f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, lane, 32)
+                            : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, lane + 32 * p, 32 * P);
+            else
+                y = np == 1 ? kq_row<Q>(rp, xa, w, nsb, grp, 4, i) : kq_row<Q>(rp, xa, w, nsb, grp + 4 * p, 4 * P, i);
+            y = group_sum<32>(y);
         }
         if (lane == 0) {
             if (np == 1) {
