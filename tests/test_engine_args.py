@@ -827,12 +827,13 @@ def test_max_active_clusters_falls_back_without_the_driver(monkeypatch):
 
 
 def test_dq_routing(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_DQ=1 (kernels/gemv_kq.cu KQ_DQ, a row queue per block): ops.gemv gives
-    the wide nodes whose kernel is an 8-lane one-row-per-warp one (the 27B's gate/up pairs, ssm_in
-    with its F32 rows, qkv.q4_k) the wide build without KQ_WMAJ plus KQ_DQ=1 (and KQ_DQ_P when
-    set); the _p2 wide nodes (the Q6_K head), nodes below the wide threshold, S > 1 nodes and the
-    latency A/B builds keep their builds; with the switch off nothing changes; bad values of
-    either switch are refused, also by kv9_defines before any build; results record both."""
+    """GGUF_HARNESS_GEMV_KQ_DQ (kernels/gemv_kq.cu KQ_DQ, a row queue per block): unset or "1" (the
+    default) gives the wide SwiGLU nodes whose kernel is an 8-lane one-row-per-warp one (the 27B's
+    gate/up pairs) the wide build without KQ_WMAJ plus KQ_DQ=1 (and KQ_DQ_P / _T / _MAP when set);
+    "all" also the store/add ones (ssm_in with its F32 rows, qkv.q4_k); the _p2 wide nodes (the
+    Q6_K head), nodes below the wide threshold, S > 1 nodes and the latency A/B builds keep their
+    builds; "0" changes nothing; bad values of any of the four switches are refused, also by
+    kv9_defines before any build; results record them."""
     IQ4_XS, Q4_K, Q5_K, Q6_K = 23, 12, 13, 14
     _fake_module(monkeypatch)
     monkeypatch.setattr(ops, "GEMV_IMPL", "q16")
@@ -842,38 +843,46 @@ def test_dq_routing(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "")
     monkeypatch.setattr(ops, "GEMV_KQ_P2", "q6_k")
     monkeypatch.setattr(ops, "GEMV_KQ_P2_MIN_ROWS", "2048")
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_P", "")
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_T", "")
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_MAP", "")
+    for knob in ("GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):  # unset: the defaults
+        monkeypatch.setattr(ops, knob, "")
     ptr = lambda i: 1 << 20 + i
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "1")
     wide = ops.kv9_wide_defines(ops.kv9_defines())
     want = tuple(d for d in wide if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
-    for mode, types, rows in (("swiglu", [IQ4_XS, IQ4_XS], 17408), ("store", [Q5_K, 0], 16480),
-                              ("store", [Q4_K], 12288)):
-        n = _gemv_node(mode, types, 5120, rows, ptr)
-        assert n.defines == want and n.block == (1024,) and n.kernel.name[-3:-1] != "_s", (mode, n.kernel.name, n.defines)
+    pair = ("swiglu", [IQ4_XS, IQ4_XS], 17408)
+    stores = (("store", [Q5_K, 0], 16480), ("store", [Q4_K], 12288))
+    for on in ("", "1", "all"):
+        monkeypatch.setattr(ops, "GEMV_KQ_DQ", on)
+        for mode, types, rows in (pair,) + stores:
+            n = _gemv_node(mode, types, 5120, rows, ptr)
+            queued = mode == "swiglu" or on == "all"
+            assert n.defines == (want if queued else wide), (on, mode, n.kernel.name, n.defines)
+            assert n.block == (1024,) and n.kernel.name[-3:-1] != "_s", (on, mode, n.kernel.name)
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "all")
     head = _gemv_node("store", [Q6_K], 5120, 248320, ptr)  # two rows per warp: the plain wide build
     assert head.kernel.name == "gemvkq_store_q6_k_p2" and head.defines == wide
     assert "KQ_DQ=1" not in _gemv_node("store", [Q4_K], 5120, 4096, ptr).defines  # below 8192 rows
     assert "KQ_DQ=1" not in _gemv_node("add", [Q4_K], 17408, 5120, ptr).defines  # split 4
     monkeypatch.setattr(ops, "GEMV_KQ_DQ_P", "2")
-    assert _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines == want + ("KQ_DQ_P=2",)
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ_T", "8")
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ_MAP", "0")
+    assert _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines == want + ("KQ_DQ_P=2", "KQ_DQ_T=8", "KQ_DQ_MAP=0")
+    for knob in ("GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):
+        monkeypatch.setattr(ops, knob, "")
     for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
         monkeypatch.setattr(ops, knob, "1")
-        assert "KQ_DQ=1" not in _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines, knob
+        assert "KQ_DQ=1" not in _gemv_node(*pair[:2], 5120, pair[2], ptr).defines, knob
         monkeypatch.setattr(ops, knob, "")
-    assert not ops.kv9_dq("gemvkq_store_q4_k_s2") and not ops.kv9_dq("gemvkq4_store_q4_k")
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_P", "")
-    for off in ("0", ""):
-        monkeypatch.setattr(ops, "GEMV_KQ_DQ", off)
-        assert _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines == wide
-    for knob, bad in (("GEMV_KQ_DQ", "2"), ("GEMV_KQ_DQ", "on"), ("GEMV_KQ_DQ_P", "3"), ("GEMV_KQ_DQ_P", "8")):
+    assert not ops.kv9_dq("gemvkq_swiglu_q4_k_s2") and not ops.kv9_dq("gemvkq4_swiglu_q4_k")
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "0")
+    assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == wide
+    for knob, bad in (("GEMV_KQ_DQ", "2"), ("GEMV_KQ_DQ", "on"), ("GEMV_KQ_DQ_P", "3"), ("GEMV_KQ_DQ_P", "8"),
+                      ("GEMV_KQ_DQ_T", "0"), ("GEMV_KQ_DQ_T", "33"), ("GEMV_KQ_DQ_MAP", "2")):
         monkeypatch.setattr(ops, knob, bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_" + knob):
             ops.kv9_defines()
         monkeypatch.setattr(ops, knob, "")
-    assert {"GGUF_HARNESS_GEMV_KQ_DQ", "GGUF_HARNESS_GEMV_KQ_DQ_P"} <= set(machine.ENGINE_SWITCHES)
+    assert {"GGUF_HARNESS_GEMV_KQ_DQ", "GGUF_HARNESS_GEMV_KQ_DQ_P", "GGUF_HARNESS_GEMV_KQ_DQ_T",
+            "GGUF_HARNESS_GEMV_KQ_DQ_MAP"} <= set(machine.ENGINE_SWITCHES)
 
 
 def test_gemv_routes_csplit(monkeypatch):

@@ -890,16 +890,17 @@ def _dq_tail(n_rows, grid, T, strided=False):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,P,MAP", [("8", "4", "0"), ("32", "2", "1"), ("32", "1", "0")])
+@pytest.mark.parametrize("T,P,MAP", [("", "", ""), ("8", "4", "0"), ("32", "2", "1"), ("32", "1", "0")])
 def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_DQ=1 (kernels/gemv_kq.cu KQ_DQ): a wide node's rows come from a queue
-    per block and each block's last rows are split into P parts, so every full row must equal the
+    """GGUF_HARNESS_GEMV_KQ_DQ (kernels/gemv_kq.cu KQ_DQ, default on): a wide node's rows come from a
+    queue per block and (A/B) each block's last T rows are split into P parts, so every full row must equal the
     32-warp S = 1 kernel's bit for bit and every tail row the 32-warp _s<P> kernel's (the same
     partial sums added in the same order; the same block_sum for a fused norm), also on relaunch;
-    each output also against the oracle. Cases: a normed IQ4_XS SwiGLU pair (P 4), normed Q4_K store
-    and add, an ssm_in-like normed Q5_K store with F32 rows beside in blocks of fewer rows than warps
-    (every row a tail row), Q6_K at K = 17408 (17 rounds), an IQ3_S pair at K = 2816 (3 rounds: P 2)
-    and Q8_0 at K = 512 (one round: P 1)."""
+    each output also against the oracle; the default (P 1, rows b, b + B, ... per block) and A/B
+    builds (P 4 / 2, 8 / 32 tail rows, contiguous rows). Cases: a normed IQ4_XS SwiGLU pair, normed
+    Q4_K store and add, an ssm_in-like normed Q5_K store with F32 rows beside in blocks of fewer rows
+    than warps, Q6_K at K = 17408 (17 rounds), an IQ3_S pair at K = 2816 (3 rounds: a part of 4
+    without super-blocks adds 0) and Q8_0 at K = 512 (one round)."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
@@ -910,13 +911,13 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch)
     monkeypatch.setattr(eops, "GEMV_KQ_DQ_P", P)
     monkeypatch.setattr(eops, "GEMV_KQ_DQ_T", T)
     monkeypatch.setattr(eops, "GEMV_KQ_DQ_MAP", MAP)
-    P, T = int(P), int(T)
+    P, T, MAP = int(P or 1), int(T or 32), MAP or "1"  # unset: the kernel's KQ_DQ_P 1, KQ_DQ_T 32, KQ_DQ_MAP 1
     rng = np.random.default_rng(43)
     keep = []
     cases = [("IQ4_XS", 5120, 8777, "swiglu"), ("Q4_K", 5120, 9001, "store"), ("Q4_K", 5120, 9001, "add"),
              ("Q5_K", 5120, 700, "ssm_in"), ("Q6_K", 17408, 5000, "store"), ("IQ3_S", 2816, 3001, "swiglu"),
              ("Q8_0", 512, 9001, "store")]
-    runs = {"dq": dict(GEMV_KQ_BW="", GEMV_KQ_WIDE_MIN_ROWS="0", GEMV_KQ_DQ="1"),
+    runs = {"dq": dict(GEMV_KQ_BW="", GEMV_KQ_WIDE_MIN_ROWS="0", GEMV_KQ_DQ="all"),  # store/add nodes too
             "s1": dict(GEMV_KQ_BW="32", GEMV_KQ_WIDE_MIN_ROWS="off", GEMV_KQ_DQ="0")}
     for name, K, rows, kind in cases:
         t = TYPES[name]

@@ -42,9 +42,9 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "IQ4_KREG=0")), ("gemv_kq.cu", ("KQ_P2=1"
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_WMAJ=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_TRACE=1"))]  # session 15: warp-major rows, the timeline build
 # (the wide build of ops.kv9_wide, KQ_P2=1 KQ_BLOCK_WARPS=32 KQ_WMAJ=1: test_v9_wide_build_launch_bounds)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1"))]  # session 16: the cluster-split instances alone (ops.kv9_csplit)
-# session 17: the queue build of the wide nodes (ops.kv9_dq_defines of the wide build), and its 2-part form
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1")),
-            ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_P=2"))]
+# session 17: the queue build's A/B form with parts, tail rows and contiguous rows (the default queue
+# build, ops.kv9_dq_defines of the wide build: test_v9_wide_build_launch_bounds)
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_P=4", "KQ_DQ_T=8", "KQ_DQ_MAP=0"))]
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XLANE=0"))]  # the xq_slot staging (x in lane records is the default since session 13)
 # the small-ring v10 builds (ops.tma_defines: GGUF_HARNESS_GEMV_TMA_NST / _WARPS / _MINB / _RPW)
 SOURCES += [("gemv_tma.cu", ("TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2")), ("gemv_tma.cu", ("TMA_NST=3", "TMA_WARPS=4")),
@@ -124,13 +124,18 @@ def test_v9_iq3s_swiglu_instance_alone_has_no_min_blocks():
         assert len(others) > 40 and set(others.values()) == {2}, (defines, others)
 
 
-def test_v9_wide_build_launch_bounds():
+@pytest.mark.parametrize("dq", [False, True])
+def test_v9_wide_build_launch_bounds(dq):
     """The wide build the engine runs for split-1 nodes of >= 8192 rows (ops.kv9_wide_defines of
-    the default defines) compiles; every v9 instance takes 1024 threads, with minBlocks 1 (the 16-warp
-    build's 2, halved: 64 registers either way), and the IQ3_S SwiGLU one none, as at 16 warps."""
+    the default defines), and its queue build (ops.kv9_dq_defines of that, the default for the
+    one-row 8-lane nodes since session 17), compile; every v9 instance takes 1024 threads, with
+    minBlocks 1 (the 16-warp build's 2, halved: 64 registers either way), and the IQ3_S SwiGLU one
+    none, as at 16 warps."""
     from backends.engine import ops
     lib = _nvrtc()
     defines = ops.kv9_wide_defines(("KQ_P2=1",))
+    if dq:
+        defines = tuple(d for d in defines if d != "KQ_WMAJ=1") + ("KQ_DQ=1",)
     ptx: list = []
     rc, log = compile_source(lib, "gemv_kq.cu", defines, ptx)
     assert rc == 0, log

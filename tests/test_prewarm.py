@@ -16,7 +16,8 @@ def _default_switches(monkeypatch):
     no latency A/B build, the 8-lane kernels)."""
     monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
-    for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF", "GEMV_KQ_WMAJ", "GEMV_KQ_BW"):
+    for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF", "GEMV_KQ_WMAJ", "GEMV_KQ_BW", "GEMV_KQ_DQ",
+                 "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_WIDE_MIN_ROWS"):
         monkeypatch.setattr(ops, knob, "")
 
 
@@ -33,7 +34,8 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
         if source == "gemv_kq.cu":  # the builds the engine's v9 nodes use (ops.gemv: kv9_defines() + IQ3_S grid's (),
             # and the wide build of that for the split-1 nodes of many rows)
             base = ops.kv9_defines() + ops.kv9_iq3s_defines([12])
-            assert defines in (base, ops.kv9_wide_defines(base), ops.kv9_csplit_defines(base)), defines
+            assert defines in (base, ops.kv9_wide_defines(base), ops.kv9_csplit_defines(base),
+                               ops.kv9_dq_defines(ops.kv9_wide_defines(base))), defines
         else:
             assert set(defines) <= {"GEMV_IQ4", "ACT_Q8_1", "PF_AHEAD=0", "PF_AHEAD=1"}
     gemv_defs = {d for s, d, _ in prewarm.builds() if s == "gemv.cu"}
@@ -43,6 +45,7 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
             assert ops.gemv_kernel("gemv", "store", 1, 4, types, impl)[1] in gemv_defs
     assert {s for s, _, _ in prewarm.BUILDS} >= set(module.SOURCES)
     assert sum("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds()) == 1  # on by default (session 16)
+    assert sum("KQ_DQ=1" in d for _, d, _ in prewarm.builds()) == 1  # on by default (session 17)
     # every prefetch distance ops.pf_ahead can pick other than the default has its builds
     for pf in {ops.pf_ahead(b) for b in (1, 9 << 20, 17 << 20, 1 << 40)} - {ops.PF_DEFAULT}:
         for d in ((), ("GEMV_IQ4",)):
@@ -76,11 +79,12 @@ def test_the_wide_v9_build_is_prewarmed_unless_off(monkeypatch):
     """With GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS unset (the default) both v9 builds are compiled
     ahead; with "off" only the 16-warp one (no node would take the wide build)."""
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "")  # the default, whatever the environment says
-    kq = [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu" and "KQ_CSPLIT=1" not in d]
+    kq = [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu" and "KQ_CSPLIT=1" not in d and "KQ_DQ=1" not in d]
     assert kq == [ops.kv9_defines(), ops.kv9_wide_defines(ops.kv9_defines())]
     assert "KQ_BLOCK_WARPS=32" in kq[1] and "KQ_WMAJ=1" in kq[1]
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "off")
     assert [d for s, d, _ in prewarm.builds() if s == "gemv_kq.cu" and "KQ_CSPLIT=1" not in d] == [ops.kv9_defines()]
+    # (the queue build goes with the wide nodes: test_dq_build_only_when_switched_on)
 
 
 def test_csplit_build_only_when_switched_on(monkeypatch):
@@ -105,11 +109,11 @@ def test_csplit_build_only_when_switched_on(monkeypatch):
 
 
 def test_dq_build_only_when_switched_on(monkeypatch):
-    """With GGUF_HARNESS_GEMV_KQ_DQ=1 prewarm also compiles the queue build with the defines ops.gemv
-    passes for it (kv9_dq_defines of the wide build); not with the switch off, the wide nodes off
-    or a latency A/B build set."""
+    """With GGUF_HARNESS_GEMV_KQ_DQ on (unset: the default) prewarm also compiles the queue build with
+    the defines ops.gemv passes for it (kv9_dq_defines of the wide build); not with the switch at 0,
+    the wide nodes off or a latency A/B build set."""
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "")
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "1")
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "")
     dq = [(d, n) for s, d, n in prewarm.builds() if "KQ_DQ=1" in d]
     assert dq == [(ops.kv9_dq_defines(ops.kv9_wide_defines(ops.kv9_defines())), "gemvkq_store_q4_k")]
     for knob, value in (("GEMV_KQ_DQ", "0"), ("GEMV_KQ_WIDE_MIN_ROWS", "off"), ("GEMV_KQ_PIPE", "2")):

@@ -258,37 +258,53 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     return keep + ("KQ_BLOCK_WARPS=32", "KQ_WMAJ=1")
 
 
-# KQ_DQ: the wide nodes' one-row-per-warp 8-lane kernels (gemvkq_, not _p2) take their rows from a
-# queue in shared memory, the last rows of each block split into parts (kernels/gemv_kq.cu KQ_DQ,
-# kq_dq_body; kv9_dq). "1": that build (A/B, session 17); "0" or unset: the warp-major wide build.
-# GGUF_HARNESS_GEMV_KQ_DQ_P: the most parts of a tail row (1, 2 or 4; unset: the kernel's 4). Full
-# rows are the S = 1 kernel's bit for bit, tail rows the _s<P> kernel's (32-warp builds).
-GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "0")
+# KQ_DQ: wide SwiGLU nodes whose kernel is an 8-lane one-row-per-warp one take their rows from a
+# counter in shared memory per block instead of a fixed warp-major stride (kernels/gemv_kq.cu
+# KQ_DQ, kq_dq_body; kv9_dq). Unset or "1": the SwiGLU pairs (the 27B's gate/up), the default since
+# session 17; "all": also the store/add nodes (ssm_in, qkv.q4_k); "0": off, the warp-major wide
+# build. Outputs bitwise equal to the wide build's either way. Measured (H200, session 17, one
+# machine start, 27B c = 2048): with "all" the step 6428.7 / 6430.8 / 6428.0 -> 6402.5 us (-0.4 %),
+# per node group gate/up 2268.2 -> 2209.0 us (-2.6 %) but ssm_in 1019.1 -> 1074.0 (+5.4 %) and
+# qkv.q4_k 180.6 -> 188.1 (+4 %), hence the SwiGLU pairs only (that routing's step not measured:
+# expected ~-60 us); cold back to back [10240x5120] Q4_K 12.53 -> 12.17 us, the 2x[17408x5120]
+# IQ4_XS pair 33.66 -> 32.87. Its A/B defines:
+# GGUF_HARNESS_GEMV_KQ_DQ_P (1, 2 or 4; unset: the kernel's 1): the block's last rows split into
+# that many parts, each the _s<P> kernel's part (measured slower, session 17: docs/perf-notes.md);
+# GGUF_HARNESS_GEMV_KQ_DQ_T (1..32; unset 32): the most split rows per block; GGUF_HARNESS_GEMV_KQ_DQ_MAP
+# (0 or 1; unset: the kernel's 1): 1 gives block b the rows b, b + B, ..., 0 a contiguous range
+# (with 0 the 27B's ssm_in put its 96 F32 rows into its last blocks: that node +61 %).
+GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
 GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
-GEMV_KQ_DQ_MAP = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_MAP", "")  # "1": rows b, b + B, ... per block
-GEMV_KQ_DQ_T = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_T", "")  # most tail rows per block (kernel default 32)
+GEMV_KQ_DQ_T = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_T", "")
+GEMV_KQ_DQ_MAP = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_MAP", "")
 
 
 def kv9_dq(kname: str) -> bool:
     """Whether a wide node (kv9_wide) whose v9 kernel is `kname` runs the queue build
-    (GGUF_HARNESS_GEMV_KQ_DQ=1): 8-lane kernels of one row per warp at split 1 (gemvkq_, not _p2,
-    no _s suffix) and no latency A/B build (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF: their code
-    is not in the queue loop). ValueError on a switch value other than "", 0 or 1, or a
-    GGUF_HARNESS_GEMV_KQ_DQ_P other than "", 1, 2 or 4."""
-    _switch01("GGUF_HARNESS_GEMV_KQ_DQ", GEMV_KQ_DQ)
+    (GGUF_HARNESS_GEMV_KQ_DQ): 8-lane kernels of one row per warp at split 1 (gemvkq_, not _p2, no
+    _s<S> suffix), SwiGLU ones unless the switch is "all" (off at "0"), and no latency A/B build
+    (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF: their code is not in the queue loop). ValueError on a
+    GGUF_HARNESS_GEMV_KQ_DQ other than "", 0, 1 or all, a _DQ_MAP other than "", 0 or 1, a _DQ_P
+    other than "", 1, 2 or 4, a _DQ_T other than "" or 1..32."""
+    if GEMV_KQ_DQ not in ("", "0", "1", "all"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ={GEMV_KQ_DQ!r}: expected 0, 1 or all")
+    _switch01("GGUF_HARNESS_GEMV_KQ_DQ_MAP", GEMV_KQ_DQ_MAP)
     if GEMV_KQ_DQ_P not in ("", "1", "2", "4"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_P={GEMV_KQ_DQ_P!r}: expected 1, 2 or 4")
-    return (GEMV_KQ_DQ == "1" and not (GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF)
-            and kname.startswith("gemvkq_") and "_p2" not in kname and not kname[-3:-1] == "_s")
+    if GEMV_KQ_DQ_T and not (GEMV_KQ_DQ_T.isdigit() and 1 <= int(GEMV_KQ_DQ_T) <= 32):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_T={GEMV_KQ_DQ_T!r}: expected 1..32")
+    return (GEMV_KQ_DQ != "0" and not (GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF)
+            and kname.startswith("gemvkq_") and "_p2" not in kname and not kname[-3:-1] == "_s"
+            and (GEMV_KQ_DQ == "all" or kname.startswith("gemvkq_swiglu_")))
 
 
 def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the queue build: `defines` (a wide build's) without KQ_WMAJ (the
-    queue deals contiguous rows per block), plus KQ_DQ=1 and, when set, KQ_DQ_P."""
+    queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T and
+    KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP)."""
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
-            + ((f"KQ_DQ_P={GEMV_KQ_DQ_P}",) if GEMV_KQ_DQ_P else ())
-            + (("KQ_DQ_MAP=1",) if GEMV_KQ_DQ_MAP == "1" else ())
-            + ((f"KQ_DQ_T={GEMV_KQ_DQ_T}",) if GEMV_KQ_DQ_T else ()))
+            + tuple(f"{d}={v}" for d, v in (("KQ_DQ_P", GEMV_KQ_DQ_P), ("KQ_DQ_T", GEMV_KQ_DQ_T),
+                                             ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v))
 
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:
@@ -382,7 +398,7 @@ def kv9_defines() -> tuple[str, ...]:
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
-    kv9_dq("")  # likewise GGUF_HARNESS_GEMV_KQ_DQ / _DQ_P (routing switches of the wide nodes)
+    kv9_dq("")  # likewise GGUF_HARNESS_GEMV_KQ_DQ / _DQ_P / _DQ_T / _DQ_MAP (the wide nodes' queue build)
     return tuple(out) + iq4_xil_defines()
 
 

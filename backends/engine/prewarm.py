@@ -81,7 +81,7 @@ def builds() -> list[tuple[str, tuple[str, ...], str]]:
             if ops.GEMV_KQ == "v9l8" and ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False):
                 out.append((src, ops.kv9_csplit_defines(ops.kv9_defines()), name))
         elif d is DQ:
-            if ops.kv9_wide(1 << 30, 1) and ops.kv9_dq("gemvkq_store_q4_k"):
+            if ops.kv9_wide(1 << 30, 1) and ops.kv9_dq("gemvkq_swiglu_iq4_xs"):
                 out.append((src, ops.kv9_dq_defines(ops.kv9_wide_defines(ops.kv9_defines())), name))
         else:
             out.append((src, ops.kv9_defines() if d is None else d, name))

@@ -370,34 +370,40 @@ template <int N> __device__ __forceinline__ float group_sum(float v) {
 }
 
 #ifndef KQ_DQ
-// KQ_DQ=1 (ops GGUF_HARNESS_GEMV_KQ_DQ; session 17, an A/B build of the wide nodes, 32-warp
-// blocks): the split-1 8-lane rows (one row per warp) of a block are handed out by a counter in
-// shared memory instead of a fixed grid stride, and the block's last rows are split into parts.
-// Block b takes the contiguous rows [b N / B, (b + 1) N / B); of those, the first F are "full"
-// units (a row), the last T = min(rows, warps) are P units each (P = KQ_DQ_P, fewer when a row has
-// fewer than 4 rounds of 4 super-blocks: 2 for 2-3 rounds, 1 for one). Warp w takes unit w first
-// (its row prefetched to L2 before the PDL wait, as kq_body does), then whatever the counter gives.
-// A part p of P runs the super-blocks grp + 4 p, grp + 4 p + 4 P, ... (the _s<P> kernel's part p),
-// writes its sum to shared memory and counts itself in; the row's last part adds the P sums in
-// part order and stores. So a full row is the S = 1 kernel's bit for bit and a tail row the _s<P>
-// kernel's (same block_sum for a fused norm: both 32-warp builds).
+// KQ_DQ=1 (ops GGUF_HARNESS_GEMV_KQ_DQ, the wide nodes' build since session 17; 32-warp blocks):
+// the split-1 8-lane rows (one row per warp) of a block are handed out by a counter in shared
+// memory instead of a fixed warp-major stride. Block b takes the rows b, b + B, b + 2 B, ...
+// (KQ_DQ_MAP 1; 0: the contiguous range [b N / B, (b + 1) N / B)); warp w takes the block's row w
+// first (prefetched to L2 before the PDL wait, as kq_body does), then whatever the counter gives.
+// A full row is the S = 1 kernel's bit for bit: the same call, only which warp runs it changes.
+// A/B (KQ_DQ_P > 1): the block's last min(rows, KQ_DQ_T) rows are P units each; part p runs the
+// super-blocks grp + 4 p, grp + 4 p + 4 P, ... (the _s<P> kernel's part p), writes its sum to
+// shared memory and counts itself in, and the row's last part adds the P sums in part order and
+// stores: such a row is the _s<P> kernel's bit for bit (the same block_sum for a fused norm: both
+// 32-warp builds).
 // Why (KQ_TRACE on the H200, session 15, the wide build of the 2x[17408x5120] IQ4_XS pair): all
 // warps ran until 24 us, then the active fraction fell to 0.54 at 27 us and 0.10 at 30 us, the last
 // warp ending at 32.8 us; the mean warp end was 27.1 us (per SM at most 27.8). Two causes: 4.12
-// rows per warp (about 4 warps per SM run a fifth row alone) and unequal warp speeds. A queue
-// evens the speeds; the parts cut the last rows into pieces a quarter of the size.
+// rows per warp (about 4 warps per SM run a fifth row alone) and unequal warp speeds.
+// Measured (H200, session 17, cold back to back): the queue alone (P 1) [10240x5120] Q4_K 12.53 ->
+// 12.17 us, the pair 33.66 -> 32.87, the 27B step -0.4 %. Parts were slower: +12 to +20 % at P 4
+// and 32 tail rows, +7 to +10 % at 4 tail rows, but with P a runtime value then (every row's
+// loop had a runtime stride; P is a compile-time constant since); with the constant P 4 and 8
+// tail rows the step's gate/up nodes were -0.1 % against the queue alone's -1.7 % (contiguous
+// rows, whose map put ssm_in's 96 F32 rows into its last blocks: that node +61 %).
 #define KQ_DQ 0
 #endif
 #ifndef KQ_DQ_P
-#define KQ_DQ_P 4  // the most parts a tail row is split into (1, 2 or 4: the S-split kernels' parts)
-#endif
-#ifndef KQ_DQ_T
-#define KQ_DQ_T 32  // the most tail rows (split into parts) per block
-#endif
-#ifndef KQ_DQ_MAP
-#define KQ_DQ_MAP 0  // 0: a block's rows are a contiguous range; 1: rows b, b + B, b + 2 B, ...
+#define KQ_DQ_P 1  // parts per tail row (1: none, the default; 2 or 4: the S-split kernels' parts)
 #endif
 static_assert(KQ_DQ_P == 1 || KQ_DQ_P == 2 || KQ_DQ_P == 4, "KQ_DQ_P: 1, 2 or 4");
+#ifndef KQ_DQ_T
+#define KQ_DQ_T 32  // the most tail rows (split into parts when KQ_DQ_P > 1) per block
+#endif
+static_assert(KQ_DQ_T >= 1 && KQ_DQ_T <= 32, "KQ_DQ_T: 1..32");
+#ifndef KQ_DQ_MAP
+#define KQ_DQ_MAP 1  // 1: block b's rows are b, b + B, ...; 0: a contiguous range
+#endif
 #if KQ_DQ
 template <class Q, int MODE, int NW>
 __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, const float* norm, float eps,
