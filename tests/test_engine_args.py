@@ -861,11 +861,12 @@ def test_dq_routing(monkeypatch):
     head = _gemv_node("store", [Q6_K], 5120, 248320, ptr)  # two rows per warp: the plain wide build
     assert head.kernel.name == "gemvkq_store_q6_k_p2" and head.defines == wide
     assert "KQ_DQ=1" not in _gemv_node("store", [Q4_K], 5120, 4096, ptr).defines  # below 8192 rows
-    assert "KQ_DQ=1" not in _gemv_node("add", [Q4_K], 17408, 5120, ptr).defines  # split 4
     monkeypatch.setattr(ops, "GEMV_KQ_DQ_P", "2")
     monkeypatch.setattr(ops, "GEMV_KQ_DQ_T", "8")
     monkeypatch.setattr(ops, "GEMV_KQ_DQ_MAP", "0")
     assert _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines == want + ("KQ_DQ_P=2", "KQ_DQ_T=8", "KQ_DQ_MAP=0")
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ_T", "08")  # a decimal count, not an octal C literal
+    assert "KQ_DQ_T=8" in _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines
     for knob in ("GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):
         monkeypatch.setattr(ops, knob, "")
     for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
@@ -876,7 +877,8 @@ def test_dq_routing(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_DQ", "0")
     assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == wide
     for knob, bad in (("GEMV_KQ_DQ", "2"), ("GEMV_KQ_DQ", "on"), ("GEMV_KQ_DQ_P", "3"), ("GEMV_KQ_DQ_P", "8"),
-                      ("GEMV_KQ_DQ_T", "0"), ("GEMV_KQ_DQ_T", "33"), ("GEMV_KQ_DQ_MAP", "2")):
+                      ("GEMV_KQ_DQ_T", "0"), ("GEMV_KQ_DQ_T", "33"), ("GEMV_KQ_DQ_T", "\u0668"),
+                      ("GEMV_KQ_DQ_MAP", "2")):
         monkeypatch.setattr(ops, knob, bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_" + knob):
             ops.kv9_defines()

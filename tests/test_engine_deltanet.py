@@ -425,6 +425,7 @@ def test_gdn_csplit_routing(monkeypatch):
     monkeypatch.setattr(G, "kernel", lambda name: asked.append(name) or NS(name=name))
     monkeypatch.setattr(G, "_arg", lambda t: t)
     for (Hk, Hv, S), on, want, grid in (((16, 48, 128), "1", "gdn_step_cs4_s128", 4 * 48),
+                                        ((16, 48, 128), "", "gdn_step_cs4_s128", 4 * 48),  # "": the default
                                         ((16, 48, 128), "0", "gdn_step_s128_r2", 48),
                                         ((2, 4, 64), "1", "gdn_step_s64_r2", 4)):
         monkeypatch.setattr(G, "GDN_CSPLIT", on)

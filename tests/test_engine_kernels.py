@@ -778,7 +778,8 @@ def test_wide_nodes_match_the_default(kq, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS (default 8192): split-1 nodes of that many rows run the
     wide build (1024-thread blocks, warp-major rows) and must give the 16-warp build's outputs: bit
     for bit without a norm, within the oracle rule with a fused RMSNorm (test_bw32_build_matches_
-    the_default says why); the nodes of fewer rows, or of S > 1, stay on 512-thread blocks."""
+    the_default says why); the nodes of fewer rows, or of S > 1, stay on 512-thread blocks. (The
+    wide SwiGLU nodes run the row-queue form of the wide build since session 17, also bitwise equal.)"""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":

@@ -134,7 +134,7 @@ def test_v9_wide_build_launch_bounds(dq):
     from backends.engine import ops
     lib = _nvrtc()
     defines = ops.kv9_wide_defines(("KQ_P2=1",))
-    if dq:
+    if dq:  # as ops.kv9_dq_defines makes it with its A/B switches unset
         defines = tuple(d for d in defines if d != "KQ_WMAJ=1") + ("KQ_DQ=1",)
     ptx: list = []
     rc, log = compile_source(lib, "gemv_kq.cu", defines, ptx)

@@ -42,7 +42,7 @@ F32 = 0                       # GGML type id
 # rows over the 4 blocks of a thread-block cluster, grid 4 Hv; bitwise equal to gdn_step_s128: GPU
 # test passed on the H200, session 17), the default since session 17 (H200, 27B c = 2048 graph
 # replay, one machine start: ssm_step 4.87 -> 4.54 us per layer, the step 6460.7 / 6460.1 ->
-# 6403.9 us, -0.9 %); "0": gdn_step_s<S>_r<rows> (S = 64 always takes that).
+# 6403.9 us, -0.9 %; "" as unset); "0": gdn_step_s<S>_r<rows> (S = 64 always takes that).
 GDN_CSPLIT = os.environ.get("GGUF_HARNESS_GDN_CSPLIT", "1")
 GDN_CS = 4                    # blocks per head of gdn_step_cs4_s128
 
@@ -150,7 +150,7 @@ def gdn_step(name: str, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *
     dt_bias[h]) * ssm_a[h]; q, k = l2_norm; M = e^g M; delta = beta (v - M k); M += delta k^T;
     o = M q / sqrt(S); out = o / rms(o) * norm_w * silu(z) (oracles.qwen35 _deltanet,
     llama.cpp qwen35.cpp build_layer_attn_linear, ggml ops.cpp gated_delta_net_one_chunk).
-    Grid Hv blocks of 4*S threads (GGUF_HARNESS_GDN_CSPLIT=1 and S = 128: 4 Hv, a cluster of 4
+    Grid Hv blocks of 4*S threads (GGUF_HARNESS_GDN_CSPLIT unset or 1, the default, and S = 128: 4 Hv, a cluster of 4
     blocks per head, `rows` unused). Raises ValueError on inconsistent shapes, dtypes,
     alignment, S or rows not instantiated, Hv % Hk != 0, a GGUF_HARNESS_GDN_CSPLIT other than 0
     or 1.
@@ -159,7 +159,7 @@ def gdn_step(name: str, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *
                    rows=rows)
     if GDN_CSPLIT not in ("", "0", "1"):
         raise ValueError(f"GGUF_HARNESS_GDN_CSPLIT={GDN_CSPLIT!r}: expected 0 or 1")
-    cs = GDN_CS if GDN_CSPLIT == "1" and S == 128 else 1  # GGUF_HARNESS_GDN_CSPLIT: a cluster per head
+    cs = GDN_CS if GDN_CSPLIT in ("", "1") and S == 128 else 1  # GGUF_HARNESS_GDN_CSPLIT ("": the default, on)
     k = kernel(f"gdn_step_cs{cs}_s{S}" if cs > 1 else f"gdn_step_s{S}_r{rows}")
     state_bytes = 4 * Hv * S * S
     # state read + written; q, k (per value head, L2 hits after the first), v, z, out, gates

@@ -262,17 +262,36 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 # counter in shared memory per block instead of a fixed warp-major stride (kernels/gemv_kq.cu
 # KQ_DQ, kq_dq_body; kv9_dq). Unset or "1": the SwiGLU pairs (the 27B's gate/up), the default since
 # session 17; "all": also the store/add nodes (ssm_in, qkv.q4_k); "0": off, the warp-major wide
-# build. Outputs bitwise equal to the wide build's either way. Measured (H200, session 17, one
-# machine start, 27B c = 2048): with "all" the step 6428.7 / 6430.8 / 6428.0 -> 6402.5 us (-0.4 %),
-# per node group gate/up 2268.2 -> 2209.0 us (-2.6 %) but ssm_in 1019.1 -> 1074.0 (+5.4 %) and
-# qkv.q4_k 180.6 -> 188.1 (+4 %), hence the SwiGLU pairs only (that routing's step not measured:
-# expected ~-60 us); cold back to back [10240x5120] Q4_K 12.53 -> 12.17 us, the 2x[17408x5120]
-# IQ4_XS pair 33.66 -> 32.87. Its A/B defines:
+# build. Outputs bitwise equal to the wide build's either way (with P 1). Measured (H200, session
+# 17, 27B c = 2048): with "all" the step 6428.7 / 6430.8 / 6428.0 -> 6402.5 us (-0.4 %), per node
+# group gate/up 2268.2 -> 2209.0 us (-2.6 %) but ssm_in 1019.1 -> 1074.0 (+5.4 %) and qkv.q4_k
+# 180.6 -> 188.1 (+4 %), hence the SwiGLU pairs only (that routing's step not measured: expected
+# ~-60 us); cold back to back, same machine start, [10240x5120] Q4_K 12.58 / 12.53 -> 12.17 us, the
+# 2x[17408x5120] IQ4_XS pair 33.85 / 33.58 -> 32.87. Its A/B defines:
 # GGUF_HARNESS_GEMV_KQ_DQ_P (1, 2 or 4; unset: the kernel's 1): the block's last rows split into
-# that many parts, each the _s<P> kernel's part (measured slower, session 17: docs/perf-notes.md);
-# GGUF_HARNESS_GEMV_KQ_DQ_T (1..32; unset 32): the most split rows per block; GGUF_HARNESS_GEMV_KQ_DQ_MAP
+# that many parts, each the _s<P> kernel's part, so those rows equal the _s<P> kernel's, not the
+# wide build's (measured slower, session 17: docs/perf-notes.md); GGUF_HARNESS_GEMV_KQ_DQ_T
+# (1..32; unset 32): the most split rows per block (no effect at P 1); GGUF_HARNESS_GEMV_KQ_DQ_MAP
 # (0 or 1; unset: the kernel's 1): 1 gives block b the rows b, b + B, ..., 0 a contiguous range
-# (with 0 the 27B's ssm_in put its 96 F32 rows into its last blocks: that node +61 %).
+# (with 0 the 27B's ssm_in put its 96 F32 rows into its last block: that node +61 %).
+# KQ_XPF: every v9 GEMV node's warps, once their rows are done, ask L2 for the first bytes of the
+# rows the next v9 node takes first (kernels/gemv_kq.cu xpf_tail; backends/engine/xpf.py links the
+# nodes). A number of MiB (1..64): the most bytes per next node; "" or "0": off. A/B, written in
+# session 17, not yet run on a GPU. Bitwise equal outputs (prefetches only).
+GEMV_KQ_XPF = os.environ.get("GGUF_HARNESS_GEMV_KQ_XPF", "")
+
+
+def kv9_xpf_bytes() -> int:
+    """Bytes of the next node's rows a v9 node prefetches (GGUF_HARNESS_GEMV_KQ_XPF MiB; 0 = off).
+    ValueError unless "", 0 or an integer 1..64."""
+    v = GEMV_KQ_XPF
+    if v in ("", "0"):
+        return 0
+    if not v.isdigit() or not 1 <= int(v) <= 64:
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_XPF={v!r}: expected MiB 1..64, or 0")
+    return int(v) << 20
+
+
 GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
 GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
 GEMV_KQ_DQ_T = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_T", "")
@@ -291,7 +310,7 @@ def kv9_dq(kname: str) -> bool:
     _switch01("GGUF_HARNESS_GEMV_KQ_DQ_MAP", GEMV_KQ_DQ_MAP)
     if GEMV_KQ_DQ_P not in ("", "1", "2", "4"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_P={GEMV_KQ_DQ_P!r}: expected 1, 2 or 4")
-    if GEMV_KQ_DQ_T and not (GEMV_KQ_DQ_T.isdigit() and 1 <= int(GEMV_KQ_DQ_T) <= 32):
+    if GEMV_KQ_DQ_T and not (GEMV_KQ_DQ_T.isascii() and GEMV_KQ_DQ_T.isdigit() and 1 <= int(GEMV_KQ_DQ_T) <= 32):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_T={GEMV_KQ_DQ_T!r}: expected 1..32")
     return (GEMV_KQ_DQ != "0" and not (GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF)
             and kname.startswith("gemvkq_") and "_p2" not in kname and not kname[-3:-1] == "_s"
@@ -303,8 +322,8 @@ def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T and
     KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP)."""
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
-            + tuple(f"{d}={v}" for d, v in (("KQ_DQ_P", GEMV_KQ_DQ_P), ("KQ_DQ_T", GEMV_KQ_DQ_T),
-                                             ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v))
+            + tuple(f"{d}={int(v)}" for d, v in (("KQ_DQ_P", GEMV_KQ_DQ_P), ("KQ_DQ_T", GEMV_KQ_DQ_T),
+                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v))  # int: "08" is no C literal
 
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:
@@ -352,13 +371,14 @@ def kv9_defines() -> tuple[str, ...]:
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
-    KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), then iq4_xil_defines(); unset: the
-    kernel's defaults). Raises ValueError unless each is empty or an
+    KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1, then
+    iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
     both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
     2, for a BW other than 16 or 32, for a
     WIDE_MIN_ROWS other than a row count or off, for F32_XPERM with XLANE=0 (it
-    would build the default), and as kv9_p2_types, kv9_p2_max_k and kv9_p2_min_rows."""
+    would build the default), and as kv9_p2_types, kv9_p2_max_k, kv9_p2_min_rows, kv9_dq and
+    kv9_xpf_bytes."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
                              ("GGUF_HARNESS_GEMV_KQ2_UNROLL", GEMV_KQ2_UNROLL, "KQ2_UNROLL"),
@@ -399,6 +419,8 @@ def kv9_defines() -> tuple[str, ...]:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
     kv9_dq("")  # likewise GGUF_HARNESS_GEMV_KQ_DQ / _DQ_P / _DQ_T / _DQ_MAP (the wide nodes' queue build)
+    if kv9_xpf_bytes():  # GGUF_HARNESS_GEMV_KQ_XPF: every v9 build with the next node's prefetch
+        out.append("KQ_XPF=1")
     return tuple(out) + iq4_xil_defines()
 
 
@@ -466,6 +488,10 @@ SEG_DT = np.dtype([("w", "<u8"), ("bias", "<u8"), ("out", "<u8"), ("type", "<i4"
                   align=True)
 TABLE_DT = np.dtype([("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4", (MAX_SEG,))],
                     align=True)  # struct SegTable, kernels/segs.cuh (152 bytes)
+XPF_DT = np.dtype([("w", "<u8"), ("row_bytes", "<i4"), ("rows", "<i4"), ("bytes", "<i4"), ("pad", "<i4")],
+                  align=True)  # struct XpfSeg, kernels/segs.cuh (24 bytes)
+TABLE_XPF_DT = np.dtype([("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4", (MAX_SEG,)),
+                         ("xpf", XPF_DT, (2,))], align=True)  # struct SegTable with KQ_XPF (200 bytes)
 
 
 def gemv_shape(K: int, rows: int, mode: str = "store") -> tuple[int, int]:
@@ -598,12 +624,13 @@ def seg_type(type_id: int, narrow: bool = False) -> int:
     return type_id | NARROW_BIT if narrow and type_id in KQ_WIDE_TYPES else type_id
 
 
-def seg_table_value(segs: list[Seg], narrow: bool = False):
+def seg_table_value(segs: list[Seg], narrow: bool = False, xpf: bool = False):
     """struct SegTable as a numpy structured scalar, passed by value as a kernel parameter.
-    narrow: mark Q4_K/Q5_K/Q6_K/IQ4_XS segments for the per-8 loop (seg_type)."""
+    narrow: mark Q4_K/Q5_K/Q6_K/IQ4_XS segments for the per-8 loop (seg_type). xpf: the KQ_XPF
+    build's table (TABLE_XPF_DT), its next-node fields zero (xpf.link fills them)."""
     if not 1 <= len(segs) <= MAX_SEG:
         raise ValueError(f"a GEMV node takes 1..{MAX_SEG} matrices, got {len(segs)}")
-    t = np.zeros((), TABLE_DT)
+    t = np.zeros((), TABLE_XPF_DT if xpf else TABLE_DT)
     for i, s in enumerate(segs):
         t["s"][i] = (s.w.ptr, s.bias, int(s.out.data.ptr), seg_type(s.w.type_id, narrow), s.w.rows)
         t["row_bytes"][i] = s.w.row_bytes
@@ -726,7 +753,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     module.allow_smem(k, smem)
     by_value = impl != "f32" and GEMV_ARGS == "value"
     narrow = impl != "f32" and GEMV_KQ == "narrow"
-    table = seg_table_value(segs, narrow) if by_value else seg_table(segs, narrow)
+    table = (seg_table_value(segs, narrow, xpf="KQ_XPF=1" in kdefs) if by_value
+             else seg_table(segs, narrow))
     wbytes = sum(s.w.nbytes for s in segs)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
     # one wave: at most as many blocks as can be resident; a block then walks its rows with

@@ -369,6 +369,38 @@ template <int N> __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
+#if KQ_XPF
+// KQ_XPF=1 (ops GGUF_HARNESS_GEMV_KQ_XPF=<MB>, an A/B build of every v9 kernel; session 17, written
+// before it ran): once a warp's own rows are done it asks L2 for the first t.xpf[k].bytes of
+// rows gw, gw + W, ... of the next v9 GEMV node's segments (gw: the warp's index in the grid, W:
+// the grid's warps; backends/engine/xpf.py fills the table from the node list). Why (KQ_TRACE,
+// session 15): a node's warps end over 6-9 us, during which the DRAM has fewer and fewer
+// requests; the next node's blocks cannot be resident then (a 32-warp block holds the SM's
+// registers until its last warp ends), so its first rows are fetched only when it starts. The
+// rows are those the next node's warps take first (every v9 order starts with rows 0..W'-1 of
+// its row space), their first bytes those its first rounds read. Values are unchanged (a
+// prefetch does not write).
+static_assert(sizeof(SegTable) == 200, "SegTable with KQ_XPF: 200 bytes (ops.TABLE_XPF_DT)");
+__device__ __forceinline__ void xpf_tail(const SegTable& t) {
+    const int lane = threadIdx.x & 31;
+    const int W = (int)gridDim.x * (int)(blockDim.x >> 5), gw = (int)blockIdx.x * (int)(blockDim.x >> 5) + (int)(threadIdx.x >> 5);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const XpfSeg& s = t.xpf[k];
+        if (!s.w) continue;
+        for (int r = gw; r < s.rows; r += W) {
+            const u8* a = (const u8*)(s.w + (u64)s.row_bytes * (u64)r);
+            const u8* end = a + s.bytes;
+            for (const u8* l = (const u8*)((size_t)a & ~(size_t)127) + 128 * lane; l < end; l += 128 * 32)
+                prefetch_l2(l);
+        }
+    }
+}
+#define KQ_XPF_TAIL(t) xpf_tail(t)
+#else
+#define KQ_XPF_TAIL(t)
+#endif
+
 #ifndef KQ_DQ
 // KQ_DQ=1 (ops GGUF_HARNESS_GEMV_KQ_DQ, the wide nodes' build since session 17; 32-warp blocks):
 // the split-1 8-lane rows (one row per warp) of a block are handed out by a counter in shared
@@ -385,12 +417,14 @@ template <int N> __device__ __forceinline__ float group_sum(float v) {
 // warps ran until 24 us, then the active fraction fell to 0.54 at 27 us and 0.10 at 30 us, the last
 // warp ending at 32.8 us; the mean warp end was 27.1 us (per SM at most 27.8). Two causes: 4.12
 // rows per warp (about 4 warps per SM run a fifth row alone) and unequal warp speeds.
-// Measured (H200, session 17, cold back to back): the queue alone (P 1) [10240x5120] Q4_K 12.53 ->
-// 12.17 us, the pair 33.66 -> 32.87, the 27B step -0.4 %. Parts were slower: +12 to +20 % at P 4
-// and 32 tail rows, +7 to +10 % at 4 tail rows, but with P a runtime value then (every row's
-// loop had a runtime stride; P is a compile-time constant since); with the constant P 4 and 8
-// tail rows the step's gate/up nodes were -0.1 % against the queue alone's -1.7 % (contiguous
-// rows, whose map put ssm_in's 96 F32 rows into its last blocks: that node +61 %).
+// Measured (H200, session 17, cold back to back, same machine start): the queue alone (P 1)
+// [10240x5120] Q4_K 12.58 / 12.53 -> 12.17 us, the IQ4_XS pair 33.85 / 33.58 -> 32.87, the 27B
+// step -0.4 %. Parts were slower on the memory-bound rows: +12 to +20 % at P 4 and 32 tail rows,
+// +7 to +10 % at 4 tail rows (the compute-bound IQ3_S pair +0.7 % at P 4, -1.7 % at P 2), but
+// with P a runtime value then (every row's loop had a runtime stride; P is a compile-time
+// constant since); with the constant P 4 and 8 tail rows the step's gate/up nodes were -0.1 %
+// against the queue alone's -1.7 % (contiguous rows, whose map put ssm_in's 96 F32 rows into
+// its last block: that node +61 %).
 #define KQ_DQ 0
 #endif
 #ifndef KQ_DQ_P
@@ -500,6 +534,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         }
         u = nu;
     }
+    KQ_XPF_TAIL(t);
     KQ_MARK(3);
 }
 #endif
@@ -670,6 +705,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
         }
     }
+    KQ_XPF_TAIL(t);
     KQ_MARK(3);
 }
 
