@@ -978,6 +978,75 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch)
         assert np.array_equal(got["dq"][tail], got["sP"][tail]), f"{what}: tail rows differ from S = {P}"
 
 
+@pytest.mark.gpu
+def test_xpf_build_is_bitwise_equal_to_the_default(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_XPF (kernels/gemv_kq.cu KQ_XPF, backends/engine/xpf.py) only adds L2
+    prefetches of the next node's rows, so a chain of v9 nodes linked by xpf.link must give the
+    outputs of the build without it bit for bit, also when run again; each output also against
+    the oracle. The chain covers the routes of the 27B step: a normed wide store (warp-major), a
+    normed SwiGLU pair (the row queue), a cluster-split add, an S-split Q6_K store and a Q6_K
+    store through P2; with XPF on every node but the last must have been given a target."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops, xpf
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("q16 kernels")
+    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
+    for knob in ("GEMV_KQ_SPLIT", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_P2", "GEMV_KQ_P2_MIN_ROWS", "GEMV_KQ_CSPLIT",
+                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_BW", "GEMV_KQ_WMAJ"):
+        monkeypatch.setattr(eops, knob, {"GEMV_KQ_SPLIT": "auto", "GEMV_KQ_P2": "q6_k", "GEMV_KQ_P2_MIN_ROWS": "2048",
+                                         "GEMV_KQ_CSPLIT": "2"}.get(knob, ""))
+    rng = np.random.default_rng(47)
+    keep = []
+    K = 5120
+    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
+    x = (rng.normal(size=K) * 0.7).astype(np.float32)
+    xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
+    x6 = (rng.normal(size=6144) * 0.7).astype(np.float32)
+    mats = {}
+    for key, (name, rows, k) in {"q4": ("Q4_K", 9001, K), "g": ("IQ4_XS", 8777, K), "u": ("IQ4_XS", 8777, K),
+                                 "q5": ("Q5_K", 5120, 6144), "q6s": ("Q6_K", 1024, K), "q6p": ("Q6_K", 4096, K)}.items():
+        raw, w = _matrix(TYPES[name], rows, k, seed=rows + len(key))
+        mats[key] = (device_tensor(cp, key, raw, TYPES[name], (k, rows), keep), w)
+    base = rng.normal(size=5120).astype(np.float32)
+    got, kernels = {}, {}
+    for on in ("", "8"):
+        monkeypatch.setattr(eops, "GEMV_KQ_XPF", on)
+        outs = {"q4": nan_poisoned(cp, 9001), "g": nan_poisoned(cp, 8777), "q5": cp.asarray(base),
+                "q6s": nan_poisoned(cp, 1024), "q6p": nan_poisoned(cp, 4096)}
+        S = eops.Seg
+        nodes = [eops.gemv("s", "store", [S(mats["q4"][0], outs["q4"])], cp.asarray(x), K, nw_dev, 1e-6),
+                 eops.gemv("f", "swiglu", [S(mats["g"][0], outs["g"]), S(mats["u"][0], outs["g"])], cp.asarray(x), K,
+                           nw_dev, 1e-6),
+                 eops.gemv("o", "add", [S(mats["q5"][0], outs["q5"])], cp.asarray(x6), 6144),
+                 eops.gemv("q6", "store", [S(mats["q6s"][0], outs["q6s"])], cp.asarray(x), K),
+                 eops.gemv("p2", "store", [S(mats["q6p"][0], outs["q6p"])], cp.asarray(x), K)]
+        kernels[on] = [n.kernel.name for n in nodes]
+        assert all(("KQ_XPF=1" in n.defines) == (on == "8") for n in nodes), [n.defines for n in nodes]
+        if on:
+            assert xpf.link(nodes) == len(nodes) - 1
+            assert all(int(n.args[0]["xpf"][0]["w"]) != 0 for n in nodes[:-1])
+            assert int(nodes[-1].args[0]["xpf"][0]["w"]) == 0
+        for n in nodes:
+            n.launch()
+        got[on] = {k: v.get() for k, v in outs.items()}
+        for n in nodes[:2] + nodes[3:]:  # again (not the add: it accumulates)
+            n.launch()
+        for k in ("q4", "g", "q6s", "q6p"):
+            assert np.array_equal(got[on][k], outs[k].get()), f"XPF={on!r} {k}: changed on relaunch"
+        what = f"XPF={on!r}"
+        _check_rows(got[on]["q4"].astype(np.float64), mats["q4"][1], xn, f"{what} normed wide store")
+        v = gemv_check.check_swiglu(got[on]["g"].astype(np.float64), mats["g"][1], mats["u"][1], xn, impl=eops.GEMV_IMPL)
+        assert v["ok"], f"{what} swiglu: {v}"
+        _check_rows(got[on]["q5"].astype(np.float64) - base, mats["q5"][1], x6, f"{what} cluster add")
+        _check_rows(got[on]["q6s"].astype(np.float64), mats["q6s"][1], x, f"{what} S-split store")
+        _check_rows(got[on]["q6p"].astype(np.float64), mats["q6p"][1], x, f"{what} P2 store")
+    assert kernels[""] == kernels["8"]  # the same routes, only the build differs
+    assert any(k.endswith("_c2") for k in kernels["8"]) and any(k.endswith("_s2") for k in kernels["8"])
+    for k in got[""]:
+        assert np.array_equal(got[""][k], got["8"][k]), f"{k}: XPF changed the output"
+
+
 def _build_is_bitwise_equal(knob, values, define, define_when, cases, monkeypatch, kq="v9l8", relaunch=1,
                             normed=True):
     """Outputs of v9 nodes under ops.<knob> = values[0] and values[1] (ops.kv9_defines holds

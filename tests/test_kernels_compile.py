@@ -45,6 +45,9 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1"))]  # session 16: the clust
 # session 17: the queue build's A/B form with parts, tail rows and contiguous rows (the default queue
 # build, ops.kv9_dq_defines of the wide build: test_v9_wide_build_launch_bounds)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_P=4", "KQ_DQ_T=8", "KQ_DQ_MAP=0"))]
+# session 17: the next node's prefetch (ops GGUF_HARNESS_GEMV_KQ_XPF; its static_assert holds the
+# table to ops.TABLE_XPF_DT's 200 bytes), in the default and the queue build
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XPF=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_XPF=1"))]
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XLANE=0"))]  # the xq_slot staging (x in lane records is the default since session 13)
 # the small-ring v10 builds (ops.tma_defines: GGUF_HARNESS_GEMV_TMA_NST / _WARPS / _MINB / _RPW)
 SOURCES += [("gemv_tma.cu", ("TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2")), ("gemv_tma.cu", ("TMA_NST=3", "TMA_WARPS=4")),

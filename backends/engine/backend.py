@@ -20,6 +20,7 @@ from harness.gguf_file import open_gguf
 from ..base import CAP_GRAPH, CAP_MEMORY, CAP_NODES, CAP_TIMINGS
 from .executor import Executor
 from . import ops as _ops
+from . import xpf
 from .formats import check_type
 
 
@@ -65,6 +66,7 @@ class EngineBackend:
         try:
             self.bufs = arch.Buffers.allocate(p, n_vocab, cfg.n_ctx)
             body, head = arch.build(self.arena, self.bufs, p, cfg.n_ctx)
+            xpf.link(body + head)  # GGUF_HARNESS_GEMV_KQ_XPF: each v9 GEMV learns the next one's rows
         except BaseException:  # not loaded, so close() frees nothing: free the arena here
             self.arena.close()
             raise

@@ -14,9 +14,30 @@ struct Seg {              // 32 bytes, mirrored by backends/engine/ops.py SEG_DT
     int rows;
 };
 
-// 152 bytes, mirrored by backends/engine/ops.py TABLE_DT: a kernel parameter (v4) or, for the
-// pointer convention of v1-v3, in device memory (one per node, written once at build time).
-struct SegTable { Seg s[MAX_SEG]; int n; int row_bytes[MAX_SEG]; };
+#ifndef KQ_XPF
+#define KQ_XPF 0
+#endif
+// KQ_XPF (gemv_kq.cu's A/B build, ops GGUF_HARNESS_GEMV_KQ_XPF): the next v9 GEMV node's rows whose
+// first bytes this node's warps ask L2 for once their own rows are done (gemv_kq.cu xpf_tail).
+struct XpfSeg {           // 24 bytes, mirrored by backends/engine/ops.py XPF_DT
+    u64 w;                // the next node's weight rows of one segment, 0: none
+    int row_bytes;
+    int rows;             // rows 0..rows-1 of that segment
+    int bytes;            // the first `bytes` of each
+    int pad;
+};
+
+// 152 bytes (200 with KQ_XPF), mirrored by backends/engine/ops.py TABLE_DT (TABLE_XPF_DT): a
+// kernel parameter (v4) or, for the pointer convention of v1-v3, in device memory (one per
+// node, written once at build time).
+struct SegTable {
+    Seg s[MAX_SEG];
+    int n;
+    int row_bytes[MAX_SEG];
+#if KQ_XPF
+    XpfSeg xpf[2];
+#endif
+};
 
 // GEMV epilogue shared by gemv.cu and gemv_f32.cu. The WPR warps of a row meet in shared
 // memory (p0, p1: one float per warp of the block, for the row sum and the up sum); the
