@@ -887,6 +887,71 @@ def test_dq_routing(monkeypatch):
             "GGUF_HARNESS_GEMV_KQ_DQ_MAP"} <= set(machine.ENGINE_SWITCHES)
 
 
+def test_conv_fusion_routing(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_CONV=1 (kernels/gemv_kq.cu KQ_CONV): every v9 build gets the conv fields
+    (KQ_CONV=1 in kv9_defines, tables of ops.table_dtype(conv=True)); a store node given `conv`
+    (qwen35's ssm_in) carries the conv state, taps and output addresses and C in its table, and its
+    bytes grow by the conv's; a conv whose C is not segment 0's rows, or whose arrays are wrong, is
+    refused; `conv` on a node of another mode, or with the switch off, changes nothing; a bad switch
+    value is refused before a build; results record it."""
+    from backends.engine.arena import DeviceTensor
+    from backends.engine.formats import FORMATS
+    Q5_K, F32 = 13, 0
+    _fake_module(monkeypatch)
+    for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"),
+                    ("GEMV_KQ_WIDE_MIN_ROWS", ""), ("GEMV_KQ_XPF", "")):
+        monkeypatch.setattr(ops, knob, v)
+    K, C = 512, 640
+    rb = K // FORMATS[Q5_K].block_size * FORMATS[Q5_K].type_size
+    qkv_w = DeviceTensor("qkv", 1 << 24, Q5_K, (K, C), rb, rb * C)
+    f32_w = DeviceTensor("beta", 1 << 25, F32, (K, 4), 4 * K, 16 * K)
+    taps = DeviceTensor("ssm_conv1d.weight", 1 << 26, F32, (4, C), 16, 16 * C)
+
+    def arr(n, ptr):  # a cupy-like float32 array at device address ptr
+        return NS(dtype=np.float32, size=n, shape=(n,), flags={"C_CONTIGUOUS": True}, data=NS(ptr=ptr))
+    qkv, state, y = arr(C, 0x10000), arr(3 * C, 0x20000), arr(C, 0x30000)
+    segs = [ops.Seg(qkv_w, qkv), ops.Seg(f32_w, arr(4, 0x40000))]
+    conv = (state, taps, y, C)
+    monkeypatch.setattr(ops, "GEMV_KQ_CONV", "0")
+    plain = ops.gemv("ssm_in", "store", segs, NS(), K, conv=conv)
+    assert "KQ_CONV=1" not in plain.defines and "conv" not in plain.args[0].dtype.names
+    monkeypatch.setattr(ops, "GEMV_KQ_CONV", "1")
+    assert "KQ_CONV=1" in ops.kv9_defines()
+    n = ops.gemv("ssm_in", "store", segs, NS(), K, conv=conv)
+    assert "KQ_CONV=1" in n.defines and n.args[0].dtype == ops.table_dtype(conv=True)
+    assert tuple(int(v) for v in n.args[0]["conv"]) == (0x20000, 1 << 26, 0x30000, C, 0)
+    assert n.bytes - plain.bytes == 4 * C * (6 + 4 + 1)  # state read + write, taps, y
+    other = ops.gemv("plain", "store", segs, NS(), K)  # the same build, no conv given: fields zero
+    assert "KQ_CONV=1" in other.defines and int(other.args[0]["conv"]["state"]) == 0
+    with pytest.raises(ValueError, match="channels"):
+        ops.gemv("ssm_in", "store", segs, NS(), K, conv=(state, taps, y, C - 1))
+    with pytest.raises(ValueError, match="conv state"):
+        ops.gemv("ssm_in", "store", segs, NS(), K, conv=(arr(2 * C, 0x20000), taps, y, C))
+    add = ops.gemv("o", "add", [ops.Seg(qkv_w, qkv)], NS(), K, conv=conv)  # not a store: ignored
+    assert int(add.args[0]["conv"]["state"]) == 0
+    for bad in ("2", "on"):
+        monkeypatch.setattr(ops, "GEMV_KQ_CONV", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_CONV"):
+            ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_CONV" in machine.ENGINE_SWITCHES
+
+
+def test_table_dtypes_match_the_kernel_struct():
+    """ops.table_dtype mirrors struct SegTable of kernels/segs.cuh in each build: 152 bytes, the
+    two XpfSeg records (24 bytes each) at 152 with KQ_XPF, the ConvArgs record (32 bytes) after
+    them (at 152 or 200) with KQ_CONV; gemv_kq.cu's static_asserts hold the C side to the same
+    sizes (its NVRTC compiles in tests/test_kernels_compile.py)."""
+    want = {(False, False): (152, None, None), (True, False): (200, 152, None),
+            (False, True): (184, None, 152), (True, True): (232, 152, 200)}
+    for (x, c), (size, xoff, coff) in want.items():
+        dt = ops.table_dtype(x, c)
+        assert dt.itemsize == size, (x, c)
+        assert (dt.fields["xpf"][1] if x else None) == xoff and (dt.fields["conv"][1] if c else None) == coff
+    assert ops.CONV_DT.itemsize == 32 and ops.table_dtype() == ops.TABLE_DT
+    src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
+    assert "sizeof(SegTable) == 200 + 32 * KQ_CONV" in src and "sizeof(SegTable) == 152 + 48 * KQ_XPF + 32" in src
+
+
 def test_gemv_routes_csplit(monkeypatch):
     """ops.gemv with GGUF_HARNESS_GEMV_KQ_CSPLIT on (2, the default; 1): a v9 store/add node of split
     2 or 4 of a KV9_CSPLIT_TYPES type without a norm runs the _c kernel of the cluster-split build

@@ -1047,6 +1047,66 @@ def test_xpf_build_is_bitwise_equal_to_the_default(monkeypatch):
         assert np.array_equal(got[""][k], got["8"][k]), f"{k}: XPF changed the output"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("wide", [False, True])
+def test_fused_conv_is_bitwise_equal_to_the_conv_node(wide, monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_CONV=1 (kernels/gemv_kq.cu KQ_CONV): an ssm_in-like store node (Q5_K
+    qkv rows, Q5_K gate rows, F32 beta / alpha rows, fused RMSNorm) given its layer's conv runs
+    deltanet.cu's conv on each qkv row it stores, so over 5 tokens its qkv, conv output y and conv
+    state must equal those of the node without the conv followed by deltanet_ops.conv_step, bit for
+    bit; y also against the float64 conv of the stored qkv (oracles.deltanet.causal_conv1d, silu).
+    wide: 12288 qkv rows (the wide 32-warp build) or 640 (the 16-warp build)."""
+    cp = cupy_or_skip()
+    from backends.engine import deltanet_ops
+    from backends.engine import ops as eops
+    from oracles import deltanet
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("q16 kernels")
+    for knob, v in (("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_WIDE_MIN_ROWS", ""),
+                    ("GEMV_KQ_XPF", "")):
+        monkeypatch.setattr(eops, knob, v)
+    rng = np.random.default_rng(53)
+    keep = []
+    K, C, Z, H = 1024, (12288 if wide else 640), 256, 4
+    (rq, wq), (rz, wz) = _matrix(TYPES["Q5_K"], C, K, seed=C), _matrix(TYPES["Q5_K"], Z, K, seed=Z)
+    q_dev = device_tensor(cp, "qkv", rq, TYPES["Q5_K"], (K, C), keep)
+    z_dev = device_tensor(cp, "z", rz, TYPES["Q5_K"], (K, Z), keep)
+    fb = (rng.normal(size=(2 * H, K)) * 0.05).astype(np.float32)
+    b_dev = device_tensor(cp, "beta", fb[:H].view(np.uint8), 0, (K, H), keep)
+    a_dev = device_tensor(cp, "alpha", fb[H:].view(np.uint8), 0, (K, H), keep)
+    taps = (rng.normal(size=(C, 4)) * 0.5).astype(np.float32)
+    t_dev = device_tensor(cp, "ssm_conv1d.weight", taps.view(np.uint8).reshape(1, -1), 0, (4, C), keep)
+    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
+    xs = [(rng.normal(size=K) * 0.7).astype(np.float32) for _ in range(5)]
+    got = {}
+    for on in ("0", "1"):
+        monkeypatch.setattr(eops, "GEMV_KQ_CONV", on)
+        qkv, z, beta, alpha = (cp.zeros(n, dtype=cp.float32) for n in (C, Z, H, H))
+        y, state = nan_poisoned(cp, C), cp.full((3, C), 0.25, dtype=cp.float32)
+        x = cp.zeros(K, dtype=cp.float32)
+        segs = [eops.Seg(q_dev, qkv), eops.Seg(z_dev, z), eops.Seg(b_dev, beta), eops.Seg(a_dev, alpha)]
+        node = eops.gemv("ssm_in", "store", segs, x, K, nw_dev, 1e-6, conv=(state, t_dev, y, C))
+        assert ("KQ_CONV=1" in node.defines) == (on == "1") and (node.block == (1024,)) == wide, node.defines
+        nodes = [node] if on == "1" else [node, deltanet_ops.conv_step("conv", qkv, state, t_dev, y, C=C, K=4)]
+        host_state = np.full((3, C), 0.25)
+        got[on] = []
+        for i, xv in enumerate(xs):
+            x.set(xv)
+            for n in nodes:
+                n.launch()
+            q, yy, st = qkv.get(), y.get(), state.get()
+            got[on].append((q, yy, st))
+            ref, host_state = deltanet.causal_conv1d(q[None].astype(np.float64), host_state, taps.astype(np.float64))
+            ref = ops.silu(ref[0])
+            np.testing.assert_allclose(yy, ref, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(ref).max()),
+                                       err_msg=f"CONV={on} token {i}: y against the float64 conv")
+            assert np.array_equal(st, host_state.astype(np.float32)), f"CONV={on} token {i}: conv state"
+    for i, (a, b) in enumerate(zip(got["0"], got["1"])):
+        for what, u, v in zip(("qkv", "y", "conv state"), a, b):
+            assert np.array_equal(u, v), f"token {i}: {what} differs with the fused conv"
+
+
 def _build_is_bitwise_equal(knob, values, define, define_when, cases, monkeypatch, kq="v9l8", relaunch=1,
                             normed=True):
     """Outputs of v9 nodes under ops.<knob> = values[0] and values[1] (ops.kv9_defines holds

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import module
 from .arena import DeviceTensor
+from .argcheck import device_ptr
 from .executor import Node
 from .formats import ENGINE_TYPES, FORMATS, check_type
 from .gemv_mma import gemv_mma
@@ -292,6 +293,12 @@ def kv9_xpf_bytes() -> int:
     return int(v) << 20
 
 
+# KQ_CONV: qwen35's ssm_in node also runs its layer's causal conv (kernels/gemv_kq.cu KQ_CONV), so
+# the conv node goes (qwen35._deltanet). "1": on (A/B, written in session 17, not yet run on a
+# GPU); "0" or unset: off. Bitwise equal outputs and states.
+GEMV_KQ_CONV = os.environ.get("GGUF_HARNESS_GEMV_KQ_CONV", "0")
+
+
 GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
 GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
 GEMV_KQ_DQ_T = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_T", "")
@@ -371,7 +378,8 @@ def kv9_defines() -> tuple[str, ...]:
     -> KQ2_UNROLL, GEMV_KQ_MINB -> KQ_MINB, GEMV_KQ_MINB_IQ3S -> KQ_MINB_IQ3S, GEMV_KQ_PF -> KQ_PF,
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
-    KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1, then
+    KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1,
+    GEMV_KQ_CONV=1 -> KQ_CONV=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
     both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
@@ -421,6 +429,9 @@ def kv9_defines() -> tuple[str, ...]:
     kv9_dq("")  # likewise GGUF_HARNESS_GEMV_KQ_DQ / _DQ_P / _DQ_T / _DQ_MAP (the wide nodes' queue build)
     if kv9_xpf_bytes():  # GGUF_HARNESS_GEMV_KQ_XPF: every v9 build with the next node's prefetch
         out.append("KQ_XPF=1")
+    _switch01("GGUF_HARNESS_GEMV_KQ_CONV", GEMV_KQ_CONV)
+    if GEMV_KQ_CONV == "1":  # every v9 build with the conv fields (only ssm_in nodes set them)
+        out.append("KQ_CONV=1")
     return tuple(out) + iq4_xil_defines()
 
 
@@ -492,6 +503,18 @@ XPF_DT = np.dtype([("w", "<u8"), ("row_bytes", "<i4"), ("rows", "<i4"), ("bytes"
                   align=True)  # struct XpfSeg, kernels/segs.cuh (24 bytes)
 TABLE_XPF_DT = np.dtype([("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4", (MAX_SEG,)),
                          ("xpf", XPF_DT, (2,))], align=True)  # struct SegTable with KQ_XPF (200 bytes)
+CONV_DT = np.dtype([("state", "<u8"), ("w", "<u8"), ("y", "<u8"), ("C", "<i4"), ("pad", "<i4")],
+                   align=True)  # struct ConvArgs, kernels/segs.cuh (32 bytes)
+
+
+def table_dtype(xpf: bool = False, conv: bool = False) -> np.dtype:
+    """struct SegTable of a gemv_kq.cu build (kernels/segs.cuh): TABLE_DT, then the KQ_XPF records
+    (2 x XPF_DT) and the KQ_CONV record (CONV_DT) when the build has them: 152, 200, 184 or 232
+    bytes (the kernel's static_asserts hold the C side to these)."""
+    fields = [("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4", (MAX_SEG,))]
+    fields += [("xpf", XPF_DT, (2,))] if xpf else []
+    fields += [("conv", CONV_DT)] if conv else []
+    return np.dtype(fields, align=True)
 
 
 def gemv_shape(K: int, rows: int, mode: str = "store") -> tuple[int, int]:
@@ -624,13 +647,23 @@ def seg_type(type_id: int, narrow: bool = False) -> int:
     return type_id | NARROW_BIT if narrow and type_id in KQ_WIDE_TYPES else type_id
 
 
-def seg_table_value(segs: list[Seg], narrow: bool = False, xpf: bool = False):
+def deltanet_conv_check(x, conv_state, w, y, C: int) -> None:
+    """A fused conv's arguments as deltanet_ops.conv_step checks them (K = 4); ValueError."""
+    from . import deltanet_ops
+    deltanet_ops.check_conv_step(x, conv_state, w, y, C=C, K=4)
+
+
+def seg_table_value(segs: list[Seg], narrow: bool = False, xpf: bool = False, conv: bool = False,
+                    conv_args: tuple[int, int, int, int] | None = None):
     """struct SegTable as a numpy structured scalar, passed by value as a kernel parameter.
-    narrow: mark Q4_K/Q5_K/Q6_K/IQ4_XS segments for the per-8 loop (seg_type). xpf: the KQ_XPF
-    build's table (TABLE_XPF_DT), its next-node fields zero (xpf.link fills them)."""
+    narrow: mark Q4_K/Q5_K/Q6_K/IQ4_XS segments for the per-8 loop (seg_type). xpf / conv: the
+    table of a KQ_XPF / KQ_CONV build (table_dtype), the next-node fields zero (xpf.link fills
+    them); conv_args: (state, taps, y addresses, C) of a fused conv (zero: none)."""
     if not 1 <= len(segs) <= MAX_SEG:
         raise ValueError(f"a GEMV node takes 1..{MAX_SEG} matrices, got {len(segs)}")
-    t = np.zeros((), TABLE_XPF_DT if xpf else TABLE_DT)
+    t = np.zeros((), table_dtype(xpf, conv))
+    if conv and conv_args:
+        t["conv"] = tuple(conv_args) + (0,)
     for i, s in enumerate(segs):
         t["s"][i] = (s.w.ptr, s.bias, int(s.out.data.ptr), seg_type(s.w.type_id, narrow), s.w.rows)
         t["row_bytes"][i] = s.w.row_bytes
@@ -655,8 +688,13 @@ def gemv_kernel(prefix: str, mode: str, wpr: int, nw: int, type_ids, impl: str =
 
 
 def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | None = None,
-         eps: float = 0.0, wpr: int | None = None, nw: int | None = None) -> Node:
+         eps: float = 0.0, wpr: int | None = None, nw: int | None = None, conv=None) -> Node:
     """y = W x for every segment (mode "store" | "add" | "swiglu", see kernels/gemv.cu).
+
+    conv: (conv_state float32 [3, C], ssm_conv1d.weight [C, 4], y float32 [C], C) of a qwen35
+    DeltaNet layer whose ssm_in this is: with GGUF_HARNESS_GEMV_KQ_CONV=1 and a v9 store node the
+    kernel also runs the causal conv of segment 0's rows (kernels/gemv_kq.cu KQ_CONV; the node's
+    defines then hold KQ_CONV=1 and the caller drops its conv node); otherwise ignored.
 
     x: cupy float32 [K]; every segment's weights must have ne[0] == K. norm: F32 [K] weight
     of an RMSNorm applied to x first. wpr / nw: warps per row / per block (q16 only; default
@@ -753,14 +791,25 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     module.allow_smem(k, smem)
     by_value = impl != "f32" and GEMV_ARGS == "value"
     narrow = impl != "f32" and GEMV_KQ == "narrow"
-    table = (seg_table_value(segs, narrow, xpf="KQ_XPF=1" in kdefs) if by_value
-             else seg_table(segs, narrow))
+    fused = conv is not None and "KQ_CONV=1" in kdefs and mode == "store"  # ssm_in with its conv
+    if fused:
+        conv_state, conv_w, conv_y, conv_c = conv
+        if conv_c != segs[0].w.rows:
+            raise ValueError(f"{name}: the conv's {conv_c} channels are not segment 0's {segs[0].w.rows} rows")
+        deltanet_conv_check(segs[0].out, conv_state, conv_w, conv_y, conv_c)
+    fused = fused and by_value
+    table = (seg_table_value(segs, narrow, xpf="KQ_XPF=1" in kdefs, conv="KQ_CONV=1" in kdefs,
+                             conv_args=(device_ptr(conv_state) or 0, device_ptr(conv_w) or 0, device_ptr(conv_y) or 0,
+                                        conv_c) if fused else None)
+             if by_value else seg_table(segs, narrow))
     wbytes = sum(s.w.nbytes for s in segs)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
     # one wave: at most as many blocks as can be resident; a block then walks its rows with
     # a grid-stride loop that prefetches the next iteration's rows (kernels/gemv.cu)
     rows_per_block = (nw // wpr) * v9_rows
     grid = cs_grid or min(math.ceil(rows / rows_per_block), module.blocks_per_sm(k, nw * 32, smem) * module.sm_count())
+    if fused:  # the conv's state read + write, taps and y (deltanet_ops.conv_step's bytes less x)
+        act += 4 * conv_c * (2 * 3 + 4 + 1)
     return Node(name, "gemv", k, (grid,), (nw * 32,),
                 (table, x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
                  np.int32(rows)), smem=smem, bytes=wbytes + act,

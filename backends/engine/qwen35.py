@@ -16,7 +16,8 @@ float64 reference oracles/qwen35.py, whose module doc lists the graph with llama
             x += Wd . h
     logits = Wout . rmsnorm(x)*output_norm (Wout = token_embd when the file has no output.weight)
     next token = argmax(logits) on the device; position + 1.
-4 nodes per DeltaNet layer + 2 FFN, 3 per attention layer + 2 FFN, + 4 (embed, head, argmax,
+4 nodes per DeltaNet layer + 2 FFN (3 + 2 with GGUF_HARNESS_GEMV_KQ_CONV=1: the conv inside the
+ssm_in GEMV), 3 per attention layer + 2 FFN, + 4 (embed, head, argmax,
 finish). MTP blocks (n_nextn, after n_layer) are not loaded. The recurrent states (conv
 [Lr, K-1, C], delta rule [Lr, Hv, S, S], float32) are updated in place by their nodes, so the
 step graph replays unchanged; Buffers.clear_recurrent zeroes them (load and reset).
@@ -172,10 +173,16 @@ def _deltanet(il: int, r: int, p: Qwen35Params, a: Arena, b: Buffers) -> list[No
     hk, hv, s, C = p.ssm_n_group, p.ssm_dt_rank, p.ssm_d_state, p.conv_dim
     proj = [ops.Seg(t("attn_qkv.weight"), b.qkv), ops.Seg(t("attn_gate.weight"), b.z),
             ops.Seg(t("ssm_beta.weight"), b.beta), ops.Seg(t("ssm_alpha.weight"), b.alpha)]
-    return [
-        ops.gemv(pre + "ssm_in", "store", proj, b.x, p.n_embd, t("attn_norm.weight"), p.eps),
+    # GGUF_HARNESS_GEMV_KQ_CONV=1: ssm_in runs the conv too (ops.gemv conv=, kernels/gemv_kq.cu
+    # KQ_CONV) when its build has it; else the conv node
+    ssm_in = ops.gemv(pre + "ssm_in", "store", proj, b.x, p.n_embd, t("attn_norm.weight"), p.eps,
+                      conv=(b.conv[r], t("ssm_conv1d.weight"), b.y, C) if p.ssm_d_conv == 4 else None)
+    conv = [] if "KQ_CONV=1" in ssm_in.defines and p.ssm_d_conv == 4 else [
         deltanet_ops.conv_step(pre + "ssm_conv", b.qkv, b.conv[r], t("ssm_conv1d.weight"), b.y,
-                               C=C, K=p.ssm_d_conv),
+                               C=C, K=p.ssm_d_conv)]
+    return [
+        ssm_in,
+        *conv,
         deltanet_ops.gdn_step(pre + "ssm_step", b.y, b.z, b.alpha, b.beta, t("ssm_dt.bias"),
                               t("ssm_a"), t("ssm_norm.weight"), b.ssm[r], b.o, Hk=hk, Hv=hv,
                               S=s, eps=p.eps),

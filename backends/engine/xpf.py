@@ -61,7 +61,7 @@ def link(nodes: list, cap: int | None = None) -> int:
     v9 = [n for n in nodes if _is_xpf(n)]
     linked = 0
     for cur, nxt in zip(v9, v9[1:]):
-        table = np.array(cur.args[0], dtype=ops.TABLE_XPF_DT)  # a copy of the by-value table
+        table = np.array(cur.args[0])  # a copy of the by-value table (its build's dtype: ops.table_dtype)
         table["xpf"] = 0
         for k, (w, rb, rows, nbytes) in enumerate(targets(nxt, cap)):
             table["xpf"][k] = (w, rb, rows, nbytes, 0)

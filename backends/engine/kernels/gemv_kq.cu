@@ -380,7 +380,7 @@ template <int N> __device__ __forceinline__ float group_sum(float v) {
 // rows are those the next node's warps take first (every v9 order starts with rows 0..W'-1 of
 // its row space), their first bytes those its first rounds read. Values are unchanged (a
 // prefetch does not write).
-static_assert(sizeof(SegTable) == 200, "SegTable with KQ_XPF: 200 bytes (ops.TABLE_XPF_DT)");
+static_assert(sizeof(SegTable) == 200 + 32 * KQ_CONV, "SegTable with KQ_XPF: 200 bytes, +32 with KQ_CONV (ops.table_dtype)");
 __device__ __forceinline__ void xpf_tail(const SegTable& t) {
     const int lane = threadIdx.x & 31;
     const int W = (int)gridDim.x * (int)(blockDim.x >> 5), gw = (int)blockIdx.x * (int)(blockDim.x >> 5) + (int)(threadIdx.x >> 5);
@@ -399,6 +399,42 @@ __device__ __forceinline__ void xpf_tail(const SegTable& t) {
 #define KQ_XPF_TAIL(t) xpf_tail(t)
 #else
 #define KQ_XPF_TAIL(t)
+#endif
+
+#if KQ_CONV
+// KQ_CONV=1 (ops GGUF_HARNESS_GEMV_KQ_CONV=1, an A/B build of every v9 kernel; session 17, written
+// before it ran): a store node whose table has conv.state set (qwen35's ssm_in) stores each row r
+// of its segment 0 (attn_qkv: the conv's channels) as before and then runs that channel's causal
+// conv with the value it stored: xp = [state[0][r], state[1][r], state[2][r], x[r]],
+// y[r] = silu(sum_i xp[i] w[r][i]) (tap 0 first, fmaf: deltanet.cu gdn_conv_body's order), and
+// shifts the state column, one thread per row as the conv kernel does (each row is stored once,
+// by one lane), so the conv node of the layer goes. Why: the 27B step ran 48 conv nodes of 0.9 us
+// each plus their node boundaries (session 16-17 node tables: ssm_conv 43 us, gap ~190 us over
+// 388 nodes). Values: bitwise the two-node form's (the same stored x, the same arithmetic).
+static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32, "SegTable with KQ_CONV (ops.table_dtype)");
+template <int MODE> __device__ __forceinline__ void store_out(const SegTable& t, int si, int row, float y, float up) {
+    store_row<MODE>(t.s[si], row, y, up);
+    if (MODE == 0 && si == 0 && t.conv.state) {
+        const Seg& s = t.s[0];
+        const float x = s.bias ? y + ((const float*)s.bias)[row] : y;  // the value store_row wrote
+        float* st = (float*)t.conv.state;
+        const int C = t.conv.C;
+        const float4 w = ((const float4*)t.conv.w)[row];
+        const float xp0 = st[row], xp1 = st[(size_t)C + row], xp2 = st[2 * (size_t)C + row];
+        float acc = 0.f;
+        acc = fmaf(xp0, w.x, acc);
+        acc = fmaf(xp1, w.y, acc);
+        acc = fmaf(xp2, w.z, acc);
+        acc = fmaf(x, w.w, acc);
+        ((float*)t.conv.y)[row] = silu(acc);
+        st[row] = xp1;
+        st[(size_t)C + row] = xp2;
+        st[2 * (size_t)C + row] = x;
+    }
+}
+#define KQ_STORE(MODE, t, si, row, y, up) store_out<MODE>(t, si, row, y, up)
+#else
+#define KQ_STORE(MODE, t, si, row, y, up) store_row<MODE>((t).s[si], row, y, up)
 #endif
 
 #ifndef KQ_DQ
@@ -515,7 +551,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         }
         if (lane == 0) {
             if (np == 1) {
-                store_row<MODE>(t.s[si], row, y * rs, up * rs);
+                KQ_STORE(MODE, t, si, row, y * rs, up * rs);
             } else {
                 volatile float* pp = &dq_part[j][0][0];
                 pp[2 * p] = y;
@@ -528,7 +564,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                         ys += pp[2 * q];
                         us += pp[2 * q + 1];
                     }
-                    store_row<MODE>(t.s[si], row, ys * rs, us * rs);
+                    KQ_STORE(MODE, t, si, row, ys * rs, us * rs);
                 }
             }
         }
@@ -682,11 +718,11 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             if (l == 0 && round < KQ_CS_MAXR) st_cluster_f32(&cpart[round][wpart][g], 0, y);
         } else if constexpr (P2) {
             if (l == 0 && ws == 0) {
-                if (live) store_row<MODE>(t.s[si], r, y * rs, 0.f);
-                if (live1) store_row<MODE>(t.s[si1], r1, up * rs, 0.f);
+                if (live) KQ_STORE(MODE, t, si, r, y * rs, 0.f);
+                if (live1) KQ_STORE(MODE, t, si1, r1, up * rs, 0.f);
             }
         } else if (live && l == 0 && ws == 0) {
-            store_row<MODE>(t.s[si], r, y * rs, up * rs);
+            KQ_STORE(MODE, t, si, r, y * rs, up * rs);
         }
     }
     if constexpr (CS > 1) {
@@ -701,7 +737,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 #pragma unroll
                 for (int q = 1; q < CS; ++q) y += cpart[lane][q][g];
                 const int si = find_seg(t, r);
-                store_row<MODE>(t.s[si], r, y * rs, 0.f);
+                KQ_STORE(MODE, t, si, r, y * rs, 0.f);
             }
         }
     }

@@ -27,15 +27,32 @@ struct XpfSeg {           // 24 bytes, mirrored by backends/engine/ops.py XPF_DT
     int pad;
 };
 
-// 152 bytes (200 with KQ_XPF), mirrored by backends/engine/ops.py TABLE_DT (TABLE_XPF_DT): a
-// kernel parameter (v4) or, for the pointer convention of v1-v3, in device memory (one per
-// node, written once at build time).
+#ifndef KQ_CONV
+#define KQ_CONV 0
+#endif
+// KQ_CONV (gemv_kq.cu's A/B build, ops GGUF_HARNESS_GEMV_KQ_CONV): a qwen35 ssm_in node's segment 0
+// (the attn_qkv rows) also runs the delta-rule layer's causal conv of each row it stores
+// (gemv_kq.cu conv_store: deltanet.cu gdn_conv_body's arithmetic), so the conv node goes.
+struct ConvArgs {         // 32 bytes, mirrored by backends/engine/ops.py CONV_DT
+    u64 state;            // float [K-1 = 3, C] conv state, updated in place; 0: no conv
+    u64 w;                // float [C, 4] ssm_conv1d taps
+    u64 y;                // float [C] silu(conv) output
+    int C;
+    int pad;
+};
+
+// 152 bytes (+48 with KQ_XPF, +32 with KQ_CONV), mirrored by backends/engine/ops.py
+// table_dtype(): a kernel parameter (v4) or, for the pointer convention of v1-v3, in device
+// memory (one per node, written once at build time).
 struct SegTable {
     Seg s[MAX_SEG];
     int n;
     int row_bytes[MAX_SEG];
 #if KQ_XPF
     XpfSeg xpf[2];
+#endif
+#if KQ_CONV
+    ConvArgs conv;
 #endif
 };
 
