@@ -1063,7 +1063,9 @@ def test_fused_conv_is_bitwise_equal_to_the_conv_node(wide, monkeypatch):
     if eops.GEMV_IMPL != "q16":
         pytest.skip("q16 kernels")
     for knob, v in (("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_WIDE_MIN_ROWS", ""),
-                    ("GEMV_KQ_XPF", "")):
+                    ("GEMV_KQ_XPF", ""), ("GEMV_KQ_BW", ""), ("GEMV_KQ_WMAJ", ""), ("GEMV_KQ_DQ", ""),
+                    ("GEMV_KQ_DQ_P", ""), ("GEMV_KQ_DQ_T", ""), ("GEMV_KQ_DQ_MAP", ""), ("GEMV_KQ_P2", "q6_k"),
+                    ("GEMV_KQ_P2_MIN_ROWS", "2048"), ("GEMV_KQ_CSPLIT", "2")):
         monkeypatch.setattr(eops, knob, v)
     rng = np.random.default_rng(53)
     keep = []

@@ -25,7 +25,7 @@ def test_xpf_switch(monkeypatch):
     assert ops.kv9_xpf_bytes() == 16 * MiB and "KQ_XPF=1" in ops.kv9_defines()
     assert "KQ_XPF=1" in ops.kv9_wide_defines(ops.kv9_defines())
     assert "KQ_XPF=1" in ops.kv9_csplit_defines(ops.kv9_defines())
-    for bad in ("65", "-1", "8M", "1.5", "on"):
+    for bad in ("33", "-1", "8M", "1.5", "on", "\u0668"):
         monkeypatch.setattr(ops, "GEMV_KQ_XPF", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_XPF"):
             ops.kv9_defines()
@@ -61,8 +61,9 @@ def test_link_points_each_v9_node_at_the_next_ones_first_rows():
     a delta-rule node (not a GEMV), ssm_out (Q5_K, 264 blocks of 16 warps), a gate/up pair
     (2 x 17408 IQ4_XS rows, 132 x 32 warps) and a GEMV of another build. Expected values worked
     out by hand from xpf.py's docstring: the next v9 node's first-pass rows are its grid's warps
-    (4224 here), a pair's gate and up rows alike, spread over the segments in row order; the
-    per-row share is the cap over those rows in whole 128-byte lines."""
+    (4224 here; half that for the cluster-of-2 kernel), a pair's gate and up rows alike, spread
+    over the segments in row order; the per-row share is the cap over those rows in whole
+    128-byte lines, at most the row."""
     Q5_K, IQ4_XS, F32 = 13, 23, 0
     ssm_in = _node("gemvkq_store_q5_k", [_seg(0x1000000, Q5_K, 16384, 3520), _seg(0x9000000, F32, 96, 20480)], 132, 1024)
     step = _node("gdn_step", [_seg(0xA000000, F32, 1, 256)], 192, 512, xpf_build=False, kind="deltanet")
@@ -74,9 +75,9 @@ def test_link_points_each_v9_node_at_the_next_ones_first_rows():
     before_step, before_other = step.args[0].tobytes(), other.args[0].tobytes()
     assert xpf.link(nodes, 16 * MiB) == 2
     got = lambda n: [tuple(int(v) for v in n.args[0]["xpf"][k]) for k in range(2)]
-    # ssm_in -> ssm_out: 264 x 16 = 4224 warps, 5120 rows: rows 0..4223; 16 MiB / 4224 = 3971.9 B
-    # -> 3968 (31 lines)
-    assert got(ssm_in) == [(0x2000000, 4224, 4224, 3968, 0), (0, 0, 0, 0, 0)]
+    # ssm_in -> ssm_out, clusters of 2 (_c2): 264 x 16 = 4224 warps, a row per 2 blocks' warps: rows
+    # 0..2111; 16 MiB / 2112 = 7943.8 B -> 7936 (62 lines), capped at the 4224-byte row
+    assert got(ssm_in) == [(0x2000000, 4224, 2112, 4224, 0), (0, 0, 0, 0, 0)]
     # ssm_out -> the pair: 4224 gate rows and 4224 up rows; 16 MiB / 8448 = 1985.9 B -> 1920 (15 lines)
     assert got(ssm_out) == [(0x3000000, 2720, 4224, 1920, 0), (0x5000000, 2720, 4224, 1920, 0)]
     assert got(pair) == [(0, 0, 0, 0, 0)] * 2  # the last v9 node: nothing after it
@@ -103,3 +104,26 @@ def test_link_is_called_at_load(monkeypatch):
     build = src.index("arch.build(")
     assert "xpf.link(body + head)" in src[build:build + 300]
     assert src.index("xpf.link(") < src.index("Executor(body")
+
+
+def test_first_pass_rows_by_kernel_form():
+    """The rows a v9 kernel's first pass covers, worked out from kq_body's row orders: one row per
+    warp (S = 1, the queue, warp-major), two for _p2 and gemvkq4_, a row per S warps (_s2 / _s4)
+    or per cluster of blocks (_c2 / _c4)."""
+    W = 4224
+    assert xpf.first_pass_rows("gemvkq_swiglu_iq4_xs", W) == 4224
+    assert xpf.first_pass_rows("gemvkq_store_q6_k_p2", W) == 8448
+    assert xpf.first_pass_rows("gemvkq4_store_q4_k", W) == 8448
+    assert xpf.first_pass_rows("gemvkq_add_q4_k_s4", W) == 1056
+    assert xpf.first_pass_rows("gemvkq_store_q6_k_p2_s2", W) == 4224
+    assert xpf.first_pass_rows("gemvkq_add_q5_k_c2", W) == 2112
+
+
+def test_link_drops_a_cached_launch():
+    """A node launched before linking relaunches with the linked table (its cached PDL launch,
+    built from the old arguments, is dropped)."""
+    a = _node("gemvkq_store_q5_k", [_seg(0x1000000, 13, 100, 3520)], 132, 1024)
+    b = _node("gemvkq_store_q5_k", [_seg(0x2000000, 13, 100, 3520)], 132, 1024)
+    a._pdl = object()
+    xpf.link([a, b], MiB)
+    assert a._pdl is None and int(a.args[0]["xpf"][0]["w"]) == 0x2000000

@@ -277,19 +277,19 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 # (with 0 the 27B's ssm_in put its 96 F32 rows into its last block: that node +61 %).
 # KQ_XPF: every v9 GEMV node's warps, once their rows are done, ask L2 for the first bytes of the
 # rows the next v9 node takes first (kernels/gemv_kq.cu xpf_tail; backends/engine/xpf.py links the
-# nodes). A number of MiB (1..64): the most bytes per next node; "" or "0": off. A/B, written in
+# nodes). A number of MiB (1..32): the most bytes per next node; "" or "0": off. A/B, written in
 # session 17, not yet run on a GPU. Bitwise equal outputs (prefetches only).
 GEMV_KQ_XPF = os.environ.get("GGUF_HARNESS_GEMV_KQ_XPF", "")
 
 
 def kv9_xpf_bytes() -> int:
     """Bytes of the next node's rows a v9 node prefetches (GGUF_HARNESS_GEMV_KQ_XPF MiB; 0 = off).
-    ValueError unless "", 0 or an integer 1..64."""
+    ValueError unless "", 0 or an integer 1..32."""
     v = GEMV_KQ_XPF
     if v in ("", "0"):
         return 0
-    if not v.isdigit() or not 1 <= int(v) <= 64:
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_XPF={v!r}: expected MiB 1..64, or 0")
+    if not (v.isascii() and v.isdigit()) or not 1 <= int(v) <= 32:  # 32 MiB: well inside the 50-60 MB L2
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_XPF={v!r}: expected MiB 1..32, or 0")
     return int(v) << 20
 
 
@@ -501,8 +501,6 @@ TABLE_DT = np.dtype([("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4
                     align=True)  # struct SegTable, kernels/segs.cuh (152 bytes)
 XPF_DT = np.dtype([("w", "<u8"), ("row_bytes", "<i4"), ("rows", "<i4"), ("bytes", "<i4"), ("pad", "<i4")],
                   align=True)  # struct XpfSeg, kernels/segs.cuh (24 bytes)
-TABLE_XPF_DT = np.dtype([("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4", (MAX_SEG,)),
-                         ("xpf", XPF_DT, (2,))], align=True)  # struct SegTable with KQ_XPF (200 bytes)
 CONV_DT = np.dtype([("state", "<u8"), ("w", "<u8"), ("y", "<u8"), ("C", "<i4"), ("pad", "<i4")],
                    align=True)  # struct ConvArgs, kernels/segs.cuh (32 bytes)
 
@@ -515,6 +513,9 @@ def table_dtype(xpf: bool = False, conv: bool = False) -> np.dtype:
     fields += [("xpf", XPF_DT, (2,))] if xpf else []
     fields += [("conv", CONV_DT)] if conv else []
     return np.dtype(fields, align=True)
+
+
+TABLE_XPF_DT = table_dtype(xpf=True)  # struct SegTable with KQ_XPF (200 bytes)
 
 
 def gemv_shape(K: int, rows: int, mode: str = "store") -> tuple[int, int]:
@@ -797,6 +798,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         if conv_c != segs[0].w.rows:
             raise ValueError(f"{name}: the conv's {conv_c} channels are not segment 0's {segs[0].w.rows} rows")
         deltanet_conv_check(segs[0].out, conv_state, conv_w, conv_y, conv_c)
+        if not all(device_ptr(a) for a in (conv_state, conv_w, conv_y)):  # state 0 would skip the conv
+            raise ValueError(f"{name}: a fused conv needs device arrays (conv state, taps, y)")
     fused = fused and by_value
     table = (seg_table_value(segs, narrow, xpf="KQ_XPF=1" in kdefs, conv="KQ_CONV=1" in kdefs,
                              conv_args=(device_ptr(conv_state) or 0, device_ptr(conv_w) or 0, device_ptr(conv_y) or 0,

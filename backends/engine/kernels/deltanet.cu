@@ -230,7 +230,7 @@ __device__ void gdn_step_body(const float* y, const float* z, const float* alpha
     for (int l = tid; l < S * S / 32; l += NT) asm volatile("prefetch.global.L2 [%0];" ::"l"(M + 32 * l));
     const float a = ssm_a[h], dtb = dt_bias[h];
     const float wn = tid < S ? norm_w[tid] : 0.f;
-    pdl_wait();     // y (conv node), z, alpha, beta (GEMV nodes) come from earlier kernels
+    pdl_wait();     // y (conv node, or ssm_in with KQ_CONV), z, alpha, beta (GEMV nodes) come from earlier kernels
     pdl_trigger();  // the ssm_out GEMV may launch and prefetch its weights
 
     float e, b;  // A. gates
@@ -312,7 +312,7 @@ __device__ void gdn_step_cs_body(const float* y, const float* z, const float* al
     for (int l = tid; l < ROWS * S / 32; l += NT) asm volatile("prefetch.global.L2 [%0];" ::"l"(M + (size_t)j0 * S + 32 * l));
     const float a = ssm_a[h], dtb = dt_bias[h];
     const float wn = tid < ROWS ? norm_w[j0 + tid] : 0.f;
-    pdl_wait();     // y (conv node), z, alpha, beta (GEMV nodes) come from earlier kernels
+    pdl_wait();     // y (conv node, or ssm_in with KQ_CONV), z, alpha, beta (GEMV nodes) come from earlier kernels
     pdl_trigger();  // the ssm_out GEMV may launch and prefetch its weights
 
     float e, b;  // A. gates, as gdn_step_body

@@ -433,8 +433,20 @@ template <int MODE> __device__ __forceinline__ void store_out(const SegTable& t,
     }
 }
 #define KQ_STORE(MODE, t, si, row, y, up) store_out<MODE>(t, si, row, y, up)
+// Before the PDL wait: the conv's taps and state to L2, warp gw of W taking lines gw, gw + W, ...
+// (the taps are constants; the state was last written by this node one step ago, and a prefetch
+// cannot return stale data), so store_out's dependent loads hit L2.
+__device__ __forceinline__ void conv_prefetch(const SegTable& t) {
+    if (!t.conv.state) return;
+    const int W = (int)gridDim.x * (int)(blockDim.x >> 5), gw = (int)blockIdx.x * (int)(blockDim.x >> 5) + (int)(threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, sl = (3 * t.conv.C * 4 + 127) >> 7, wl = (4 * t.conv.C * 4 + 127) >> 7;
+    for (int l = gw * 32 + lane; l < sl + wl; l += W * 32)
+        prefetch_l2(l < sl ? (const u8*)t.conv.state + 128 * (size_t)l : (const u8*)t.conv.w + 128 * (size_t)(l - sl));
+}
+#define KQ_CONV_PREFETCH(t) conv_prefetch(t)
 #else
 #define KQ_STORE(MODE, t, si, row, y, up) store_row<MODE>((t).s[si], row, y, up)
+#define KQ_CONV_PREFETCH(t)
 #endif
 
 #ifndef KQ_DQ
@@ -517,6 +529,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, t.row_bytes[1], lane, 32);
     }
     Q::setup();
+    KQ_CONV_PREFETCH(t);
     pdl_wait();
     KQ_MARK(1);
     pdl_trigger();
@@ -570,8 +583,8 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         }
         u = nu;
     }
-    KQ_XPF_TAIL(t);
     KQ_MARK(3);
+    KQ_XPF_TAIL(t);
 }
 #endif
 
@@ -634,6 +647,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     KQ_MARK(0);
     prefetch_row(first);
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
+    KQ_CONV_PREFETCH(t);
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
     KQ_MARK(1);
     pdl_trigger();
@@ -741,8 +755,8 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
         }
     }
-    KQ_XPF_TAIL(t);
     KQ_MARK(3);
+    KQ_XPF_TAIL(t);
 }
 
 #ifndef KQ_BLOCK_WARPS

@@ -32,7 +32,7 @@ struct XpfSeg {           // 24 bytes, mirrored by backends/engine/ops.py XPF_DT
 #endif
 // KQ_CONV (gemv_kq.cu's A/B build, ops GGUF_HARNESS_GEMV_KQ_CONV): a qwen35 ssm_in node's segment 0
 // (the attn_qkv rows) also runs the delta-rule layer's causal conv of each row it stores
-// (gemv_kq.cu conv_store: deltanet.cu gdn_conv_body's arithmetic), so the conv node goes.
+// (gemv_kq.cu store_out: deltanet.cu gdn_conv_body's arithmetic), so the conv node goes.
 struct ConvArgs {         // 32 bytes, mirrored by backends/engine/ops.py CONV_DT
     u64 state;            // float [K-1 = 3, C] conv state, updated in place; 0: no conv
     u64 w;                // float [C, 4] ssm_conv1d taps
