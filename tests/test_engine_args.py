@@ -936,6 +936,57 @@ def test_conv_fusion_routing(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_CONV" in machine.ENGINE_SWITCHES
 
 
+def test_qwen35_layer_drops_its_conv_node_only_when_fused(monkeypatch):
+    """backends/engine/qwen35._deltanet with GGUF_HARNESS_GEMV_KQ_CONV=1 and a v9 ssm_in: 3 nodes
+    (ssm_in, ssm_step, ssm_out), the ssm_in table carrying the layer's conv state, taps and y;
+    with the switch off, or with ssm_in on gemv.cu (GGUF_HARNESS_GEMV_KQ=wide: no KQ_CONV build),
+    4 nodes with the conv node. Small shapes (Hk 2, Hv 4, S 64, C 512, n_embd 512), fake
+    device arrays."""
+    from backends.engine import qwen35
+    from backends.engine.arena import DeviceTensor
+    from backends.engine.formats import FORMATS
+    Q5_K, F32 = 13, 0
+    _fake_module(monkeypatch)
+    for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ_SPLIT", "auto"),
+                    ("GEMV_KQ_WIDE_MIN_ROWS", ""), ("GEMV_KQ_XPF", "")):
+        monkeypatch.setattr(ops, knob, v)
+    E, hk, hv, S = 512, 2, 4, 64
+    C, d_inner = 2 * hk * S + hv * S, hv * S
+    p = NS(ssm_n_group=hk, ssm_dt_rank=hv, ssm_d_state=S, conv_dim=C, ssm_d_conv=4, n_embd=E, eps=1e-6,
+           d_inner=d_inner)
+    ptr = iter(range(1 << 24, 1 << 40, 1 << 22))
+
+    def tensor(name, t, ne):
+        f = FORMATS[t]
+        rb = ne[0] // f.block_size * f.type_size
+        return DeviceTensor(name, next(ptr), t, ne, rb, rb * (ne[1] if len(ne) > 1 else 1))
+    weights = {"attn_qkv.weight": tensor("qkv", Q5_K, (E, C)), "attn_gate.weight": tensor("gate", Q5_K, (E, d_inner)),
+               "ssm_beta.weight": tensor("beta", F32, (E, hv)), "ssm_alpha.weight": tensor("alpha", F32, (E, hv)),
+               "attn_norm.weight": tensor("norm", F32, (E,)), "ssm_conv1d.weight": tensor("taps", F32, (4, C)),
+               "ssm_dt.bias": tensor("dt", F32, (hv,)), "ssm_a": tensor("a", F32, (hv,)),
+               "ssm_norm.weight": tensor("sn", F32, (S,)), "ssm_out.weight": tensor("out", Q5_K, (d_inner, E))}
+    arena = {f"blk.0.{k}": v for k, v in weights.items()}
+
+    def arr(*shape):
+        n = int(np.prod(shape))
+        return NS(dtype=np.float32, size=n, shape=shape, flags={"C_CONTIGUOUS": True}, data=NS(ptr=next(ptr)))
+    b = NS(x=arr(E), qkv=arr(C), z=arr(d_inner), beta=arr(hv), alpha=arr(hv), y=arr(C), o=arr(d_inner),
+           conv=[arr(3, C)], ssm=[arr(hv, S, S)])
+    for kq, on, want in (("v9l8", "1", ["ssm_in", "ssm_step", "ssm_out"]),
+                         ("v9l8", "0", ["ssm_in", "ssm_conv", "ssm_step", "ssm_out"]),
+                         ("wide", "1", ["ssm_in", "ssm_conv", "ssm_step", "ssm_out"])):
+        monkeypatch.setattr(ops, "GEMV_KQ", kq)
+        monkeypatch.setattr(ops, "GEMV_KQ_CONV", on)
+        nodes = qwen35._deltanet(0, 0, p, arena, b)
+        assert [n.name.split(".")[-1] for n in nodes] == want, (kq, on)
+        table = nodes[0].args[0]
+        if len(want) == 3:
+            assert tuple(int(v) for v in table["conv"]) == (b.conv[0].data.ptr, weights["ssm_conv1d.weight"].ptr,
+                                                          b.y.data.ptr, C, 0)
+        else:
+            assert "conv" not in (table.dtype.names or ()) or int(table["conv"]["state"]) == 0
+
+
 def test_table_dtypes_match_the_kernel_struct():
     """ops.table_dtype mirrors struct SegTable of kernels/segs.cuh in each build: 152 bytes, the
     two XpfSeg records (24 bytes each) at 152 with KQ_XPF, the ConvArgs record (32 bytes) after
