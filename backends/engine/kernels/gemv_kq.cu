@@ -499,7 +499,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     float* xd = (float*)(xs + K / 8);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nsb = K >> 8;
-    constexpr int P = KQ_DQ_P;  // compile-time: a runtime stride slowed every row's loop (+9-20 %, session 17)
+    constexpr int P = KQ_DQ_P;  // compile-time: with a runtime P every row's loop had a runtime stride (session 17)
 #if KQ_DQ_MAP  // the block's k-th row is b + k B (rows dealt round-robin over the blocks)
     const int r0 = 0, nb = (int)blockIdx.x < total_rows ? (total_rows - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
     auto grow = [&](int k) { return (int)blockIdx.x + k * (int)gridDim.x; };
