@@ -33,14 +33,14 @@ def test_xpf_switch(monkeypatch):
 
 
 def test_xpf_table_layout():
-    """TABLE_XPF_DT is struct SegTable with KQ_XPF (kernels/segs.cuh): the 152 bytes of the plain
+    """ops.table_dtype(xpf=True) is struct SegTable with KQ_XPF (kernels/segs.cuh): the 152 bytes of the plain
     table, then two 24-byte XpfSeg records (u64 pointer, then four int32) at byte 152; the kernel
     asserts sizeof(SegTable) == 200 in that build."""
     assert ops.TABLE_DT.itemsize == 152
     assert ops.XPF_DT.itemsize == 24 and [ops.XPF_DT.fields[f][1] for f in ("w", "row_bytes", "rows", "bytes")] == [0, 8, 12, 16]
-    assert ops.TABLE_XPF_DT.itemsize == 200 and ops.TABLE_XPF_DT.fields["xpf"][1] == 152
+    assert ops.table_dtype(xpf=True).itemsize == 200 and ops.table_dtype(xpf=True).fields["xpf"][1] == 152
     for f in ("s", "n", "row_bytes"):
-        assert ops.TABLE_XPF_DT.fields[f][1] == ops.TABLE_DT.fields[f][1]
+        assert ops.table_dtype(xpf=True).fields[f][1] == ops.TABLE_DT.fields[f][1]
     src = (ops.module.KERNEL_DIR / "gemv_kq.cu").read_text()
     assert "static_assert(sizeof(SegTable) == 200" in src
 

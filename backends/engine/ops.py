@@ -12,6 +12,7 @@ import numpy as np
 from . import module
 from .arena import DeviceTensor
 from .argcheck import device_ptr
+from .deltanet_ops import check_conv_step
 from .executor import Node
 from .formats import ENGINE_TYPES, FORMATS, check_type
 from .gemv_mma import gemv_mma
@@ -515,8 +516,6 @@ def table_dtype(xpf: bool = False, conv: bool = False) -> np.dtype:
     return np.dtype(fields, align=True)
 
 
-TABLE_XPF_DT = table_dtype(xpf=True)  # struct SegTable with KQ_XPF (200 bytes)
-
 
 def gemv_shape(K: int, rows: int, mode: str = "store") -> tuple[int, int]:
     """(warps per row, warps per block) of a q16 GEMV node, from cold back-to-back sweeps of
@@ -646,12 +645,6 @@ def pf_ahead(stride_bytes: int) -> int:
 def seg_type(type_id: int, narrow: bool = False) -> int:
     """The segment table's type field: the GGML id, with NARROW_BIT for the q16 per-8 loop."""
     return type_id | NARROW_BIT if narrow and type_id in KQ_WIDE_TYPES else type_id
-
-
-def deltanet_conv_check(x, conv_state, w, y, C: int) -> None:
-    """A fused conv's arguments as deltanet_ops.conv_step checks them (K = 4); ValueError."""
-    from . import deltanet_ops
-    deltanet_ops.check_conv_step(x, conv_state, w, y, C=C, K=4)
 
 
 def seg_table_value(segs: list[Seg], narrow: bool = False, xpf: bool = False, conv: bool = False,
@@ -797,10 +790,9 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         conv_state, conv_w, conv_y, conv_c = conv
         if conv_c != segs[0].w.rows:
             raise ValueError(f"{name}: the conv's {conv_c} channels are not segment 0's {segs[0].w.rows} rows")
-        deltanet_conv_check(segs[0].out, conv_state, conv_w, conv_y, conv_c)
+        check_conv_step(segs[0].out, conv_state, conv_w, conv_y, C=conv_c, K=4)  # as conv_step's
         if not all(device_ptr(a) for a in (conv_state, conv_w, conv_y)):  # state 0 would skip the conv
             raise ValueError(f"{name}: a fused conv needs device arrays (conv state, taps, y)")
-    fused = fused and by_value
     table = (seg_table_value(segs, narrow, xpf="KQ_XPF=1" in kdefs, conv="KQ_CONV=1" in kdefs,
                              conv_args=(device_ptr(conv_state) or 0, device_ptr(conv_w) or 0, device_ptr(conv_y) or 0,
                                         conv_c) if fused else None)

@@ -175,9 +175,9 @@ def _deltanet(il: int, r: int, p: Qwen35Params, a: Arena, b: Buffers) -> list[No
             ops.Seg(t("ssm_beta.weight"), b.beta), ops.Seg(t("ssm_alpha.weight"), b.alpha)]
     # GGUF_HARNESS_GEMV_KQ_CONV=1: ssm_in runs the conv too (ops.gemv conv=, kernels/gemv_kq.cu
     # KQ_CONV) when its build has it; else the conv node
-    ssm_in = ops.gemv(pre + "ssm_in", "store", proj, b.x, p.n_embd, t("attn_norm.weight"), p.eps,
-                      conv=(b.conv[r], t("ssm_conv1d.weight"), b.y, C) if p.ssm_d_conv == 4 else None)
-    conv = [] if "KQ_CONV=1" in ssm_in.defines and p.ssm_d_conv == 4 else [
+    conv = (b.conv[r], t("ssm_conv1d.weight"), b.y, C) if p.ssm_d_conv == 4 else None  # KQ_CONV: K = 4
+    ssm_in = ops.gemv(pre + "ssm_in", "store", proj, b.x, p.n_embd, t("attn_norm.weight"), p.eps, conv=conv)
+    conv = [] if conv and "KQ_CONV=1" in ssm_in.defines else [
         deltanet_ops.conv_step(pre + "ssm_conv", b.qkv, b.conv[r], t("ssm_conv1d.weight"), b.y,
                                C=C, K=p.ssm_d_conv)]
     return [

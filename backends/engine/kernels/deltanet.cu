@@ -276,8 +276,8 @@ GDN_STEP_KERNEL(128, 2)
 GDN_STEP_KERNEL(128, 8)
 
 // ----------------------------------------------------------------------------------------
-// 3. gdn_step_cs4_s128 (A/B, deltanet_ops GGUF_HARNESS_GDN_CSPLIT=1; written in session 16, not
-//    yet run on a GPU): gdn_step_s128 with each head's 128 state rows split over the 4 blocks of
+// 3. gdn_step_cs4_s128 (deltanet_ops GGUF_HARNESS_GDN_CSPLIT, the default since session 17; its
+//    bitwise GPU test passed on the H200, DELTANET.md has the figures): gdn_step_s128 with each head's 128 state rows split over the 4 blocks of
 //    a thread-block cluster (grid 4 Hv). Why: gdn_step runs one block per value head, 48 blocks
 //    on the 27B, so 84 of the H200's 132 SMs stream nothing while 48 move 128 KB each; the node
 //    took 4.87 us for 6.4 MB (1312 GB/s, session 15/16 node tables). Rows are independent (C

@@ -369,6 +369,11 @@ template <int N> __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
+#if KQ_XPF || KQ_CONV
+// The warps of the grid, and this warp's index among them (xpf_tail, conv_prefetch)
+__device__ __forceinline__ int grid_warps() { return (int)gridDim.x * (int)(blockDim.x >> 5); }
+__device__ __forceinline__ int grid_warp() { return (int)blockIdx.x * (int)(blockDim.x >> 5) + (int)(threadIdx.x >> 5); }
+#endif
 #if KQ_XPF
 // KQ_XPF=1 (ops GGUF_HARNESS_GEMV_KQ_XPF=<MB>, an A/B build of every v9 kernel; session 17, written
 // before it ran): once a warp's own rows are done it asks L2 for the first t.xpf[k].bytes of
@@ -382,8 +387,7 @@ template <int N> __device__ __forceinline__ float group_sum(float v) {
 // prefetch does not write).
 static_assert(sizeof(SegTable) == 200 + 32 * KQ_CONV, "SegTable with KQ_XPF: 200 bytes, +32 with KQ_CONV (ops.table_dtype)");
 __device__ __forceinline__ void xpf_tail(const SegTable& t) {
-    const int lane = threadIdx.x & 31;
-    const int W = (int)gridDim.x * (int)(blockDim.x >> 5), gw = (int)blockIdx.x * (int)(blockDim.x >> 5) + (int)(threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, W = grid_warps(), gw = grid_warp();
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
         const XpfSeg& s = t.xpf[k];
@@ -438,7 +442,7 @@ template <int MODE> __device__ __forceinline__ void store_out(const SegTable& t,
 // cannot return stale data), so store_out's dependent loads hit L2.
 __device__ __forceinline__ void conv_prefetch(const SegTable& t) {
     if (!t.conv.state) return;
-    const int W = (int)gridDim.x * (int)(blockDim.x >> 5), gw = (int)blockIdx.x * (int)(blockDim.x >> 5) + (int)(threadIdx.x >> 5);
+    const int W = grid_warps(), gw = grid_warp();
     const int lane = threadIdx.x & 31, sl = (3 * t.conv.C * 4 + 127) >> 7, wl = (4 * t.conv.C * 4 + 127) >> 7;
     for (int l = gw * 32 + lane; l < sl + wl; l += W * 32)
         prefetch_l2(l < sl ? (const u8*)t.conv.state + 128 * (size_t)l : (const u8*)t.conv.w + 128 * (size_t)(l - sl));
