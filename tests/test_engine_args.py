@@ -1055,3 +1055,32 @@ def test_gemv_routes_csplit(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_BW", "")
     monkeypatch.setattr(ops, "GEMV_KQ", "v9")
     assert _gemv_node("add", [Q4_K], 17408, 5120, ptr).kernel.name.startswith("gemvkq4_")
+
+
+def test_gemv_routes_gsplit(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_GSPLIT=1: a cluster-split node keeps its _c kernel name and routing but
+    is built with KQ_GSPLIT=1 (no __cluster_dims__) on a grid of every block slot in whole groups
+    (blocks per SM x SMs // parts, not the cluster occupancy: 66 groups of 4 where the GPCs held 62
+    clusters), no more than its row groups need nor KQ_GS_MAXCB; a bad switch value raises."""
+    Q4_K = 12
+    _fake_module(monkeypatch)
+    for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"),
+                    ("GEMV_KQ_CSPLIT", "1"), ("GEMV_KQ_BW", ""), ("GEMV_KQ_GSPLIT", "1")):
+        monkeypatch.setattr(ops, knob, v)
+    ptr = lambda i: 1 << 20 + i
+    n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)  # the 27B's ffn_down: split 4
+    assert n.kernel.name == "gemvkq_add_q4_k_c4" and n.grid == (4 * 66,) and n.block == (512,)
+    assert n.defines == ops.kv9_csplit_defines(ops.kv9_defines()) and n.defines[-2:] == ("KQ_CSPLIT=1", "KQ_GSPLIT=1")
+    n = _gemv_node("store", [Q4_K], 5120, 64, ptr)  # 4 row groups of 16 warps: 4 groups of 2 blocks
+    assert n.kernel.name == "gemvkq_store_q4_k_c2" and n.grid == (2 * 4,)
+    monkeypatch.setattr(ops.module, "blocks_per_sm", lambda k, threads, smem: 16)  # 528 groups of 4 > 512
+    n = _gemv_node("add", [Q4_K], 17408, 16 * 600, ptr)  # 600 row groups (kv9_split picks 2 or 4 parts)
+    cs = int(n.kernel.name[-1])
+    assert n.kernel.name[:-1] == "gemvkq_add_q4_k_c" and n.grid == (cs * ops.KQ_GS_MAXCB,)
+    src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
+    assert re.search(r"^#define KQ_GS_MAXCB (\d+)", src, re.M).group(1) == str(ops.KQ_GS_MAXCB)
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "0")
+    assert "KQ_GSPLIT=1" not in _gemv_node("add", [Q4_K], 17408, 5120, ptr).defines
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "yes")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_GSPLIT"):
+        ops.kv9_defines()

@@ -804,13 +804,17 @@ def test_wide_nodes_match_the_default(kq, monkeypatch):
                             monkeypatch, kq=kq, relaunch=3, normed=False)
 
 
+@pytest.mark.parametrize("gsplit", ["0", "1"])
 @pytest.mark.parametrize("split", ["2", "4"])
-def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, monkeypatch):
+def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_CSPLIT=1 (kernels/gemv_kq.cu KQ_CSPLIT): the parts of a row group in the
     blocks of a thread-block cluster compute the partial sums the _s<S> kernel's warps compute and
     rank 0 adds them in the same order, so store and add nodes without a norm must equal the
     S-split's outputs bit for bit (also on relaunch), each checked against the oracle, and each
-    node must have run the _c<S> kernel with a grid of whole clusters. Cases: every 8-lane type; K
+    node must have run the _c<S> kernel with a grid of whole clusters. With
+    GGUF_HARNESS_GEMV_KQ_GSPLIT=1 (KQ_GSPLIT) the same for groups of blocks without hardware
+    clusters, whose parts meet in global memory (the relaunch also checks that the last block
+    reset the group's count). Cases: every 8-lane type; K
     = 17408 (17 groups of 4 super-blocks: parts of unequal size), K = 2816 (a partial group), K =
     512 at S = 4 (parts without a super-block), row counts above one round of clusters, two
     segments of different row counts. A node of more than KQ_CS_MAXR rounds falls back to the
@@ -822,6 +826,7 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, monkeypatch)
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "1000000")  # Q6_K on the one-row-per-warp kernels
     monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
+    monkeypatch.setattr(eops, "GEMV_KQ_GSPLIT", gsplit)
     # every type's cluster kernels, not only the default's KV9_CSPLIT_TYPES (all passed this test on
     # the H200 in session 16 before the default was narrowed to the types measured faster)
     monkeypatch.setattr(eops, "KV9_CSPLIT_TYPES", ("q4_k", "q5_k", "q6_k", "iq4_xs", "iq3_s", "q8_0", "q4_0"))
@@ -851,6 +856,7 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, monkeypatch)
                 assert n.kernel.name.startswith("gemvkq_") and n.kernel.name.endswith(want), (cs, n.kernel.name)
                 assert n.grid[0] % S == 0 or cs == "0", n.grid
                 assert ("KQ_CSPLIT=1" in n.defines) == (cs == "1"), n.defines
+                assert ("KQ_GSPLIT=1" in n.defines) == (cs == "1" and gsplit == "1"), n.defines
                 n.launch()
             got[cs] = (ya.get(), yb.get(), acc.get())
             nodes[0].launch()

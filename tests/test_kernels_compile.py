@@ -45,6 +45,7 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1"))]  # session 16: the clust
 # session 17: the queue build's A/B form with parts, tail rows and contiguous rows (the default queue
 # build, ops.kv9_dq_defines of the wide build: test_v9_wide_build_launch_bounds)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_P=4", "KQ_DQ_T=8", "KQ_DQ_MAP=0"))]
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"))]  # the cluster kernels without clusters
 # session 17: the next node's prefetch (ops GGUF_HARNESS_GEMV_KQ_XPF; its static_assert holds the
 # table to ops.table_dtype(xpf=True)'s 200 bytes), in the default and the queue build
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XPF=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_XPF=1"))]

@@ -224,6 +224,14 @@ KQ_CS_MAXR = 8  # kernels/gemv_kq.cu KQ_CS_MAXR: grid-stride rounds a cluster-sp
 # clusters of 2: [5120x17408] Q4_K -2.5 %, Q5_K -5.4 %, [5120x6144] Q5_K -9.1 %); measured slower:
 # [5120x17408] Q6_K +3.1 %, IQ3_S +5.3 %, [1024x5120] Q6_K +7 %; the others not measured.
 KV9_CSPLIT_TYPES = ("q4_k", "q5_k")
+# KQ_GSPLIT: the cluster-split kernels without hardware clusters (kernels/gemv_kq.cu KQ_GSPLIT):
+# blocks CS q .. CS q + CS - 1 exchange their parts' sums through global memory and the last of
+# them to finish adds and stores, so every block slot is used (clusters of 4 got only 61-62 of 66
+# clusters resident on the H200, session 16). "1": on (A/B, written in session 18; with
+# GGUF_HARNESS_GEMV_KQ_CSPLIT=1 for parts of S, 4 at the 27B's ffn_down); "0" or unset: off.
+# Bitwise equal outputs to the _s<parts> kernels (the same partial sums in the same order).
+GEMV_KQ_GSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_GSPLIT", "")
+KQ_GS_MAXCB = 512  # kernels/gemv_kq.cu KQ_GS_MAXCB: virtual clusters a KQ_GSPLIT grid may have
 
 
 # KQ_WIDE_MIN_ROWS: v9 nodes of at least this many output rows whose split is 1 (kv9_split with
@@ -354,10 +362,19 @@ def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool =
     return kname[: -len(f"_s{split}")] + f"_c{min(split, 4 if GEMV_KQ_CSPLIT == '1' else 2)}"
 
 
+def kv9_gsplit() -> bool:
+    """Whether the cluster-split nodes run without hardware clusters (GGUF_HARNESS_GEMV_KQ_GSPLIT=1,
+    kernels/gemv_kq.cu KQ_GSPLIT). ValueError unless "", 0 or 1."""
+    _switch01("GGUF_HARNESS_GEMV_KQ_GSPLIT", GEMV_KQ_GSPLIT)
+    return GEMV_KQ_GSPLIT == "1"
+
+
 def kv9_csplit_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the cluster-split build: `defines` (kv9_defines() + ...) without
-    KQ_WMAJ (the cluster kernels deal row groups block-major), plus KQ_CSPLIT=1."""
-    return tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
+    KQ_WMAJ (the cluster kernels deal row groups block-major), plus KQ_CSPLIT=1 (and KQ_GSPLIT=1
+    when kv9_gsplit())."""
+    return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
+            + (("KQ_GSPLIT=1",) if kv9_gsplit() else ()))
 
 
 def kv9_warps() -> int:
@@ -424,6 +441,7 @@ def kv9_defines() -> tuple[str, ...]:
     if GEMV_KQ_WMAJ == "1":
         out.append("KQ_WMAJ=1")
     kv9_csplit("", "store", 1, False)  # refuse a bad GGUF_HARNESS_GEMV_KQ_CSPLIT (a routing switch) early
+    kv9_gsplit()  # likewise GGUF_HARNESS_GEMV_KQ_GSPLIT (a define of the cluster build only)
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
@@ -753,7 +771,11 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             ck = module.kernel_in("gemv_kq.cu", cname, cdefs)
             module.allow_smem(ck, smem)
             cs = int(cname[-1])  # the cluster size (_c2 / _c4)
-            clusters = min(-(-rows // nw), module.max_active_clusters(ck, cs, nw * 32, smem))
+            if kv9_gsplit():  # virtual clusters: every block slot, at most KQ_GS_MAXCB groups
+                resident = module.blocks_per_sm(ck, nw * 32, smem) * module.sm_count() // cs
+                clusters = min(-(-rows // nw), resident, KQ_GS_MAXCB)
+            else:
+                clusters = min(-(-rows // nw), module.max_active_clusters(ck, cs, nw * 32, smem))
             if clusters > 0 and -(-rows // (nw * clusters)) <= KQ_CS_MAXR:
                 kdefs, k = cdefs, ck
                 cs_grid = clusters * cs

@@ -326,8 +326,29 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 #endif
 #define KQ_CS_MAXR 8  // rounds (grid-stride passes) a cluster-split warp may have (ops.gemv bounds it;
                       // rows of later rounds would not be stored)
-#if KQ_CSPLIT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#ifndef KQ_GSPLIT
+// KQ_GSPLIT=1 (with KQ_CSPLIT=1; ops GGUF_HARNESS_GEMV_KQ_GSPLIT, A/B written in session 18): the
+// same _c2 / _c4 entries without __cluster_dims__. Blocks CS q .. CS q + CS - 1 are a "virtual
+// cluster" (rank = blockIdx.x % CS, as a 1-D cluster's rank): each part's sums go to global memory
+// (kq_gpart) instead of rank 0's shared memory, each block counts itself in (kq_gcount, after a
+// fence), and whichever block of the group counts in last adds the CS parts in part order and
+// stores, then resets the count (so the next launch finds 0; the next kernel reads it only after
+// its PDL wait, i.e. after this grid has completed). The same partial sums added in the same
+// order: the _s<CS> kernel's outputs bit for bit. Why: clusters of 4 had the right balance for the
+// [5120x17408] nodes (20480 parts over 4224 warps: 4.85 rounds, against 2.42 -> 3 rounds at 2
+// parts) and staged a quarter of x (5.0 -> 1.9 us), but the GPCs held only 61-62 clusters of 4
+// (one ran as a second wave; H200, session 16); without hardware clusters every block slot is used.
+#define KQ_GSPLIT 0
+#endif
+#define KQ_GS_MAXCB 512  // virtual clusters a KQ_GSPLIT grid may have (ops.gemv bounds it)
+#if KQ_CSPLIT && !KQ_GSPLIT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "KQ_CSPLIT: thread-block clusters need sm_90 or newer"
+#endif
+#if KQ_GSPLIT
+static_assert(KQ_CSPLIT, "KQ_GSPLIT is a form of the KQ_CSPLIT build");
+// [virtual cluster][round][part][warp]: the parts' row sums; one count per virtual cluster
+__device__ float kq_gpart[KQ_GS_MAXCB][KQ_CS_MAXR][4][32];
+__device__ unsigned kq_gcount[KQ_GS_MAXCB] = {0};
 #endif
 
 // (the cluster primitives cluster_rank / cluster_sync / st_cluster_f32: common.cuh)
@@ -619,7 +640,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     constexpr int LPR = P2 ? 32 : 32 / Q::R;  // lanes per row
     __shared__ float scratch[32];
     __shared__ float part[S > 1 ? 2 : 1][S > 1 ? NW : 1][2 * Q::R];  // [round & 1][warp][(y, up) per row]
-    __shared__ float cpart[CS > 1 ? KQ_CS_MAXR : 1][CS][CS > 1 ? NW : 1];  // rank 0's: [round][part][warp]
+    __shared__ float cpart[CS > 1 && !KQ_GSPLIT ? KQ_CS_MAXR : 1][CS][CS > 1 && !KQ_GSPLIT ? NW : 1];  // rank 0's: [round][part][warp]
     int4* xq = smem4;
     int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
     float* xd = (float*)(xs + K / 8);
@@ -628,9 +649,9 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // CS > 1: the cluster takes the block's place in the row order; the block's rank is its part
     // wpart (nparts of them) where S > 1 uses the warp's part ws
     const int cb = CS > 1 ? (int)blockIdx.x / CS : (int)blockIdx.x, ncb = CS > 1 ? (int)gridDim.x / CS : (int)gridDim.x;
-    const int wpart = CS > 1 ? (int)cluster_rank() : ws;
+    const int wpart = CS > 1 ? (KQ_GSPLIT ? (int)blockIdx.x % CS : (int)cluster_rank()) : ws;
     constexpr int nparts = CS > 1 ? CS : S;
-    if constexpr (CS > 1) cluster_arrive_relaxed();  // paired with the wait before the first DSMEM store
+    if constexpr (CS > 1 && !KQ_GSPLIT) cluster_arrive_relaxed();  // paired with the wait before the first DSMEM store
 #if KQ_WMAJ  // the warp's first row group: warp-major g gridDim.x + b
     const int rpb = Q::R * G, first = Q::R * (g * ncb + cb) + h, step = rpb * ncb;
     const int gstride = ncb;  // row groups between those of the block's warp groups g and g + 1
@@ -659,7 +680,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // CS > 1: only the part's super-blocks (no norm: ops.kv9_csplit)
     const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL, CS>(x, norm, eps, K, xq, xs, xd, scratch, wpart);
     KQ_MARK(2);
-    if constexpr (CS > 1) cluster_wait();  // every block of the cluster has started: DSMEM stores allowed
+    if constexpr (CS > 1 && !KQ_GSPLIT) cluster_wait();  // every block of the cluster has started: DSMEM stores allowed
     const XS xa = xs_addr(xq, xs, xd);
     const int grp = Q::grp(lane), i = Q::idx(lane), nsb = K >> 8;
     const int sb0 = grp + 4 * wpart, st = 4 * nparts;
@@ -733,7 +754,11 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
                 }
         }
         if constexpr (CS > 1) {  // the part's sum into rank 0's cpart (store after the loop)
+#if KQ_GSPLIT
+            if (l == 0 && round < KQ_CS_MAXR) kq_gpart[cb][round][wpart][g] = y;
+#else
             if (l == 0 && round < KQ_CS_MAXR) st_cluster_f32(&cpart[round][wpart][g], 0, y);
+#endif
         } else if constexpr (P2) {
             if (l == 0 && ws == 0) {
                 if (live) KQ_STORE(MODE, t, si, r, y * rs, 0.f);
@@ -743,6 +768,33 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             KQ_STORE(MODE, t, si, r, y * rs, up * rs);
         }
     }
+#if KQ_GSPLIT
+    if constexpr (CS > 1) {
+        // every part's sums are in kq_gpart before its block counts itself in (fence, then the
+        // count); the block counting in last reads them after a fence of its own (ld.cg: not from
+        // L1) and, like rank 0 below, adds them in part order; warp g's rows are the same in every
+        // block of the group (first and step depend on cb and g only)
+        __shared__ int gs_last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) gs_last = atomicAdd(&kq_gcount[cb], 1u) == (unsigned)(CS - 1);
+        __syncthreads();
+        if (gs_last) {
+            __threadfence();
+            if (lane < round && lane < KQ_CS_MAXR) {
+                int r = first + lane * step;  // (h = 0, R = 1)
+                if (r < total_rows) {
+                    float y = __ldcg(&kq_gpart[cb][lane][0][g]);
+#pragma unroll
+                    for (int q = 1; q < CS; ++q) y += __ldcg(&kq_gpart[cb][lane][q][g]);
+                    const int si = find_seg(t, r);
+                    KQ_STORE(MODE, t, si, r, y * rs, 0.f);
+                }
+            }
+            if (threadIdx.x == 0) kq_gcount[cb] = 0;  // for the next launch (it reads after its PDL wait)
+        }
+    }
+#else
     if constexpr (CS > 1) {
         // every part's stores have landed in rank 0's shared memory (release / acquire); rank 0
         // adds them in part order, as part 0 of an S = CS row group does, so the outputs are the
@@ -759,6 +811,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
         }
     }
+#endif
     KQ_MARK(3);
     KQ_XPF_TAIL(t);
 }
@@ -821,8 +874,13 @@ template <int S, int T, int MODE> constexpr int kKqMinBlocks =
 #if KQ_CSPLIT
 // kernel names: gemvkq_<store|add>_<type>_c2 / _c4 (CS blocks of a cluster per row group; the
 // KQ_CSPLIT build holds these alone). Launch bounds as the S = 1 instances'.
+#if KQ_GSPLIT
+#define KQ_CDIMS(CS)  // virtual clusters (KQ_GSPLIT): any grid that is a multiple of CS
+#else
+#define KQ_CDIMS(CS) __cluster_dims__(CS, 1, 1)
+#endif
 #define KQ_CINSTANCE(MODE, MNAME, T, TNAME, CS)                                                    \
-    extern "C" __global__ void __cluster_dims__(CS, 1, 1) KQ_LB8(1, T, MODE)                      \
+    extern "C" __global__ void KQ_CDIMS(CS) KQ_LB8(1, T, MODE)                                    \
     gemvkq_##MNAME##_##TNAME##_c##CS(const SegTable t, const float* x, const float* norm, float eps, \
                                      int K, int total_rows) {                                     \
         kq_body<KQ<T>, MODE, KQ_BLOCK_WARPS, 1, CS>(t, x, norm, eps, K, total_rows);              \
