@@ -27,7 +27,8 @@ def _default_build_switches(monkeypatch):
                  "GEMV_TMA_WARPS", "GEMV_TMA_MINB", "GEMV_TMA_RING", "GEMV_TMA_RPW", "GEMV_TMA_BPS"):
         monkeypatch.setattr(ops, knob, "")
     monkeypatch.setattr(ops, "GEMV_IQ4_XIL", "1")
-    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "1")
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "")
     monkeypatch.setattr(ops, "GEMV_KQ_BW", "")
 
 
@@ -791,7 +792,8 @@ def test_csplit_routing(monkeypatch):
     for off in ("0", ""):
         monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", off)
         assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) is None
-    assert ops.kv9_csplit_defines(("KQ_P2=1", "KQ_WMAJ=1", "IQ4_XIL=0")) == ("KQ_P2=1", "IQ4_XIL=0", "KQ_CSPLIT=1")
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "0")
+    assert ops.kv9_csplit_defines(("KQ_P2=1", "KQ_WMAJ=1", "IQ4_XIL=0"), 4) == ("KQ_P2=1", "IQ4_XIL=0", "KQ_CSPLIT=1")
     monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")
     assert ops.kv9_csplit("gemvkq_store_q4_k_s2", "store", 2, False, f32_rows=True) is None  # F32 rows beside
 
@@ -1017,10 +1019,11 @@ def test_gemv_routes_csplit(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "auto")
     monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "0")  # hardware clusters (test_gemv_routes_gsplit: the groups)
     ptr = lambda i: 1 << 20 + i
     n = _gemv_node("store", [Q4_K], 5120, 64, ptr)  # split 2 by kv9_split (as the IQ3_S test above)
     assert n.kernel.name == "gemvkq_store_q4_k_c2" and n.grid == (2 * 4,) and n.block == (512,)
-    assert n.defines == ops.kv9_csplit_defines(ops.kv9_defines())
+    assert n.defines == ops.kv9_csplit_defines(ops.kv9_defines(), 2)
     assert _gemv_node("store", [IQ3_S], 5120, 64, ptr).kernel.name == "gemvkq_store_iq3_s_s2"  # not its type
     n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)  # the 27B's ffn_down: split 4
     assert n.kernel.name == "gemvkq_add_q4_k_c2" and n.grid == (2 * 132,)
@@ -1070,9 +1073,16 @@ def test_gemv_routes_gsplit(monkeypatch):
     ptr = lambda i: 1 << 20 + i
     n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)  # the 27B's ffn_down: split 4
     assert n.kernel.name == "gemvkq_add_q4_k_c4" and n.grid == (4 * 66,) and n.block == (512,)
-    assert n.defines == ops.kv9_csplit_defines(ops.kv9_defines()) and n.defines[-2:] == ("KQ_CSPLIT=1", "KQ_GSPLIT=1")
+    assert n.defines == ops.kv9_csplit_defines(ops.kv9_defines(), 4) and n.defines[-2:] == ("KQ_CSPLIT=1", "KQ_GSPLIT=1")
     n = _gemv_node("store", [Q4_K], 5120, 64, ptr)  # 4 row groups of 16 warps: 4 groups of 2 blocks
-    assert n.kernel.name == "gemvkq_store_q4_k_c2" and n.grid == (2 * 4,)
+    assert n.kernel.name == "gemvkq_store_q4_k_c2" and n.grid == (2 * 4,) and "KQ_GSPLIT=1" in n.defines
+    # "4": groups of 4 in global memory, 2-part nodes as hardware clusters (their occupancy query)
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "4")
+    n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)
+    assert n.kernel.name == "gemvkq_add_q4_k_c4" and n.grid == (4 * 66,) and "KQ_GSPLIT=1" in n.defines
+    n = _gemv_node("add", [Q4_K], 6144, 5120, ptr)  # the 27B's ssm_out: split 2
+    assert n.kernel.name == "gemvkq_add_q4_k_c2" and "KQ_GSPLIT=1" not in n.defines and n.grid == (2 * 132,)
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "1")
     monkeypatch.setattr(ops.module, "blocks_per_sm", lambda k, threads, smem: 16)  # 528 groups of 4 > 512
     n = _gemv_node("add", [Q4_K], 17408, 16 * 600, ptr)  # 600 row groups (kv9_split picks 2 or 4 parts)
     cs = int(n.kernel.name[-1])
@@ -1081,6 +1091,7 @@ def test_gemv_routes_gsplit(monkeypatch):
     assert re.search(r"^#define KQ_GS_MAXCB (\d+)", src, re.M).group(1) == str(ops.KQ_GS_MAXCB)
     monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "0")
     assert "KQ_GSPLIT=1" not in _gemv_node("add", [Q4_K], 17408, 5120, ptr).defines
-    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "yes")
-    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_GSPLIT"):
-        ops.kv9_defines()
+    for bad in ("yes", "2", " 1"):
+        monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_GSPLIT"):
+            ops.kv9_defines()

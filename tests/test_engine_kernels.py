@@ -998,9 +998,10 @@ def test_xpf_build_is_bitwise_equal_to_the_default(monkeypatch):
         pytest.skip("q16 kernels")
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     for knob in ("GEMV_KQ_SPLIT", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_P2", "GEMV_KQ_P2_MIN_ROWS", "GEMV_KQ_CSPLIT",
-                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_BW", "GEMV_KQ_WMAJ"):
+                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_BW", "GEMV_KQ_WMAJ",
+                 "GEMV_KQ_GSPLIT"):
         monkeypatch.setattr(eops, knob, {"GEMV_KQ_SPLIT": "auto", "GEMV_KQ_P2": "q6_k", "GEMV_KQ_P2_MIN_ROWS": "2048",
-                                         "GEMV_KQ_CSPLIT": "2"}.get(knob, ""))
+                                         "GEMV_KQ_CSPLIT": "1"}.get(knob, ""))
     rng = np.random.default_rng(47)
     keep = []
     K = 5120
@@ -1071,7 +1072,7 @@ def test_fused_conv_is_bitwise_equal_to_the_conv_node(wide, monkeypatch):
     for knob, v in (("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_WIDE_MIN_ROWS", ""),
                     ("GEMV_KQ_XPF", ""), ("GEMV_KQ_BW", ""), ("GEMV_KQ_WMAJ", ""), ("GEMV_KQ_DQ", ""),
                     ("GEMV_KQ_DQ_P", ""), ("GEMV_KQ_DQ_T", ""), ("GEMV_KQ_DQ_MAP", ""), ("GEMV_KQ_P2", "q6_k"),
-                    ("GEMV_KQ_P2_MIN_ROWS", "2048"), ("GEMV_KQ_CSPLIT", "2")):
+                    ("GEMV_KQ_P2_MIN_ROWS", "2048"), ("GEMV_KQ_CSPLIT", "1"), ("GEMV_KQ_GSPLIT", "")):
         monkeypatch.setattr(eops, knob, v)
     rng = np.random.default_rng(53)
     keep = []

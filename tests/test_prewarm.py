@@ -14,7 +14,7 @@ from backends.engine import module, ops, prewarm
 def _default_switches(monkeypatch):
     """The builds at the engine's defaults, whatever the shell exports (the cluster split on,
     no latency A/B build, the 8-lane kernels)."""
-    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "1")
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF", "GEMV_KQ_WMAJ", "GEMV_KQ_BW", "GEMV_KQ_DQ",
                  "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_GSPLIT"):
@@ -34,7 +34,8 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
         if source == "gemv_kq.cu":  # the builds the engine's v9 nodes use (ops.gemv: kv9_defines() + IQ3_S grid's (),
             # and the wide build of that for the split-1 nodes of many rows)
             base = ops.kv9_defines() + ops.kv9_iq3s_defines([12])
-            assert defines in (base, ops.kv9_wide_defines(base), ops.kv9_csplit_defines(base),
+            assert defines in (base, ops.kv9_wide_defines(base), ops.kv9_csplit_defines(base, 2),
+                               ops.kv9_csplit_defines(base, 4),
                                ops.kv9_dq_defines(ops.kv9_wide_defines(base))), defines
         else:
             assert set(defines) <= {"GEMV_IQ4", "ACT_Q8_1", "PF_AHEAD=0", "PF_AHEAD=1"}
@@ -95,7 +96,7 @@ def test_csplit_build_only_when_switched_on(monkeypatch):
         monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", on)
         monkeypatch.setattr(ops, "GEMV_KQ_WMAJ", "1")
         cs = [(d, n) for s, d, n in prewarm.builds() if "KQ_CSPLIT=1" in d]
-        assert cs == [(ops.kv9_csplit_defines(ops.kv9_defines()), "gemvkq_store_q4_k_c4")]
+        assert cs == [(ops.kv9_csplit_defines(ops.kv9_defines(), 2), "gemvkq_store_q4_k_c4")]
         assert "KQ_WMAJ=1" in ops.kv9_defines() and not any(d.startswith("KQ_WMAJ") for d in cs[0][0])
     assert "KQ_CMODES(T_Q4_K, q4_k)" in (module.KERNEL_DIR / "gemv_kq.cu").read_text()
     monkeypatch.setattr(ops, "GEMV_KQ_PIPE", "2")
@@ -104,6 +105,13 @@ def test_csplit_build_only_when_switched_on(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ", "v9")  # Q4_K / Q5_K on the 4-lane kernels: no cluster node
     assert not any("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds())
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
+    # GGUF_HARNESS_GEMV_KQ_GSPLIT=4: groups of 4 and hardware clusters of 2 are two builds
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "1")
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "4")
+    cs = [d for s, d, n in prewarm.builds() if "KQ_CSPLIT=1" in d]
+    assert cs == [ops.kv9_csplit_defines(ops.kv9_defines(), 2), ops.kv9_csplit_defines(ops.kv9_defines(), 4)]
+    assert "KQ_GSPLIT=1" not in cs[0] and "KQ_GSPLIT=1" in cs[1]
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "")
     monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "0")
     assert not any("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds())
 

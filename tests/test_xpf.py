@@ -24,7 +24,7 @@ def test_xpf_switch(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_XPF", "16")
     assert ops.kv9_xpf_bytes() == 16 * MiB and "KQ_XPF=1" in ops.kv9_defines()
     assert "KQ_XPF=1" in ops.kv9_wide_defines(ops.kv9_defines())
-    assert "KQ_XPF=1" in ops.kv9_csplit_defines(ops.kv9_defines())
+    assert "KQ_XPF=1" in ops.kv9_csplit_defines(ops.kv9_defines(), 4)
     for bad in ("33", "-1", "8M", "1.5", "on", "\u0668"):
         monkeypatch.setattr(ops, "GEMV_KQ_XPF", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_XPF"):

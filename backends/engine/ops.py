@@ -208,16 +208,17 @@ GEMV_KQ_WMAJ = os.environ.get("GGUF_HARNESS_GEMV_KQ_WMAJ", "0")
 # spill 4-8 bytes at 32 warps (ptxas 13.0).
 GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
 # KQ_CSPLIT: v9 store/add nodes of split S > 1 without a fused norm run the cluster-split kernels
-# (kernels/gemv_kq.cu KQ_CSPLIT: the S parts of a row group in the S blocks of a thread-block
-# cluster, each staging only its part of x; kv9_csplit). "1": on, a cluster of S blocks (A/B,
-# written in session 16); "2": on, clusters of at most 2 blocks (an S = 4 node runs as a cluster
-# of 2: H200, session 16, only 61-62 clusters of 4 were resident, 248 of 264 block slots, and one
-# cluster ran as a second wave), the default since session 16 (H200: the 27B step 6673.0 -> 6463.4
-# us, -3.1 %; decode x1.67 -> x1.72 llama.cpp); "0": off. Bitwise equal outputs to the
-# _s<cluster size> kernels (the same partial sums, added in the same order). The latency A/B builds
-# (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF) keep the S-split kernels (their prefetch and carry code
-# has not run in cluster form), and a cluster build never has KQ_WMAJ (block-major clusters only).
-GEMV_KQ_CSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_CSPLIT", "2")
+# (kernels/gemv_kq.cu KQ_CSPLIT: the S parts of a row group in the S blocks of a group, each
+# staging only its part of x; kv9_csplit). "1": on, groups of S blocks (the default since session
+# 18, with KQ_GSPLIT's groups below); "2": on, groups of at most 2 blocks (an S = 4 node runs as 2
+# parts; the default of sessions 16-17 with hardware clusters: H200, session 16, only 61-62
+# clusters of 4 were resident, 248 of 264 block slots, and one cluster ran as a second wave; the 27B
+# step 6673.0 -> 6463.4 us, -3.1 %, decode x1.67 -> x1.72 llama.cpp); "0": off. Bitwise equal
+# outputs to the _s<group size> kernels (the same partial sums, added in the same order). The
+# latency A/B builds (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF) keep the S-split kernels (their
+# prefetch and carry code has not run in cluster form), and a cluster build never has KQ_WMAJ
+# (block-major groups only).
+GEMV_KQ_CSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_CSPLIT", "1")
 KQ_CS_MAXR = 8  # kernels/gemv_kq.cu KQ_CS_MAXR: grid-stride rounds a cluster-split warp may have (ops.gemv
 # bounds it: the kernel keeps the partial sums of that many rounds; a test ties the two values)
 # The types whose nodes take it: the ones measured faster (H200, session 16, cold back to back,
@@ -226,11 +227,15 @@ KQ_CS_MAXR = 8  # kernels/gemv_kq.cu KQ_CS_MAXR: grid-stride rounds a cluster-sp
 KV9_CSPLIT_TYPES = ("q4_k", "q5_k")
 # KQ_GSPLIT: the cluster-split kernels without hardware clusters (kernels/gemv_kq.cu KQ_GSPLIT):
 # blocks CS q .. CS q + CS - 1 exchange their parts' sums through global memory and the last of
-# them to finish adds and stores, so every block slot is used (clusters of 4 got only 61-62 of 66
-# clusters resident on the H200, session 16). "1": on (A/B, written in session 18; with
-# GGUF_HARNESS_GEMV_KQ_CSPLIT=1 for parts of S, 4 at the 27B's ffn_down); "0" or unset: off.
-# Bitwise equal outputs to the _s<parts> kernels (the same partial sums in the same order).
-GEMV_KQ_GSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_GSPLIT", "")
+# them to finish adds and stores, so every block slot is used. "1" or unset: every cluster-split
+# node (the default since session 18); "4": groups of 4 only, groups of 2 as hardware clusters
+# (A/B, not yet measured); "0": hardware clusters (__cluster_dims__) for all. Bitwise equal outputs
+# either way. Measured (H200, session 18, 27B c = 2048, `harness bench nodes`, same machine start,
+# two pairs): with GGUF_HARNESS_GEMV_KQ_CSPLIT=1 the step 6345.2 / 6343.0 (clusters of 2, the old
+# default) -> 6302.5 / 6303.1 us (-0.65 %): ffn_down Q4_K / Q5_K (4 parts) -1.7 / -2.0 %, but the
+# 2-part ssm_out / attn_output +7.7 % (hence "4"); with clusters of at most 2 (CSPLIT=2) the step
+# +1.0 % (ffn_down +3.3 % as 2 parts in global memory).
+GEMV_KQ_GSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_GSPLIT", "1")
 KQ_GS_MAXCB = 512  # kernels/gemv_kq.cu KQ_GS_MAXCB: virtual clusters a KQ_GSPLIT grid may have
 
 
@@ -362,19 +367,22 @@ def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool =
     return kname[: -len(f"_s{split}")] + f"_c{min(split, 4 if GEMV_KQ_CSPLIT == '1' else 2)}"
 
 
-def kv9_gsplit() -> bool:
-    """Whether the cluster-split nodes run without hardware clusters (GGUF_HARNESS_GEMV_KQ_GSPLIT=1,
-    kernels/gemv_kq.cu KQ_GSPLIT). ValueError unless "", 0 or 1."""
-    _switch01("GGUF_HARNESS_GEMV_KQ_GSPLIT", GEMV_KQ_GSPLIT)
-    return GEMV_KQ_GSPLIT == "1"
+def kv9_gsplit(cs: int) -> bool:
+    """Whether a cluster-split node of `cs` parts (2 or 4) runs its parts as a group of blocks
+    meeting in global memory rather than a hardware cluster (GGUF_HARNESS_GEMV_KQ_GSPLIT: "" or 1
+    every group, 4 groups of 4 only, 0 none; kernels/gemv_kq.cu KQ_GSPLIT). ValueError on another
+    switch value."""
+    if GEMV_KQ_GSPLIT not in ("", "0", "1", "4"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_GSPLIT={GEMV_KQ_GSPLIT!r}: expected 0, 1 or 4")
+    return GEMV_KQ_GSPLIT in ("", "1") or (GEMV_KQ_GSPLIT == "4" and cs == 4)
 
 
-def kv9_csplit_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
-    """The gemv_kq.cu defines of the cluster-split build: `defines` (kv9_defines() + ...) without
-    KQ_WMAJ (the cluster kernels deal row groups block-major), plus KQ_CSPLIT=1 (and KQ_GSPLIT=1
-    when kv9_gsplit())."""
+def kv9_csplit_defines(defines: tuple[str, ...], cs: int) -> tuple[str, ...]:
+    """The gemv_kq.cu defines of the cluster-split build of a node of `cs` parts: `defines`
+    (kv9_defines() + ...) without KQ_WMAJ (the cluster kernels deal row groups block-major), plus
+    KQ_CSPLIT=1, and KQ_GSPLIT=1 when kv9_gsplit(cs)."""
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
-            + (("KQ_GSPLIT=1",) if kv9_gsplit() else ()))
+            + (("KQ_GSPLIT=1",) if kv9_gsplit(cs) else ()))
 
 
 def kv9_warps() -> int:
@@ -441,7 +449,7 @@ def kv9_defines() -> tuple[str, ...]:
     if GEMV_KQ_WMAJ == "1":
         out.append("KQ_WMAJ=1")
     kv9_csplit("", "store", 1, False)  # refuse a bad GGUF_HARNESS_GEMV_KQ_CSPLIT (a routing switch) early
-    kv9_gsplit()  # likewise GGUF_HARNESS_GEMV_KQ_GSPLIT (a define of the cluster build only)
+    kv9_gsplit(4)  # likewise GGUF_HARNESS_GEMV_KQ_GSPLIT (a define of the cluster build only)
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
@@ -765,13 +773,13 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             k, nw = v9k(split), 32
         elif cname := kv9_csplit(kv9_kernel(mode, types, K, l4, split, rows), mode, split, norm is not None,
                                  f32_rows=0 in types):
-            # GGUF_HARNESS_GEMV_KQ_CSPLIT: a cluster of 2 (switch 1: `split`) blocks per row group,
-            # as many clusters as are co-resident, at most KQ_CS_MAXR rounds (else the S-split)
-            cdefs = kv9_csplit_defines(kdefs)
+            # GGUF_HARNESS_GEMV_KQ_CSPLIT: a group of `split` (switch 2: at most 2) blocks per row
+            # group, as many groups as are co-resident, at most KQ_CS_MAXR rounds (else the S-split)
+            cs = int(cname[-1])  # the cluster size (_c2 / _c4)
+            cdefs = kv9_csplit_defines(kdefs, cs)
             ck = module.kernel_in("gemv_kq.cu", cname, cdefs)
             module.allow_smem(ck, smem)
-            cs = int(cname[-1])  # the cluster size (_c2 / _c4)
-            if kv9_gsplit():  # virtual clusters: every block slot, at most KQ_GS_MAXCB groups
+            if kv9_gsplit(cs):  # groups in global memory: every block slot, at most KQ_GS_MAXCB groups
                 resident = module.blocks_per_sm(ck, nw * 32, smem) * module.sm_count() // cs
                 clusters = min(-(-rows // nw), resident, KQ_GS_MAXCB)
             else:

@@ -67,7 +67,7 @@ BUILDS: tuple[tuple[str, tuple[str, ...] | None, str], ...] = (
 def builds() -> list[tuple[str, tuple[str, ...], str]]:
     """BUILDS with the engine's v9 defines filled in (ops.kv9_defines(); the wide entry as
     ops.kv9_wide_defines of those, left out under GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS=off; the
-    cluster-split build while GGUF_HARNESS_GEMV_KQ_CSPLIT is on, the queue build while
+    cluster-split build(s) while GGUF_HARNESS_GEMV_KQ_CSPLIT is on, the queue build while
     GGUF_HARNESS_GEMV_KQ_DQ=1 and wide nodes are on; ValueError
     on a bad GGUF_HARNESS_GEMV_KQ_* / IQ4_* switch value)."""
     out = []
@@ -78,8 +78,13 @@ def builds() -> list[tuple[str, tuple[str, ...], str]]:
         elif d is CSPLIT:
             # the switch is on and the 8-lane kernels run (GGUF_HARNESS_GEMV_KQ=v9 puts Q4_K / Q5_K
             # on the 4-lane ones, which have no cluster form)
-            if ops.GEMV_KQ == "v9l8" and ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False):
-                out.append((src, ops.kv9_csplit_defines(ops.kv9_defines()), name))
+            # one build per part count a node can get (GGUF_HARNESS_GEMV_KQ_GSPLIT=4 makes groups of 2
+            # and 4 different builds)
+            if ops.GEMV_KQ == "v9l8":
+                for cs in sorted({int(c[-1]) for c in (ops.kv9_csplit(f"gemvkq_store_q4_k_s{s}", "store", s, False)
+                                                       for s in (2, 4)) if c}):
+                    if (src, defs := ops.kv9_csplit_defines(ops.kv9_defines(), cs), name) not in out:
+                        out.append((src, defs, name))
         elif d is DQ:
             if ops.kv9_wide(1 << 30, 1) and ops.kv9_dq("gemvkq_swiglu_iq4_xs"):
                 out.append((src, ops.kv9_dq_defines(ops.kv9_wide_defines(ops.kv9_defines())), name))

@@ -338,6 +338,9 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 // [5120x17408] nodes (20480 parts over 4224 warps: 4.85 rounds, against 2.42 -> 3 rounds at 2
 // parts) and staged a quarter of x (5.0 -> 1.9 us), but the GPCs held only 61-62 clusters of 4
 // (one ran as a second wave; H200, session 16); without hardware clusters every block slot is used.
+// Measured (H200, session 18, the 27B at c = 2048, two pairs in one machine start): with groups of
+// S the step 6345.2 / 6343.0 -> 6302.5 / 6303.1 us; ffn_down (4 parts) -1.7 / -2.0 %, the 2-part
+// ssm_out / attn_output +7.7 % against hardware clusters of 2 (ops GGUF_HARNESS_GEMV_KQ_GSPLIT).
 #define KQ_GSPLIT 0
 #endif
 #define KQ_GS_MAXCB 512  // virtual clusters a KQ_GSPLIT grid may have (ops.gemv bounds it)
