@@ -291,8 +291,9 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 # (with 0 the 27B's ssm_in put its 96 F32 rows into its last block: that node +61 %).
 # KQ_XPF: every v9 GEMV node's warps, once their rows are done, ask L2 for the first bytes of the
 # rows the next v9 node takes first (kernels/gemv_kq.cu xpf_tail; backends/engine/xpf.py links the
-# nodes). A number of MiB (1..32): the most bytes per next node; "" or "0": off. A/B, written in
-# session 17, not yet run on a GPU. Bitwise equal outputs (prefetches only).
+# nodes). A number of MiB (1..32): the most bytes per next node; "" or "0": off. A/B, measured
+# slower (H200, session 18, the 27B step +1.9 % at 8 MiB, +3.5 % at 16: every node grew more than
+# the gap between nodes shrank). Bitwise equal outputs (prefetches only; GPU test passed).
 GEMV_KQ_XPF = os.environ.get("GGUF_HARNESS_GEMV_KQ_XPF", "")
 
 
@@ -308,8 +309,8 @@ def kv9_xpf_bytes() -> int:
 
 
 # KQ_CONV: qwen35's ssm_in node also runs its layer's causal conv (kernels/gemv_kq.cu KQ_CONV), so
-# the conv node goes (qwen35._deltanet). "1": on (A/B, written in session 17, not yet run on a
-# GPU); "0" or unset: off. Bitwise equal outputs and states.
+# the conv node goes (qwen35._deltanet). "1": on (A/B, measured slower: H200, session 18, the 27B
+# step +5.1 %, ssm_in +33 %); "0" or unset: off. Bitwise equal outputs and states (GPU test passed).
 GEMV_KQ_CONV = os.environ.get("GGUF_HARNESS_GEMV_KQ_CONV", "0")
 
 

@@ -408,7 +408,10 @@ __device__ __forceinline__ int grid_warp() { return (int)blockIdx.x * (int)(bloc
 // registers until its last warp ends), so its first rows are fetched only when it starts. The
 // rows are those the next node's warps take first (every v9 order starts with rows 0..W'-1 of
 // its row space), their first bytes those its first rounds read. Values are unchanged (a
-// prefetch does not write).
+// prefetch does not write). Measured (H200, session 18, 27B step at c = 2048): 6335.0 -> 6458.1 us
+// at 8 MiB, 6554.6 at 16 (+1.9 / +3.5 %): the step's gap over the node sum fell 171 -> 36 / -16
+// us, but every node grew more (ffn_down +11.7 % at 16 MiB): the finished warps' prefetches
+// compete with the node's own late rows. Off by default.
 static_assert(sizeof(SegTable) == 200 + 32 * KQ_CONV, "SegTable with KQ_XPF: 200 bytes, +32 with KQ_CONV (ops.table_dtype)");
 __device__ __forceinline__ void xpf_tail(const SegTable& t) {
     const int lane = threadIdx.x & 31, W = grid_warps(), gw = grid_warp();
@@ -439,6 +442,9 @@ __device__ __forceinline__ void xpf_tail(const SegTable& t) {
 // by one lane), so the conv node of the layer goes. Why: the 27B step ran 48 conv nodes of 0.9 us
 // each plus their node boundaries (session 16-17 node tables: ssm_conv 43 us, gap ~190 us over
 // 388 nodes). Values: bitwise the two-node form's (the same stored x, the same arithmetic).
+// Measured (H200, session 18, 27B step at c = 2048): 6335 -> 6660.5 us (+5.1 %): ssm_in +33 %
+// (7 us per node: the store's dependent state / taps loads end every row), the conv's 43 us gone.
+// Off by default; to win, its loads would have to be issued before the row's weight loads.
 static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32, "SegTable with KQ_CONV (ops.table_dtype)");
 template <int MODE> __device__ __forceinline__ void store_out(const SegTable& t, int si, int row, float y, float up) {
     store_row<MODE>(t.s[si], row, y, up);
