@@ -439,6 +439,7 @@ def side_info(result: dict, path: Path | str | None = None) -> dict:
     return {"path": str(path) if path is not None else None, "created": result.get("created"),
             "git": as_dict(machine.get("git")).get("sha"),
             "dirty": as_dict(machine.get("git")).get("dirty"),
+            "source": as_dict(machine.get("git")).get("source_sha256"),
             "gpu": as_dict(machine.get("gpu")).get("name"),
             "model": model.get("name"), "model_sha256": model.get("sha256"),
             "switches": as_dict(machine.get("switches")), "note": result.get("note")}

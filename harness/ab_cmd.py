@@ -129,8 +129,12 @@ def _switches(s: dict) -> str:
 
 def _sides(doc: dict) -> list[str]:
     lines = [f"{k}: {s['path']}  model {s['model']} ({str(s['model_sha256'])[:12]}), "
-             f"git {s['git']}{' dirty' if s['dirty'] else ''}, created {s['created']}{_switches(s)}"
+             f"git {s['git']}{' dirty' if s['dirty'] else ''}"
+             f"{', source ' + str(s['source'])[:12] if s.get('source') else ''}, created {s['created']}{_switches(s)}"
              for k, s in (("A", doc["a"]), ("B", doc["b"]))]
+    sa, sb = doc["a"].get("source"), doc["b"].get("source")
+    if sa and sb and sa != sb and doc["a"].get("git") == doc["b"].get("git"):
+        lines.append("note: A and B record the same git commit but ran different source code (source digests differ)")
     if (doc["a"].get("switches") or {}) != (doc["b"].get("switches") or {}):
         lines.append("note: A and B ran with different engine switches (GGUF_HARNESS_*)")
     return lines

@@ -1,6 +1,7 @@
 """Machine and software facts recorded in every result (CPU, GPU if any, versions, git)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -41,17 +42,44 @@ def versions() -> dict:
     return out
 
 
+# The code whose digest a result records (source_digest): the packages that compute and time
+SOURCE_DIRS = ("harness", "backends", "oracles")
+SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".h")
+
+
+def source_digest(root: Path | None = None) -> str | None:
+    """SHA256 (hex) over the project's source files: every file under SOURCE_DIRS of `root` (the
+    checkout holding this package) ending in SOURCE_SUFFIXES, in sorted relative-path order, each
+    as its path, a NUL, its size and its bytes. It names the code that ran where the git metadata
+    cannot: a tree copied with a stale or missing .git (a remote GPU machine's copy recorded an
+    older commit as clean). None when no such file can be read."""
+    root = root or Path(__file__).resolve().parent.parent
+    h, n = hashlib.sha256(), 0
+    files = sorted(p for d in SOURCE_DIRS for p in (root / d).rglob("*")
+                   if p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts and p.is_file())
+    for p in files:
+        try:
+            data = p.read_bytes()
+        except OSError:
+            continue
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+        n += 1
+    return h.hexdigest() if n else None
+
+
 def git_info(cwd: Path | None = None) -> dict:
-    """{'sha': ..., 'dirty': bool} of the checkout holding this package, or sha None."""
+    """{'sha': ..., 'dirty': bool, 'source_sha256': ...} of the checkout holding this package: sha
+    and dirty None without git; source_sha256 (source_digest) whatever git says."""
     cwd = cwd or Path(__file__).resolve().parent.parent
+    src = source_digest(cwd)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
                                capture_output=True, text=True, timeout=10).stdout.strip() != ""
-        return {"sha": sha, "dirty": dirty}
+        return {"sha": sha, "dirty": dirty, "source_sha256": src}
     except (OSError, subprocess.SubprocessError):
-        return {"sha": None, "dirty": None}
+        return {"sha": None, "dirty": None, "source_sha256": src}
 
 
 def gpu_info() -> dict | None:

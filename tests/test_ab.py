@@ -553,3 +553,40 @@ def test_html_names_the_gated_backends(tmp_path, capsys):
     html = (folder / "ab.html").read_text()
     assert "only SLOWER verdicts of engine fail the comparison" in html
     assert "not gated" in html and 'class="badge PASS"' in html
+
+
+def test_source_digest_names_the_code_not_the_git_metadata(tmp_path):
+    """machine.source_digest: the same tree gives the same digest, an edit of any engine or
+    harness source file (or a renamed one) another, and caches, other suffixes and other folders
+    none; machine info records it beside the git sha, and `harness ab` notes two results of one
+    commit that ran different code (a remote copy of the tree recorded a stale commit as clean)."""
+    from harness import machine
+    from harness.ab_cmd import _sides
+    assert machine.source_digest(tmp_path) is None  # no source file at all
+    (tmp_path / "backends" / "engine" / "kernels").mkdir(parents=True)
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "harness" / "cli.py").write_text("print(1)\n")
+    (tmp_path / "backends" / "engine" / "kernels" / "k.cu").write_text("// a kernel\n")
+    d0 = machine.source_digest(tmp_path)
+    assert d0 and len(d0) == 64 and machine.source_digest(tmp_path) == d0
+    (tmp_path / "harness" / "__pycache__").mkdir()
+    (tmp_path / "harness" / "__pycache__" / "cli.py").write_text("cached")
+    (tmp_path / "harness" / "notes.md").write_text("not code")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "x.py").write_text("elsewhere")
+    assert machine.source_digest(tmp_path) == d0
+    (tmp_path / "backends" / "engine" / "kernels" / "k.cu").write_text("// a kernel, edited\n")
+    d1 = machine.source_digest(tmp_path)
+    assert d1 != d0
+    (tmp_path / "backends" / "engine" / "kernels" / "k.cu").rename(tmp_path / "backends" / "engine" / "kernels" / "k2.cu")
+    assert machine.source_digest(tmp_path) not in (d0, d1)
+    info = machine.git_info(tmp_path)  # not a git checkout: no sha, the digest all the same
+    assert info["source_sha256"] == machine.source_digest(tmp_path) and info["sha"] is None
+    assert machine.machine_info()["git"]["source_sha256"] == machine.source_digest()
+    side = {"path": "a.json", "model": "m", "model_sha256": "0" * 64, "git": "abc", "dirty": False,
+            "created": "now", "switches": {}, "source": d0}
+    assert not any("different source code" in s for s in _sides({"a": side, "b": dict(side)}))
+    lines = _sides({"a": side, "b": dict(side, source=d1)})
+    assert f"source {d1[:12]}" in lines[1] and any("different source code" in s for s in lines)
+    # older results carry no digest: nothing is claimed
+    assert not any("different source code" in s for s in _sides({"a": dict(side, source=None), "b": side}))

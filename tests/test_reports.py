@@ -333,3 +333,11 @@ def test_report_from_json_refuses_other_schemas_and_names_reports_by_file(tmp_pa
     ra, rb = render_report_from_json(a), render_report_from_json(b)
     assert (ra.name, rb.name) == ("a-run.report.html", "b-run.report.html")
     assert ra.read_bytes() == rb.read_bytes() == out.read_bytes()
+
+
+def test_machine_section_shows_the_source_digest(full):
+    """The report's machine table names the code that ran (machine.source_digest) beside git."""
+    res, _, html = full
+    digest = res["machine"]["git"].get("source_sha256")
+    assert digest and len(digest) == 64
+    assert digest in html and "source SHA256" in html
