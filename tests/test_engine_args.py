@@ -789,9 +789,10 @@ def test_csplit_routing(monkeypatch):
         monkeypatch.setattr(ops, knob, "1")
         assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) is None
         monkeypatch.setattr(ops, knob, "")
-    for off in ("0", ""):
-        monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", off)
-        assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) is None
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "0")
+    assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) is None
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "")  # unset: the default, groups of S
+    assert ops.kv9_csplit("gemvkq_store_q4_k_s4", "store", 4, False) == "gemvkq_store_q4_k_c4"
     monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "0")
     assert ops.kv9_csplit_defines(("KQ_P2=1", "KQ_WMAJ=1", "IQ4_XIL=0"), 4) == ("KQ_P2=1", "IQ4_XIL=0", "KQ_CSPLIT=1")
     monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "2")

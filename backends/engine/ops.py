@@ -217,7 +217,7 @@ GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
 # outputs to the _s<group size> kernels (the same partial sums, added in the same order). The
 # latency A/B builds (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF) keep the S-split kernels (their
 # prefetch and carry code has not run in cluster form), and a cluster build never has KQ_WMAJ
-# (block-major groups only).
+# (block-major groups only). Unset or "": the default (1).
 GEMV_KQ_CSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_CSPLIT", "1")
 KQ_CS_MAXR = 8  # kernels/gemv_kq.cu KQ_CS_MAXR: grid-stride rounds a cluster-split warp may have (ops.gemv
 # bounds it: the kernel keeps the partial sums of that many rounds; a test ties the two values)
@@ -350,7 +350,8 @@ def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:
     """The cluster-split kernel (kernels/gemv_kq.cu KQ_CSPLIT build) that replaces the v9 kernel
-    `kname` of a node at split `split` when GGUF_HARNESS_GEMV_KQ_CSPLIT is 1 or 2 (the default) and
+    `kname` of a node at split `split` when GGUF_HARNESS_GEMV_KQ_CSPLIT is 1 (or unset: the default)
+    or 2 and
     no latency A/B build (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF) is set, else None: only 8-lane
     store/add kernels of one row per warp (gemvkq_, not _p2) of a KV9_CSPLIT_TYPES type (Q4_K,
     Q5_K), split 2 or 4, without a fused norm and without F32 rows beside (`f32_rows`: f32_row
@@ -358,14 +359,14 @@ def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool =
     (`normed`: the cluster's blocks stage disjoint parts of x, so none sees every square).
     gemvkq_<mode>_<type>_s<S> -> gemvkq_<mode>_<type>_c<S> (switch 2: _c2 for S = 4 too). ValueError
     on a switch value other than "", 0, 1 or 2. The caller also bounds the rounds per warp (KQ_CS_MAXR)."""
-    if GEMV_KQ_CSPLIT not in ("", "0", "1", "2"):
+    if GEMV_KQ_CSPLIT not in ("", "0", "1", "2"):  # "": the default, 1
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_CSPLIT={GEMV_KQ_CSPLIT!r}: expected 0, 1 or 2")
-    if (GEMV_KQ_CSPLIT not in ("1", "2") or GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF
+    if (GEMV_KQ_CSPLIT == "0" or GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF
             or split not in (2, 4) or mode not in ("store", "add") or normed or f32_rows
             or not any(f"_{t}_s" in kname for t in KV9_CSPLIT_TYPES)
             or not kname.startswith("gemvkq_") or "_p2" in kname or not kname.endswith(f"_s{split}")):
         return None
-    return kname[: -len(f"_s{split}")] + f"_c{min(split, 4 if GEMV_KQ_CSPLIT == '1' else 2)}"
+    return kname[: -len(f"_s{split}")] + f"_c{min(split, 2 if GEMV_KQ_CSPLIT == '2' else 4)}"
 
 
 def kv9_gsplit(cs: int) -> bool:

@@ -327,7 +327,7 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 #define KQ_CS_MAXR 8  // rounds (grid-stride passes) a cluster-split warp may have (ops.gemv bounds it;
                       // rows of later rounds would not be stored)
 #ifndef KQ_GSPLIT
-// KQ_GSPLIT=1 (with KQ_CSPLIT=1; ops GGUF_HARNESS_GEMV_KQ_GSPLIT, A/B written in session 18): the
+// KQ_GSPLIT=1 (with KQ_CSPLIT=1; ops GGUF_HARNESS_GEMV_KQ_GSPLIT, the default since session 18): the
 // same _c2 / _c4 entries without __cluster_dims__. Blocks CS q .. CS q + CS - 1 are a "virtual
 // cluster" (rank = blockIdx.x % CS, as a 1-D cluster's rank): each part's sums go to global memory
 // (kq_gpart) instead of rank 0's shared memory, each block counts itself in (kq_gcount, after a
@@ -341,6 +341,12 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 // Measured (H200, session 18, the 27B at c = 2048, two pairs in one machine start): with groups of
 // S the step 6345.2 / 6343.0 -> 6302.5 / 6303.1 us; ffn_down (4 parts) -1.7 / -2.0 %, the 2-part
 // ssm_out / attn_output +7.7 % against hardware clusters of 2 (ops GGUF_HARNESS_GEMV_KQ_GSPLIT).
+// Not reentrant: kq_gpart / kq_gcount belong to the compiled module, shared by every node built
+// from it, which is safe because the engine runs its nodes on one stream and every kernel calls
+// pdl_wait before its first global write (a node's writes follow the previous grid's completion,
+// the count's reset included). Two launches of one build on two streams would race. The grid must
+// be whole groups, at most KQ_GS_MAXCB of them: ops.gemv, through which every caller (the engine,
+// bench kernels, kernel_trace) builds these nodes, sizes it so.
 #define KQ_GSPLIT 0
 #endif
 #define KQ_GS_MAXCB 512  // virtual clusters a KQ_GSPLIT grid may have (ops.gemv bounds it)
@@ -630,7 +636,8 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
 // [5120 x K] nodes 1.2 waves of warps at 2 blocks of 16 warps per SM (measured session 8:
 // Q6_K [5120x17408] 46.0 us against gemv.cu's 39.9 with 4 warps per row).
 // CS > 1 (the KQ_CSPLIT build's _c2 / _c4 instances; S = 1): the S parts of a row group sit in
-// the CS blocks of a thread-block cluster instead of S warps of one block (see KQ_CSPLIT below).
+// the CS blocks of a thread-block cluster (KQ_GSPLIT: of a group of consecutive blocks) instead
+// of S warps of one block (see KQ_CSPLIT and KQ_GSPLIT above).
 template <class Q, int MODE, int NW, int S, int CS = 1>
 __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const float* norm, float eps,
                                         int K, int total_rows) {
