@@ -20,7 +20,7 @@ from harness.gguf_file import open_gguf
 from ..base import CAP_GRAPH, CAP_MEMORY, CAP_NODES, CAP_TIMINGS
 from .executor import Executor
 from . import ops as _ops
-from . import xpf
+from . import switches, xpf
 from .formats import check_type
 
 
@@ -227,7 +227,8 @@ class EngineBackend:
         the start of load() minus after load / after the step graphs were first captured and
         run (None before a step; device-wide, so it includes CUDA module and graph memory and
         any other process's allocations); pool_bytes: CuPy memory-pool bytes the engine's own
-        arrays took at load (weights arena, step buffers, KV cache, node workspaces)."""
+        arrays took at load (weights arena, step buffers, KV cache, node workspaces);
+        switches_effective: every engine switch's value as run (switches.effective)."""
         return {"bytes_resident": self.arena.bytes_resident, "kv_bytes": self.bufs.kv_bytes(),
                 "planned_bytes": self.planned_bytes, "plan_free_bytes": self.plan.free,
                 "vram_limit": self.vram_limit,
@@ -237,4 +238,6 @@ class EngineBackend:
                 "measured_bytes_step": self.measured_bytes_step,
                 "nodes_per_step": len(self.step_exec.nodes),
                 "bytes_per_step": sum(n.bytes for n in self.step_exec.nodes),
-                "gemv_impl": _ops.GEMV_IMPL, "attn_impl": _ops.ATTN_IMPL}
+                "gemv_impl": _ops.GEMV_IMPL, "attn_impl": _ops.ATTN_IMPL,
+                # every switch's value as run (unset ones too: defaults change between versions)
+                "switches_effective": switches.effective()}
