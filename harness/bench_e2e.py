@@ -11,7 +11,8 @@ per step (harness.model_bytes) / step time, as % of the copy bandwidth. Engine/l
 ratios are reported per context. Throughput is only meaningful next to a passing
 verification of the same backend, so it is only run after one, into the same result.
 A backend with the "memory" capability (the engine) adds its planned vs measured device
-memory after the bench to the row (row["memory"], MEMORY_KEYS of its info()).
+memory after the bench to the row (row["memory"], MEMORY_KEYS of its info()), and the switch
+values it ran with where its info() gives them (row["switches_effective"]).
 """
 from __future__ import annotations
 
@@ -79,12 +80,17 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
 
 
 def _memory(backend) -> dict:
-    """{"memory": planned vs measured device memory} of a backend that reports it, else {}."""
+    """{"memory": planned vs measured device memory} of a backend that reports it (plus
+    "switches_effective" when its info() has them: the engine's, backends/engine/switches.py),
+    else {}."""
     from backends.base import CAP_MEMORY
     if CAP_MEMORY not in backend.capabilities():
         return {}
     info = backend.info()
-    return {"memory": {k: info.get(k) for k in MEMORY_KEYS}}
+    out = {"memory": {k: info.get(k) for k in MEMORY_KEYS}}
+    if info.get("switches_effective") is not None:
+        out["switches_effective"] = info["switches_effective"]
+    return out
 
 
 def rep_rates(n_tokens, seconds) -> list[float]:

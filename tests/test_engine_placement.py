@@ -167,7 +167,8 @@ def test_bench_row_records_planned_vs_measured_memory():
 
         def info(self):
             return {"token_embd": "host", "planned_bytes": 100, "measured_bytes_step": 90,
-                    "vram_limit": self.cfg.vram_limit, "nodes_per_step": 7}
+                    "vram_limit": self.cfg.vram_limit, "nodes_per_step": 7,
+                    "switches_effective": {"GGUF_HARNESS_GEMV_KQ_CSPLIT": "1"}}
 
         def close(self):
             pass
@@ -180,6 +181,8 @@ def test_bench_row_records_planned_vs_measured_memory():
     assert set(mem) == set(MEMORY_KEYS)
     assert mem["token_embd"] == "host" and mem["vram_limit"] == 4096 and mem["bytes_host"] is None
     assert "memory" not in rows["llamacpp"]
+    assert rows["engine"]["switches_effective"] == {"GGUF_HARNESS_GEMV_KQ_CSPLIT": "1"}
+    assert "switches_effective" not in rows["llamacpp"]
 
 
 # ---- GPU -----------------------------------------------------------------------------------
