@@ -371,6 +371,36 @@ def test_determinism_reset_and_replay(tiny_qwen35_f32):
 
 
 @pytest.mark.gpu
+def test_qkv_beside_is_bitwise_equal_to_split(tiny_qwen35_mix, monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_MIXED=beside (ops.gemv_nodes, executor.Executor): the attention
+    layers' qkv parts of two types run on two streams (a fork and a join in the captured graph),
+    which changes no value: the logits of prefill and steps, in the graph and eager, equal the
+    in-line (split) order's bit for bit (ud-q4_k_m's qkv: Q4_K q rows, Q6_K k and v rows)."""
+    from backends.engine import ops as eops
+    path = tiny_qwen35_mix("ud-q4_k_m")
+    out = {}
+    for mixed in ("split", "beside"):
+        monkeypatch.setattr(eops, "GEMV_KQ_MIXED", mixed)
+        eng = _engine(path)
+        nodes = eng.step_exec.nodes
+        beside = [n.name for n in nodes if n.beside]
+        assert (len(beside) == 2) == (mixed == "beside"), beside  # layers 3 and 7: their Q6_K k, v
+        if mixed == "beside":
+            i = [n.name for n in nodes].index(beside[0])
+            assert nodes[i + 1].name.endswith("qkv.q4_k") and not nodes[i + 1].beside
+        shas = [metrics.logits_sha256(eng.prefill(PROMPT))]
+        for t in (5, 11, 200, 3):
+            shas.append(metrics.logits_sha256(eng.step(t)))
+        eng.bufs.state.set(np.array([7, eng.pos, 0, 0], np.int32), stream=eng.stream)
+        eng.step_exec.run_eager()  # the fork and join outside a graph too
+        eng.stream.synchronize()
+        shas.append(metrics.logits_sha256(eng.bufs.logits.get()))
+        out[mixed] = shas
+        eng.close()
+    assert out["beside"] == out["split"]
+
+
+@pytest.mark.gpu
 def test_engine_info_counts_nodes_and_state(tiny_qwen35_f32):
     from backends.engine import qwen35
     eng = _engine(tiny_qwen35_f32)

@@ -26,6 +26,9 @@ class Node:
     fmt: str = ""
     keep: list = field(default_factory=list)  # device arrays the args point into (lifetime)
     defines: tuple = ()  # preprocessor defines of the kernel's build (v9 GEMVs: ops.gemv's kdefs)
+    # runs on a side stream beside the next node that is not `beside` (both after the node before
+    # them); the node after that one waits for both (ops.gemv_nodes "beside": qkv's Q6_K rows)
+    beside: bool = False
     _pdl: Any = field(default=None, init=False, repr=False, compare=False)
 
     def launch(self, pdl_ok: bool = True) -> None:
@@ -41,22 +44,55 @@ class Node:
 
 
 class Executor:
-    """Runs `nodes` on `stream` (a cupy Stream); `capture()` builds the CUDA graph once."""
+    """Runs `nodes` on `stream` (a cupy Stream); `capture()` builds the CUDA graph once.
+    Nodes marked `beside` run on a second stream (a fork from the main stream before them, a
+    join after the main node beside them), in eager runs and in the graph alike; the per-node
+    timings and first_nonfinite run every node in list order on the main stream."""
 
     def __init__(self, nodes: list[Node], stream):
         self.nodes, self.stream, self.graph = nodes, stream, None
+        self._side = self._fork = self._join = None
+
+    def _launch_all(self) -> None:
+        """Launch every node on self.stream (current), `beside` nodes on the side stream:
+        fork event recorded on the main stream, waited for by the side stream; the side's join
+        event waited for by the main stream right after the next main node's launch."""
+        if not any(n.beside for n in self.nodes):
+            for n in self.nodes:
+                n.launch()
+            return
+        import cupy as cp
+        if self._side is None:
+            self._side = cp.cuda.Stream(non_blocking=True)
+            self._fork, self._join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+        pending = False  # a side launch the main stream has not joined yet
+        for n in self.nodes:
+            if n.beside:
+                if not pending:
+                    self._fork.record(self.stream)
+                    self._side.wait_event(self._fork)
+                with self._side:
+                    n.launch()
+                pending = True
+            else:
+                n.launch()
+                if pending:
+                    self._join.record(self._side)
+                    self.stream.wait_event(self._join)
+                    pending = False
+        if pending:  # a side launch last: join before the step ends (a capture must rejoin)
+            self._join.record(self._side)
+            self.stream.wait_event(self._join)
 
     def run_eager(self) -> None:
         with self.stream:
-            for n in self.nodes:
-                n.launch()
+            self._launch_all()
 
     def capture(self) -> None:
         with self.stream:
             self.stream.begin_capture()
             try:
-                for n in self.nodes:
-                    n.launch()
+                self._launch_all()
             finally:
                 self.graph = self.stream.end_capture()
 

@@ -318,6 +318,9 @@ GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
 GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
 GEMV_KQ_DQ_T = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_T", "")
 GEMV_KQ_DQ_MAP = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_MAP", "")
+# KQ_DQ_ASK (kernels/gemv_kq.cu): "1" broadcasts the queue's answer after the row instead of before
+# it (an A/B build of the queue; "" or "0": before, the measured form of session 17)
+GEMV_KQ_DQ_ASK = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_ASK", "")
 
 
 def kv9_dq(kname: str) -> bool:
@@ -325,8 +328,8 @@ def kv9_dq(kname: str) -> bool:
     (GGUF_HARNESS_GEMV_KQ_DQ): 8-lane kernels of one row per warp at split 1 (gemvkq_, not _p2, no
     _s<S> suffix), SwiGLU ones unless the switch is "all" (off at "0"), and no latency A/B build
     (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF: their code is not in the queue loop). ValueError on a
-    GGUF_HARNESS_GEMV_KQ_DQ other than "", 0, 1 or all, a _DQ_MAP other than "", 0 or 1, a _DQ_P
-    other than "", 1, 2 or 4, a _DQ_T other than "" or 1..32."""
+    GGUF_HARNESS_GEMV_KQ_DQ other than "", 0, 1 or all, a _DQ_MAP or _DQ_ASK other than "", 0 or 1,
+    a _DQ_P other than "", 1, 2 or 4, a _DQ_T other than "" or 1..32."""
     if GEMV_KQ_DQ not in ("", "0", "1", "all"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ={GEMV_KQ_DQ!r}: expected 0, 1 or all")
     _switch01("GGUF_HARNESS_GEMV_KQ_DQ_MAP", GEMV_KQ_DQ_MAP)
@@ -334,6 +337,7 @@ def kv9_dq(kname: str) -> bool:
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_P={GEMV_KQ_DQ_P!r}: expected 1, 2 or 4")
     if GEMV_KQ_DQ_T and not (GEMV_KQ_DQ_T.isascii() and GEMV_KQ_DQ_T.isdigit() and 1 <= int(GEMV_KQ_DQ_T) <= 32):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_T={GEMV_KQ_DQ_T!r}: expected 1..32")
+    _switch01("GGUF_HARNESS_GEMV_KQ_DQ_ASK", GEMV_KQ_DQ_ASK)
     return (GEMV_KQ_DQ != "0" and not (GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF)
             and kname.startswith("gemvkq_") and "_p2" not in kname and not kname[-3:-1] == "_s"
             and (GEMV_KQ_DQ == "all" or kname.startswith("gemvkq_swiglu_")))
@@ -341,11 +345,12 @@ def kv9_dq(kname: str) -> bool:
 
 def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the queue build: `defines` (a wide build's) without KQ_WMAJ (the
-    queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T and
-    KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP)."""
+    queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T,
+    KQ_DQ_MAP and KQ_DQ_ASK are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP / _ASK)."""
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
             + tuple(f"{d}={int(v)}" for d, v in (("KQ_DQ_P", GEMV_KQ_DQ_P), ("KQ_DQ_T", GEMV_KQ_DQ_T),
-                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v))  # int: "08" is no C literal
+                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP), ("KQ_DQ_ASK", GEMV_KQ_DQ_ASK))
+                    if v))  # int: "08" is no C literal
 
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:
@@ -379,12 +384,21 @@ def kv9_gsplit(cs: int) -> bool:
     return GEMV_KQ_GSPLIT in ("", "1") or (GEMV_KQ_GSPLIT == "4" and cs == 4)
 
 
+# KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1": one fence by
+# thread 0 after the barrier (the cooperative-groups grid-sync form), "" or "0": a fence in every
+# thread before it (the measured form of session 18). Same values either way.
+GEMV_KQ_GS_FENCE = os.environ.get("GGUF_HARNESS_GEMV_KQ_GS_FENCE", "")
+
+
 def kv9_csplit_defines(defines: tuple[str, ...], cs: int) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the cluster-split build of a node of `cs` parts: `defines`
     (kv9_defines() + ...) without KQ_WMAJ (the cluster kernels deal row groups block-major), plus
-    KQ_CSPLIT=1, and KQ_GSPLIT=1 when kv9_gsplit(cs)."""
+    KQ_CSPLIT=1, and KQ_GSPLIT=1 when kv9_gsplit(cs) (with KQ_GS_FENCE=1 when
+    GGUF_HARNESS_GEMV_KQ_GS_FENCE is 1). ValueError on a _GS_FENCE other than "", 0 or 1."""
+    _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)
+    gs = kv9_gsplit(cs)
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
-            + (("KQ_GSPLIT=1",) if kv9_gsplit(cs) else ()))
+            + (("KQ_GSPLIT=1",) if gs else ()) + (("KQ_GS_FENCE=1",) if gs and GEMV_KQ_GS_FENCE == "1" else ()))
 
 
 def kv9_warps() -> int:
@@ -452,6 +466,7 @@ def kv9_defines() -> tuple[str, ...]:
         out.append("KQ_WMAJ=1")
     kv9_csplit("", "store", 1, False)  # refuse a bad GGUF_HARNESS_GEMV_KQ_CSPLIT (a routing switch) early
     kv9_gsplit(4)  # likewise GGUF_HARNESS_GEMV_KQ_GSPLIT (a define of the cluster build only)
+    _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)  # and _GS_FENCE
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
@@ -918,19 +933,29 @@ def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float,
 def gemv_nodes(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | None = None,
                eps: float = 0.0) -> list[Node]:
     """The node(s) of y = W x over `segs` (arguments as gemv): [gemv(...)], or with
-    GGUF_HARNESS_GEMV_KQ_MIXED=split (the default), for a store/add node of two or more GGML
+    GGUF_HARNESS_GEMV_KQ_MIXED=split (the default) or beside, for a store/add node of two or more GGML
     types that v9 takes one by one (q16, GEMV_KQ v9/v9l8, value arguments, no F32 segment), one gemv node per
     type in order of first appearance, named "<name>.<type>" (e.g. blk.3.qkv.q4_k), each with
     that type's segments, the same x, norm and eps. Segments keep their own outputs, so the
-    nodes are independent. Raises ValueError on another GEMV_KQ_MIXED value, and as gemv."""
-    if GEMV_KQ_MIXED not in ("one", "split"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_MIXED={GEMV_KQ_MIXED!r}: expected split or one")
+    nodes are independent. With GGUF_HARNESS_GEMV_KQ_MIXED=beside the same nodes, but every one
+    except the one of most bytes is marked `beside` and put before it: the executor runs them on
+    a second stream beside it (executor.Executor; the node after them waits for all); a node of a
+    KQ_GSPLIT build (its group arrays are per module, not reentrant) keeps them in line. Raises
+    ValueError on another GEMV_KQ_MIXED value, and as gemv."""
+    if GEMV_KQ_MIXED not in ("one", "split", "beside"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_MIXED={GEMV_KQ_MIXED!r}: expected split, beside or one")
     types = list(dict.fromkeys(s.w.type_id for s in segs))
-    if (GEMV_KQ_MIXED == "split" and mode != "swiglu" and len(types) > 1 and GEMV_IMPL == "q16"
+    if (GEMV_KQ_MIXED != "one" and mode != "swiglu" and len(types) > 1 and GEMV_IMPL == "q16"
             and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value"
             and all(t != 0 and kv9_kernel(mode, [t], K, GEMV_KQ == "v9") for t in types)):
-        return [gemv(f"{name}.{ENGINE_TYPES[t].lower()}", mode, [s for s in segs if s.w.type_id == t],
-                     x, K, norm, eps) for t in types]
+        nodes = [gemv(f"{name}.{ENGINE_TYPES[t].lower()}", mode, [s for s in segs if s.w.type_id == t],
+                      x, K, norm, eps) for t in types]
+        if GEMV_KQ_MIXED == "beside" and not any("KQ_GSPLIT=1" in n.defines for n in nodes):
+            main = max(nodes, key=lambda n: n.bytes)
+            for n in nodes:
+                n.beside = n is not main
+            nodes = [n for n in nodes if n.beside] + [main]
+        return nodes
     return [gemv(name, mode, segs, x, K, norm, eps)]
 
 

@@ -350,6 +350,20 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 #define KQ_GSPLIT 0
 #endif
 #define KQ_GS_MAXCB 512  // virtual clusters a KQ_GSPLIT grid may have (ops.gemv bounds it)
+#ifndef KQ_GS_FENCE
+// How a KQ_GSPLIT block publishes its parts before counting itself in (ops
+// GGUF_HARNESS_GEMV_KQ_GS_FENCE). 0: every thread fences (__threadfence) before the barrier, then
+// thread 0 counts (the measured default of session 18). 1: the barrier first, then thread 0 alone
+// fences, counts and, in the group's last block, fences again before the barrier that releases
+// the block's readers: the cooperative-groups grid-sync form, a release / acquire pair by
+// cumulativity through the barriers (PTX ISA memory consistency model, "fence" and "bar"), with
+// one fence per block instead of one per thread. The values are the same; only the cost changes.
+// Why (a review, session 18): 2-part groups in global memory were +7.7 % against hardware
+// clusters of 2 (ssm_out / attn_output), and 512 fences per block, each waiting for its thread's
+// writes to be acknowledged, may be part of that.
+#define KQ_GS_FENCE 0
+#endif
+static_assert(KQ_GS_FENCE == 0 || KQ_GS_FENCE == 1, "KQ_GS_FENCE: 0 or 1");
 #if KQ_CSPLIT && !KQ_GSPLIT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "KQ_CSPLIT: thread-block clusters need sm_90 or newer"
 #endif
@@ -526,6 +540,15 @@ static_assert(KQ_DQ_T >= 1 && KQ_DQ_T <= 32, "KQ_DQ_T: 1..32");
 #ifndef KQ_DQ_MAP
 #define KQ_DQ_MAP 1  // 1: block b's rows are b, b + B, ...; 0: a contiguous range
 #endif
+#ifndef KQ_DQ_ASK
+// Where the queue's answer reaches the warp (ops GGUF_HARNESS_GEMV_KQ_DQ_ASK). 0: lane 0's
+// atomicAdd is broadcast (__shfl_sync) before the row, so every row starts after a shared-atomic
+// round trip on a counter 32 warps share; 1: lane 0 asks before the row and the broadcast follows
+// the row, so the answer arrives while the row's loads are in flight. Which warp runs which row
+// is all that can change: every row's value is the same.
+#define KQ_DQ_ASK 0
+#endif
+static_assert(KQ_DQ_ASK == 0 || KQ_DQ_ASK == 1, "KQ_DQ_ASK: 0 or 1");
 #if KQ_DQ
 template <class Q, int MODE, int NW>
 __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, const float* norm, float eps,
@@ -581,7 +604,9 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     for (int u = warp; u < nunits;) {
         int nu = 0;  // the warp's next unit, asked for before this one's loads
         if (lane == 0) nu = atomicAdd(&dq_next, 1);
+#if !KQ_DQ_ASK
         nu = __shfl_sync(0xffffffffu, nu, 0);
+#endif
         int row, p, np, j;
         unit(u, row, p, np, j);
         float y, up = 0.f;
@@ -621,6 +646,9 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                 }
             }
         }
+#if KQ_DQ_ASK
+        nu = __shfl_sync(0xffffffffu, nu, 0);  // the answer arrived during the row
+#endif
         u = nu;
     }
     KQ_MARK(3);
@@ -791,12 +819,24 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         // L1) and, like rank 0 below, adds them in part order; warp g's rows are the same in every
         // block of the group (first and step depend on cb and g only)
         __shared__ int gs_last;
+#if KQ_GS_FENCE
+        __syncthreads();  // the block's part stores happen before thread 0's fence (cumulativity)
+        if (threadIdx.x == 0) {
+            __threadfence();
+            const int last = atomicAdd(&kq_gcount[cb], 1u) == (unsigned)(CS - 1);
+            if (last) __threadfence();  // the other blocks' parts, published by their fences, before the reads
+            gs_last = last;
+        }
+        __syncthreads();
+        if (gs_last) {
+#else
         __threadfence();
         __syncthreads();
         if (threadIdx.x == 0) gs_last = atomicAdd(&kq_gcount[cb], 1u) == (unsigned)(CS - 1);
         __syncthreads();
         if (gs_last) {
             __threadfence();
+#endif
             if (lane < round && lane < KQ_CS_MAXR) {
                 int r = first + lane * step;  // (h = 0, R = 1)
                 if (r < total_rows) {
