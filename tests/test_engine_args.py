@@ -877,15 +877,6 @@ def test_dq_routing(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_DQ_T", "8")
     monkeypatch.setattr(ops, "GEMV_KQ_DQ_MAP", "0")
     assert _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines == want + ("KQ_DQ_P=2", "KQ_DQ_T=8", "KQ_DQ_MAP=0")
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_ASK", "1")  # the answer broadcast after the row: the queue build only
-    assert _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines[-1] == "KQ_DQ_ASK=1"
-    assert "KQ_DQ_ASK=1" not in _gemv_node("store", [Q4_K], 5120, 4096, ptr).defines
-    for bad in ("2", "yes"):
-        monkeypatch.setattr(ops, "GEMV_KQ_DQ_ASK", bad)
-        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_DQ_ASK"):
-            ops.kv9_defines()
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_ASK", "")
-    assert "GGUF_HARNESS_GEMV_KQ_DQ_ASK" in machine.ENGINE_SWITCHES
     monkeypatch.setattr(ops, "GEMV_KQ_DQ_T", "08")  # a decimal count, not an octal C literal
     assert "KQ_DQ_T=8" in _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines
     for knob in ("GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):
@@ -1108,17 +1099,26 @@ def test_gemv_routes_gsplit(monkeypatch):
     assert n.kernel.name[:-1] == "gemvkq_add_q4_k_c" and n.grid == (cs * ops.KQ_GS_MAXCB,)
     src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
     assert re.search(r"^#define KQ_GS_MAXCB (\d+)", src, re.M).group(1) == str(ops.KQ_GS_MAXCB)
-    # GGUF_HARNESS_GEMV_KQ_GS_FENCE=1: one fence per block, a define of the KQ_GSPLIT builds only
-    monkeypatch.setattr(ops, "GEMV_KQ_GS_FENCE", "1")
+    # GGUF_HARNESS_GEMV_KQ_GS_FENCE=0: a fence in every thread (session 18's form), a define of the
+    # KQ_GSPLIT builds only; "" and 1 leave the kernel's default (one fence per block)
+    monkeypatch.setattr(ops, "GEMV_KQ_GS_FENCE", "0")
     n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)
-    assert n.defines[-3:] == ("KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_GS_FENCE=1")
+    assert n.defines[-3:] == ("KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_GS_FENCE=0")
     monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "4")  # a hardware cluster of 2 has no group to fence
-    assert "KQ_GS_FENCE=1" not in _gemv_node("add", [Q4_K], 6144, 5120, ptr).defines
+    assert "KQ_GS_FENCE=0" not in _gemv_node("add", [Q4_K], 6144, 5120, ptr).defines
+    for v in ("", "1"):
+        monkeypatch.setattr(ops, "GEMV_KQ_GS_FENCE", v)
+        assert not any(d.startswith("KQ_GS_FENCE") for d in _gemv_node("add", [Q4_K], 17408, 5120, ptr).defines)
+    src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
+    assert re.search(r"^#define KQ_GS_FENCE (\d+)", src, re.M).group(1) == "1"
     monkeypatch.setattr(ops, "GEMV_KQ_GS_FENCE", "2")
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_GS_FENCE"):
         ops.kv9_defines()
     monkeypatch.setattr(ops, "GEMV_KQ_GS_FENCE", "")
     assert "GGUF_HARNESS_GEMV_KQ_GS_FENCE" in machine.ENGINE_SWITCHES
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "")  # unset: the default, 4
+    assert "KQ_GSPLIT=1" in _gemv_node("add", [Q4_K], 17408, 5120, ptr).defines
+    assert "KQ_GSPLIT=1" not in _gemv_node("add", [Q4_K], 6144, 5120, ptr).defines
     monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "0")
     assert "KQ_GSPLIT=1" not in _gemv_node("add", [Q4_K], 17408, 5120, ptr).defines
     for bad in ("yes", "2", " 1"):

@@ -46,10 +46,8 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1"))]  # session 16: the clust
 # build, ops.kv9_dq_defines of the wide build: test_v9_wide_build_launch_bounds)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_P=4", "KQ_DQ_T=8", "KQ_DQ_MAP=0"))]
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"))]  # the cluster kernels without clusters
-# session 19: one fence per group block (GGUF_HARNESS_GEMV_KQ_GS_FENCE); the queue's answer after the
-# row (GGUF_HARNESS_GEMV_KQ_DQ_ASK) in the wide queue build
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_GS_FENCE=1")),
-            ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_ASK=1"))]
+# session 19: session 18's fence in every thread of a group block (GGUF_HARNESS_GEMV_KQ_GS_FENCE=0)
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_GS_FENCE=0"))]
 # session 17: the next node's prefetch (ops GGUF_HARNESS_GEMV_KQ_XPF; its static_assert holds the
 # table to ops.table_dtype(xpf=True)'s 200 bytes), in the default and the queue build
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XPF=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_XPF=1"))]

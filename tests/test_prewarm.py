@@ -45,7 +45,10 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
         for types in ([12], [23]):
             assert ops.gemv_kernel("gemv", "store", 1, 4, types, impl)[1] in gemv_defs
     assert {s for s, _, _ in prewarm.BUILDS} >= set(module.SOURCES)
-    assert sum("KQ_CSPLIT=1" in d for _, d, _ in prewarm.builds()) == 1  # on by default (session 16)
+    # on by default (session 16); since session 19 two builds: groups of 4 in global memory
+    # (KQ_GSPLIT=1) and hardware clusters of 2
+    cs = [d for _, d, _ in prewarm.builds() if "KQ_CSPLIT=1" in d]
+    assert sorted("KQ_GSPLIT=1" in d for d in cs) == [False, True], cs
     assert sum("KQ_DQ=1" in d for _, d, _ in prewarm.builds()) == 1  # on by default (session 17)
     # every prefetch distance ops.pf_ahead can pick other than the default has its builds
     for pf in {ops.pf_ahead(b) for b in (1, 9 << 20, 17 << 20, 1 << 40)} - {ops.PF_DEFAULT}:
@@ -92,6 +95,7 @@ def test_csplit_build_only_when_switched_on(monkeypatch):
     """While GGUF_HARNESS_GEMV_KQ_CSPLIT is on prewarm also compiles the cluster-split build, with
     the defines ops.gemv passes for it (kv9_csplit_defines: KQ_WMAJ dropped, KQ_CSPLIT=1 added)
     and a kernel that build defines; with the switch at 0, or a latency A/B build set, it does not."""
+    monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "1")  # every group in global memory: one build (GSPLIT=4 below)
     for on in ("1", "2"):
         monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", on)
         monkeypatch.setattr(ops, "GEMV_KQ_WMAJ", "1")

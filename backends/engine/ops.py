@@ -235,7 +235,7 @@ KV9_CSPLIT_TYPES = ("q4_k", "q5_k")
 # default) -> 6302.5 / 6303.1 us (-0.65 %): ffn_down Q4_K / Q5_K (4 parts) -1.7 / -2.0 %, but the
 # 2-part ssm_out / attn_output +7.7 % (hence "4"); with clusters of at most 2 (CSPLIT=2) the step
 # +1.0 % (ffn_down +3.3 % as 2 parts in global memory).
-GEMV_KQ_GSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_GSPLIT", "1")
+GEMV_KQ_GSPLIT = os.environ.get("GGUF_HARNESS_GEMV_KQ_GSPLIT", "4")
 KQ_GS_MAXCB = 512  # kernels/gemv_kq.cu KQ_GS_MAXCB: virtual clusters a KQ_GSPLIT grid may have
 
 
@@ -318,9 +318,6 @@ GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
 GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
 GEMV_KQ_DQ_T = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_T", "")
 GEMV_KQ_DQ_MAP = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_MAP", "")
-# KQ_DQ_ASK (kernels/gemv_kq.cu): "1" broadcasts the queue's answer after the row instead of before
-# it (an A/B build of the queue; "" or "0": before, the measured form of session 17)
-GEMV_KQ_DQ_ASK = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_ASK", "")
 
 
 def kv9_dq(kname: str) -> bool:
@@ -328,8 +325,8 @@ def kv9_dq(kname: str) -> bool:
     (GGUF_HARNESS_GEMV_KQ_DQ): 8-lane kernels of one row per warp at split 1 (gemvkq_, not _p2, no
     _s<S> suffix), SwiGLU ones unless the switch is "all" (off at "0"), and no latency A/B build
     (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF: their code is not in the queue loop). ValueError on a
-    GGUF_HARNESS_GEMV_KQ_DQ other than "", 0, 1 or all, a _DQ_MAP or _DQ_ASK other than "", 0 or 1,
-    a _DQ_P other than "", 1, 2 or 4, a _DQ_T other than "" or 1..32."""
+    GGUF_HARNESS_GEMV_KQ_DQ other than "", 0, 1 or all, a _DQ_MAP other than "", 0 or 1, a _DQ_P
+    other than "", 1, 2 or 4, a _DQ_T other than "" or 1..32."""
     if GEMV_KQ_DQ not in ("", "0", "1", "all"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ={GEMV_KQ_DQ!r}: expected 0, 1 or all")
     _switch01("GGUF_HARNESS_GEMV_KQ_DQ_MAP", GEMV_KQ_DQ_MAP)
@@ -337,7 +334,6 @@ def kv9_dq(kname: str) -> bool:
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_P={GEMV_KQ_DQ_P!r}: expected 1, 2 or 4")
     if GEMV_KQ_DQ_T and not (GEMV_KQ_DQ_T.isascii() and GEMV_KQ_DQ_T.isdigit() and 1 <= int(GEMV_KQ_DQ_T) <= 32):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_T={GEMV_KQ_DQ_T!r}: expected 1..32")
-    _switch01("GGUF_HARNESS_GEMV_KQ_DQ_ASK", GEMV_KQ_DQ_ASK)
     return (GEMV_KQ_DQ != "0" and not (GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF)
             and kname.startswith("gemvkq_") and "_p2" not in kname and not kname[-3:-1] == "_s"
             and (GEMV_KQ_DQ == "all" or kname.startswith("gemvkq_swiglu_")))
@@ -345,12 +341,11 @@ def kv9_dq(kname: str) -> bool:
 
 def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the queue build: `defines` (a wide build's) without KQ_WMAJ (the
-    queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T,
-    KQ_DQ_MAP and KQ_DQ_ASK are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP / _ASK)."""
+    queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T and
+    KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP)."""
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
             + tuple(f"{d}={int(v)}" for d, v in (("KQ_DQ_P", GEMV_KQ_DQ_P), ("KQ_DQ_T", GEMV_KQ_DQ_T),
-                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP), ("KQ_DQ_ASK", GEMV_KQ_DQ_ASK))
-                    if v))  # int: "08" is no C literal
+                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v))  # int: "08" is no C literal
 
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:
@@ -376,29 +371,30 @@ def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool =
 
 def kv9_gsplit(cs: int) -> bool:
     """Whether a cluster-split node of `cs` parts (2 or 4) runs its parts as a group of blocks
-    meeting in global memory rather than a hardware cluster (GGUF_HARNESS_GEMV_KQ_GSPLIT: "" or 1
-    every group, 4 groups of 4 only, 0 none; kernels/gemv_kq.cu KQ_GSPLIT). ValueError on another
-    switch value."""
+    meeting in global memory rather than a hardware cluster (GGUF_HARNESS_GEMV_KQ_GSPLIT: 1 every
+    group, "" or 4 (the default since session 19) groups of 4 only, 0 none; kernels/gemv_kq.cu
+    KQ_GSPLIT). ValueError on another switch value."""
     if GEMV_KQ_GSPLIT not in ("", "0", "1", "4"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_GSPLIT={GEMV_KQ_GSPLIT!r}: expected 0, 1 or 4")
-    return GEMV_KQ_GSPLIT in ("", "1") or (GEMV_KQ_GSPLIT == "4" and cs == 4)
+    return GEMV_KQ_GSPLIT == "1" or (GEMV_KQ_GSPLIT in ("", "4") and cs == 4)
 
 
-# KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1": one fence by
-# thread 0 after the barrier (the cooperative-groups grid-sync form), "" or "0": a fence in every
-# thread before it (the measured form of session 18). Same values either way.
-GEMV_KQ_GS_FENCE = os.environ.get("GGUF_HARNESS_GEMV_KQ_GS_FENCE", "")
+# KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1" or "" (the
+# default since session 19): one fence by thread 0 after the barrier (the cooperative-groups
+# grid-sync form), "0": a fence in every thread before it (session 18's). Same values either way.
+GEMV_KQ_GS_FENCE = os.environ.get("GGUF_HARNESS_GEMV_KQ_GS_FENCE", "1")
 
 
 def kv9_csplit_defines(defines: tuple[str, ...], cs: int) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the cluster-split build of a node of `cs` parts: `defines`
     (kv9_defines() + ...) without KQ_WMAJ (the cluster kernels deal row groups block-major), plus
-    KQ_CSPLIT=1, and KQ_GSPLIT=1 when kv9_gsplit(cs) (with KQ_GS_FENCE=1 when
-    GGUF_HARNESS_GEMV_KQ_GS_FENCE is 1). ValueError on a _GS_FENCE other than "", 0 or 1."""
+    KQ_CSPLIT=1, and KQ_GSPLIT=1 when kv9_gsplit(cs) (with KQ_GS_FENCE=0 when
+    GGUF_HARNESS_GEMV_KQ_GS_FENCE is 0; the kernel's default is 1). ValueError on a _GS_FENCE
+    other than "", 0 or 1."""
     _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)
     gs = kv9_gsplit(cs)
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
-            + (("KQ_GSPLIT=1",) if gs else ()) + (("KQ_GS_FENCE=1",) if gs and GEMV_KQ_GS_FENCE == "1" else ()))
+            + (("KQ_GSPLIT=1",) if gs else ()) + (("KQ_GS_FENCE=0",) if gs and GEMV_KQ_GS_FENCE == "0" else ()))
 
 
 def kv9_warps() -> int:

@@ -352,16 +352,17 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 #define KQ_GS_MAXCB 512  // virtual clusters a KQ_GSPLIT grid may have (ops.gemv bounds it)
 #ifndef KQ_GS_FENCE
 // How a KQ_GSPLIT block publishes its parts before counting itself in (ops
-// GGUF_HARNESS_GEMV_KQ_GS_FENCE). 0: every thread fences (__threadfence) before the barrier, then
-// thread 0 counts (the measured default of session 18). 1: the barrier first, then thread 0 alone
+// GGUF_HARNESS_GEMV_KQ_GS_FENCE; 1 since session 19). 1: the barrier first, then thread 0 alone
 // fences, counts and, in the group's last block, fences again before the barrier that releases
 // the block's readers: the cooperative-groups grid-sync form, a release / acquire pair by
 // cumulativity through the barriers (PTX ISA memory consistency model, "fence" and "bar"), with
-// one fence per block instead of one per thread. The values are the same; only the cost changes.
-// Why (a review, session 18): 2-part groups in global memory were +7.7 % against hardware
-// clusters of 2 (ssm_out / attn_output), and 512 fences per block, each waiting for its thread's
-// writes to be acknowledged, may be part of that.
-#define KQ_GS_FENCE 0
+// one fence per block instead of one per thread. 0: every thread fences (__threadfence) before
+// the barrier, then thread 0 counts (session 18's form; a review found it formally weaker: the
+// fences are not in the thread whose write publishes). The values are the same either way.
+// Measured (H200, session 19, the 27B at c = 2048, one machine start): all groups in global
+// memory, step 6333.1 / 6343.5 -> 6320.7 us (ssm_out -1.1 %, the rest within noise); with the
+// 2-part nodes on hardware clusters (GSPLIT 4) 6311.1 -> 6314.1 (ffn_down -0.2 %): no cost.
+#define KQ_GS_FENCE 1
 #endif
 static_assert(KQ_GS_FENCE == 0 || KQ_GS_FENCE == 1, "KQ_GS_FENCE: 0 or 1");
 #if KQ_CSPLIT && !KQ_GSPLIT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -540,15 +541,6 @@ static_assert(KQ_DQ_T >= 1 && KQ_DQ_T <= 32, "KQ_DQ_T: 1..32");
 #ifndef KQ_DQ_MAP
 #define KQ_DQ_MAP 1  // 1: block b's rows are b, b + B, ...; 0: a contiguous range
 #endif
-#ifndef KQ_DQ_ASK
-// Where the queue's answer reaches the warp (ops GGUF_HARNESS_GEMV_KQ_DQ_ASK). 0: lane 0's
-// atomicAdd is broadcast (__shfl_sync) before the row, so every row starts after a shared-atomic
-// round trip on a counter 32 warps share; 1: lane 0 asks before the row and the broadcast follows
-// the row, so the answer arrives while the row's loads are in flight. Which warp runs which row
-// is all that can change: every row's value is the same.
-#define KQ_DQ_ASK 0
-#endif
-static_assert(KQ_DQ_ASK == 0 || KQ_DQ_ASK == 1, "KQ_DQ_ASK: 0 or 1");
 #if KQ_DQ
 template <class Q, int MODE, int NW>
 __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, const float* norm, float eps,
@@ -604,9 +596,9 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     for (int u = warp; u < nunits;) {
         int nu = 0;  // the warp's next unit, asked for before this one's loads
         if (lane == 0) nu = atomicAdd(&dq_next, 1);
-#if !KQ_DQ_ASK
+        // (broadcast here, not after the row: measured H200 session 19, the 27B's gate/up +1.5 %
+        // with the broadcast after the row)
         nu = __shfl_sync(0xffffffffu, nu, 0);
-#endif
         int row, p, np, j;
         unit(u, row, p, np, j);
         float y, up = 0.f;
@@ -646,9 +638,6 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                 }
             }
         }
-#if KQ_DQ_ASK
-        nu = __shfl_sync(0xffffffffu, nu, 0);  // the answer arrived during the row
-#endif
         u = nu;
     }
     KQ_MARK(3);
