@@ -838,25 +838,6 @@ def test_max_active_clusters_falls_back_without_the_driver(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_CSPLIT" in machine.ENGINE_SWITCHES
 
 
-def test_npf_switch(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_NPF=1 adds KQ_NPF=1 to every v9 build (kernels/gemv_kq.cu: the RMSNorm
-    weights to L2 before the PDL wait; only normed nodes pass a norm); "" and 0 add nothing; another
-    value is refused before any build; results record it; the kernel's default is off."""
-    monkeypatch.setattr(ops, "GEMV_KQ_NPF", "1")
-    assert "KQ_NPF=1" in ops.kv9_defines()
-    for off in ("", "0"):
-        monkeypatch.setattr(ops, "GEMV_KQ_NPF", off)
-        assert not any(d.startswith("KQ_NPF") for d in ops.kv9_defines())
-    for bad in ("2", "on"):
-        monkeypatch.setattr(ops, "GEMV_KQ_NPF", bad)
-        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_NPF"):
-            ops.kv9_defines()
-    assert "GGUF_HARNESS_GEMV_KQ_NPF" in machine.ENGINE_SWITCHES
-    src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
-    assert re.search(r"^#define KQ_NPF (\d+)", src, re.M).group(1) == "0"
-    assert src.count("KQ_NORM_PREFETCH(norm, K);") == 2  # kq_body and kq_dq_body, before their PDL waits
-
-
 def test_dq_routing(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_DQ (kernels/gemv_kq.cu KQ_DQ, a row queue per block): unset or "1" (the
     default) gives the wide SwiGLU nodes whose kernel is an 8-lane one-row-per-warp one (the 27B's

@@ -1057,62 +1057,6 @@ def test_xpf_build_is_bitwise_equal_to_the_default(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_npf_build_is_bitwise_equal_to_the_default(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_NPF=1 (kernels/gemv_kq.cu KQ_NPF) only asks L2 for the RMSNorm weights
-    before the PDL wait: every normed route of the 27B step (a wide store, a SwiGLU pair on the
-    row queue, a Q6_K P2 store, an S-split Q6_K store) gives the default build's outputs bit for
-    bit, each also against the oracle; an unnormed node is built without the define's effect on
-    its values either."""
-    cp = cupy_or_skip()
-    from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
-    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
-    for knob in ("GEMV_KQ_SPLIT", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_P2", "GEMV_KQ_P2_MIN_ROWS", "GEMV_KQ_CSPLIT",
-                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_BW", "GEMV_KQ_WMAJ",
-                 "GEMV_KQ_GSPLIT", "GEMV_KQ_XPF"):
-        monkeypatch.setattr(eops, knob, {"GEMV_KQ_SPLIT": "auto", "GEMV_KQ_P2": "q6_k", "GEMV_KQ_P2_MIN_ROWS": "2048",
-                                         "GEMV_KQ_CSPLIT": "1"}.get(knob, ""))
-    rng = np.random.default_rng(53)
-    keep = []
-    K = 5120
-    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
-    nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
-    x = (rng.normal(size=K) * 0.7).astype(np.float32)
-    xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
-    mats = {}
-    for key, (name, rows) in {"q4": ("Q4_K", 9001), "g": ("IQ4_XS", 8777), "u": ("IQ4_XS", 8777),
-                              "q6p": ("Q6_K", 4096), "q6s": ("Q6_K", 1024)}.items():
-        raw, w = _matrix(TYPES[name], rows, K, seed=rows + 3 * len(key))
-        mats[key] = (device_tensor(cp, key, raw, TYPES[name], (K, rows), keep), w)
-    got, kernels = {}, {}
-    for on in ("", "1"):
-        monkeypatch.setattr(eops, "GEMV_KQ_NPF", on)
-        outs = {"q4": nan_poisoned(cp, 9001), "g": nan_poisoned(cp, 8777), "q6p": nan_poisoned(cp, 4096),
-                "q6s": nan_poisoned(cp, 1024)}
-        S = eops.Seg
-        nodes = [eops.gemv("s", "store", [S(mats["q4"][0], outs["q4"])], cp.asarray(x), K, nw_dev, 1e-6),
-                 eops.gemv("f", "swiglu", [S(mats["g"][0], outs["g"]), S(mats["u"][0], outs["g"])], cp.asarray(x), K,
-                           nw_dev, 1e-6),
-                 eops.gemv("p2", "store", [S(mats["q6p"][0], outs["q6p"])], cp.asarray(x), K, nw_dev, 1e-6),
-                 eops.gemv("q6", "store", [S(mats["q6s"][0], outs["q6s"])], cp.asarray(x), K, nw_dev, 1e-6)]
-        assert all(("KQ_NPF=1" in n.defines) == (on == "1") for n in nodes), [n.defines for n in nodes]
-        kernels[on] = [n.kernel.name for n in nodes]
-        for n in nodes:
-            n.launch()
-        got[on] = {k: v.get() for k, v in outs.items()}
-        what = f"NPF={on!r}"
-        _check_rows(got[on]["q4"].astype(np.float64), mats["q4"][1], xn, f"{what} normed wide store")
-        v = gemv_check.check_swiglu(got[on]["g"].astype(np.float64), mats["g"][1], mats["u"][1], xn, impl=eops.GEMV_IMPL)
-        assert v["ok"], f"{what} swiglu: {v}"
-        _check_rows(got[on]["q6p"].astype(np.float64), mats["q6p"][1], xn, f"{what} normed P2 store")
-        _check_rows(got[on]["q6s"].astype(np.float64), mats["q6s"][1], xn, f"{what} normed S-split store")
-    assert kernels[""] == kernels["1"]  # the same routes, only the build differs
-    for k in got[""]:
-        assert np.array_equal(got[""][k], got["1"][k]), f"{k}: NPF changed the output"
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("wide", [False, True])
 def test_fused_conv_is_bitwise_equal_to_the_conv_node(wide, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_CONV=1 (kernels/gemv_kq.cu KQ_CONV): an ssm_in-like store node (Q5_K

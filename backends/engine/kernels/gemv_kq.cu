@@ -504,21 +504,6 @@ __device__ __forceinline__ void conv_prefetch(const SegTable& t) {
 #define KQ_CONV_PREFETCH(t)
 #endif
 
-#ifndef KQ_NPF
-// KQ_NPF=1 (ops GGUF_HARNESS_GEMV_KQ_NPF): a normed node's blocks ask L2 for the RMSNorm weights
-// before the PDL wait (constants, like the first row's weights). Why: in a decode step a layer's
-// norm weights (20 KB at K = 5120) were last read a whole step earlier, so some 15 GB of weights
-// have gone through L2 since: the staging's norm loads, issued with the x loads after the PDL wait,
-// wait on DRAM where x (just written) is an L2 hit. The per-node timings cannot show this (a node
-// replayed back to back finds its norm in L2); the step can. Values unchanged.
-#define KQ_NPF 0
-#endif
-#if KQ_NPF
-#define KQ_NORM_PREFETCH(norm, K) prefetch_norm(norm, K)
-#else
-#define KQ_NORM_PREFETCH(norm, K)
-#endif
-
 #ifndef KQ_DQ
 // KQ_DQ=1 (ops GGUF_HARNESS_GEMV_KQ_DQ, the wide nodes' build since session 17; 32-warp blocks):
 // the split-1 8-lane rows (one row per warp) of a block are handed out by a counter in shared
@@ -591,7 +576,6 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     if (threadIdx.x == 0) dq_next = NW;  // units 0..NW-1 are the warps' first (stage_xq's barriers publish these)
     if (threadIdx.x < KQ_DQ_T) dq_seen[threadIdx.x] = 0;
     KQ_MARK(0);
-    KQ_NORM_PREFETCH(norm, K);
     if (warp < nunits) {  // the first unit's row(s) to L2 before the PDL wait (weights are constants)
         int row, p, np, j;
         unit(warp, row, p, np, j);
@@ -719,7 +703,6 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // Before the PDL wait (weights are constants): the first row, overlapping the previous
     // kernel's tail.
     KQ_MARK(0);
-    KQ_NORM_PREFETCH(norm, K);
     prefetch_row(first);
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     KQ_CONV_PREFETCH(t);

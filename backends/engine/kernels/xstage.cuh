@@ -202,13 +202,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Ask L2 for the lines of a fused RMSNorm's K weights (nothing when norm is null); the block's
-// first (K + 31) / 32 threads one line each (gemv_kq.cu KQ_NPF).
-__device__ __forceinline__ void prefetch_norm(const float* norm, int K) {
-    if (norm)
-        for (int l = threadIdx.x; l < (K + 31) >> 5; l += blockDim.x) prefetch_l2(norm + 32 * l);
-}
-
 // Ask L2 for the 128-byte lines of `rows` bytes at p; the warps of a row share the lines.
 __device__ __forceinline__ void prefetch_bytes(const u8* p, int nbytes, int first, int step) {
     const u8* end = p + nbytes;
