@@ -838,6 +838,24 @@ def test_max_active_clusters_falls_back_without_the_driver(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_CSPLIT" in machine.ENGINE_SWITCHES
 
 
+def test_xs_rot_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_XS_ROT=1 adds XS_ROT=1 to every v9 build (kernels/xstage.cuh: x staged from
+    a per-block rotated start); "" and 0 add nothing; another value is refused before any build;
+    results record it; the define is off by default and guards the rotated loop only."""
+    monkeypatch.setattr(ops, "GEMV_XS_ROT", "1")
+    assert "XS_ROT=1" in ops.kv9_defines()
+    for off in ("", "0"):
+        monkeypatch.setattr(ops, "GEMV_XS_ROT", off)
+        assert not any(d.startswith("XS_ROT") for d in ops.kv9_defines())
+    for bad in ("2", "on"):
+        monkeypatch.setattr(ops, "GEMV_XS_ROT", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_XS_ROT"):
+            ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_XS_ROT" in machine.ENGINE_SWITCHES
+    src = (Path(ops.__file__).parent / "kernels" / "xstage.cuh").read_text()
+    assert re.search(r"^#define XS_ROT (\d+)", src, re.M).group(1) == "0"
+
+
 def test_dq_routing(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_DQ (kernels/gemv_kq.cu KQ_DQ, a row queue per block): unset or "1" (the
     default) gives the wide SwiGLU nodes whose kernel is an 8-lane one-row-per-warp one (the 27B's

@@ -16,6 +16,18 @@
 #define XQ_MAX 32767.f
 #endif
 #define XQ_FLUSH 1e-30f  // blocks with max |x| below this become zeros (XQ_MAX / amax overflows ~1e-34)
+#ifndef XS_ROT
+// XS_ROT=1 (A/B, ops GGUF_HARNESS_GEMV_XS_ROT; gemv_kq.cu builds): block b stages its entries
+// starting at super-block 7 b mod (entries / 32) instead of 0, so the blocks of a grid, which all
+// stage at the same moment, ask L2 for x's lines in different orders. Why: session 19's KQ_NPF (160
+// more lines asked for by every block before the PDL wait) cost ~1 us per node, which suggested
+// that every block asking for the same lines at once queues at the L2 slices holding them; x's
+// staging (2.2 us at K = 5120, H200 session 15) does that too. A warp still stages 32 consecutive
+// entries (whole super-blocks: the lane records). The codes are the same; a fused norm's sum of
+// squares is added in another order (thread to entry changes), so normed outputs are not
+// bitwise the default's; unnormed ones are.
+#define XS_ROT 0
+#endif
 
 // Cluster parts (gemv_kq.cu KQ_CSPLIT): a part takes the groups of 4 super-blocks (128 entries of 8
 // values) j = part, part + cs, ... of the nch entries. cs_entries: how many entries that is (a
@@ -86,9 +98,18 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
     float ss = 0.f;
     // CS > 1: the entries of part `part` only, as c = cs_entry (the super-blocks of kq_body's part)
     const int nv = CS > 1 ? cs_entries(nch, CS, part) : nch;
+#if XS_ROT
+    const int rot = nv >= 32 ? (int)((7u * blockIdx.x) % (unsigned)(nv >> 5)) << 5 : 0;  // nv % 32 == 0
+#endif
 #pragma unroll 2
     for (int c0 = 0; c0 < nv; c0 += blockDim.x) {
+#if XS_ROT
+        int vr = c0 + threadIdx.x;
+        if (vr < nv) vr = vr + rot < nv ? vr + rot : vr + rot - nv;
+        const int c = CS > 1 ? cs_entry(vr, nv, nch, CS, part) : vr, i0 = 8 * c;
+#else
         const int c = CS > 1 ? cs_entry(c0 + threadIdx.x, nv, nch, CS, part) : c0 + threadIdx.x, i0 = 8 * c;
+#endif
         float v[8];
         // value index of the entry's code j (IL: block 32 (c >> 2), quad c & 3, halves interleaved)
         auto at = [&](int j) { return IL ? 32 * (c >> 2) + 4 * (c & 3) + (j >> 1) + 16 * (j & 1) : i0 + j; };
