@@ -70,8 +70,13 @@ def _side(path: Path, d: dict) -> dict:
         settings = " ".join(f"{k}={(d.get('settings') or {}).get(k)}"
                             for k in ("gemv_impl", "gemv_args", "gemv_kq", "pdl"))
     return {"path": str(path), "created": d.get("created"), "git": git.get("sha"),
-            "dirty": git.get("dirty"), "gpu": gpu.get("name") if isinstance(gpu, dict) else None,
-            "settings": settings}
+            "dirty": git.get("dirty"), "source": git.get("source_sha256"),
+            "gpu": gpu.get("name") if isinstance(gpu, dict) else None, "settings": settings}
+
+
+def _source(s: dict) -> str:
+    """", source <12 hex>" for a side whose result records its source digest, else ""."""
+    return f", source {str(s['source'])[:12]}" if s.get("source") else ""
 
 
 def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:
@@ -84,6 +89,10 @@ def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:
            "created": datetime.now(UTC).isoformat(timespec="seconds"),
            "threshold": args.threshold, "fail_on_slower": slower, "exit_code": code,
            "a": _side(args.a, a), "b": _side(args.b, b)}
+    sa, sb = doc["a"]["source"], doc["b"]["source"]
+    if sa and sb and sa != sb and doc["a"]["git"] == doc["b"]["git"]:  # a device copy's stale git metadata
+        doc["notes"] = list(doc["notes"]) + [
+            "A and B record the same git commit but ran different source code (source digests differ)"]
     return doc, code
 
 
@@ -91,7 +100,7 @@ def print_table(doc: dict, out: Console) -> None:
     """Rich tables; every cell a Text (values come from the files: no markup)."""
     for k in ("a", "b"):
         s = doc[k]
-        out.print(Text(f"{k.upper()}: {s['path']}  git {s['git']}{' dirty' if s['dirty'] else ''}, "
+        out.print(Text(f"{k.upper()}: {s['path']}  git {s['git']}{' dirty' if s['dirty'] else ''}{_source(s)}, "
                        f"{s['gpu']}, created {s['created']}, {s['settings']}"))
     for n in doc["notes"]:
         out.print(Text(f"note: {n}"))
@@ -116,8 +125,8 @@ def markdown(doc: dict) -> str:
     from .ab_cmd import _md_row, _md_text
     perf_head, check_head = heads(doc)
     lines = [f"# {TITLES[doc.get('kind', 'kernels')][0]}", ""]
-    lines += [_md_text(f"- {k.upper()}: {doc[k]['path']} (git {doc[k]['git']}, {doc[k]['gpu']}, {doc[k]['settings']})")
-              for k in ("a", "b")]
+    lines += [_md_text(f"- {k.upper()}: {doc[k]['path']} (git {doc[k]['git']}{_source(doc[k])}, {doc[k]['gpu']}, "
+                       f"{doc[k]['settings']})") for k in ("a", "b")]
     lines += [f"- note: {_md_text(n)}" for n in doc["notes"]]
     lines += ["", _md_row(list(perf_head)), _md_row(["---"] * len(perf_head))]
     lines += [_md_row(perf_cells(p)) for p in doc["perf"]]

@@ -149,3 +149,25 @@ def test_cli_names_the_other_kind_of_document(tmp_path, capsys):
     assert _cli(["ab", str(pa), str(pb)]) == 2
     err = capsys.readouterr().err
     assert "gguf-harness/nodes/1" in err and "run result" not in err
+
+
+def test_cli_headers_carry_the_source_digest_and_note_a_stale_git(tmp_path, capsys):
+    """Kernel results record machine.git.source_sha256: the headers (table and markdown) show its
+    first 12 hex digits, and A and B with one git commit but two digests get a note (the device
+    copies of session 18-19 carried a stale commit while other code ran); equal digests, none."""
+    def doc(src):
+        return {**_doc([_row("q4", 10.0)]),
+                "machine": {"git": {"sha": "0364c82", "dirty": True, "source_sha256": src}}}
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(doc("ab" * 32)))
+    pb.write_text(json.dumps(doc("cd" * 32)))
+    assert _cli(["ab", str(pa), str(pb), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "source abababababab" in out and "source cdcdcdcdcdcd" in out
+    assert "ran different source code" in out
+    assert _cli(["ab", str(pa), str(pb), "--format", "md", "--out", str(tmp_path / "o2")]) == 0
+    md = capsys.readouterr().out
+    assert "source abababababab" in md and "ran different source code" in md
+    pb.write_text(json.dumps(doc("ab" * 32)))
+    assert _cli(["ab", str(pa), str(pb), "--out", str(tmp_path / "o3")]) == 0
+    assert "ran different source code" not in capsys.readouterr().out
