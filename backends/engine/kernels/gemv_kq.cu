@@ -817,13 +817,14 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             gs_last = last;
         }
         __syncthreads();
-        if (gs_last) {
 #else
         __threadfence();
         __syncthreads();
         if (threadIdx.x == 0) gs_last = atomicAdd(&kq_gcount[cb], 1u) == (unsigned)(CS - 1);
         __syncthreads();
-        if (gs_last) {
+#endif
+        if (gs_last) {  // (one brace outside the #if: tests/test_pdl_contract.py reads the text)
+#if !KQ_GS_FENCE
             __threadfence();
 #endif
             if (lane < round && lane < KQ_CS_MAXR) {
