@@ -440,6 +440,17 @@ def test_gemv_nodes_split_mixed_types_only_when_asked(monkeypatch):
     nodes = ops.gemv_nodes("blk.3.qkv", "store", small, NS(), 5120)
     assert [(n.name, n.beside) for n in nodes] == [("blk.3.qkv.q4_k", True), ("blk.3.qkv.q6_k", False)]
     assert nodes[0].bytes < nodes[1].bytes
+    # a part of a KQ_GSPLIT build stays in line: its group arrays are per module (not reentrant)
+    real_gemv = ops.gemv
+
+    def gsplit_gemv(*a, **k):
+        n = real_gemv(*a, **k)
+        n.defines = n.defines + ("KQ_GSPLIT=1",) if n.name.endswith("q4_k") else n.defines
+        return n
+    monkeypatch.setattr(ops, "gemv", gsplit_gemv)
+    nodes = ops.gemv_nodes("blk.3.qkv", "store", big, NS(), 5120)
+    assert [(n.name, n.beside) for n in nodes] == [("blk.3.qkv.q4_k", False), ("blk.3.qkv.q6_k", False)]
+    monkeypatch.setattr(ops, "gemv", real_gemv)
     monkeypatch.setattr(ops, "GEMV_KQ", "wide")
     assert len(ops.gemv_nodes("n", "store", qkv, NS(), 5120)) == 1
     monkeypatch.setattr(ops, "GEMV_KQ_MIXED", "yes")

@@ -66,35 +66,46 @@ class Executor:
             self._side = cp.cuda.Stream(non_blocking=True)
             self._fork, self._join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
         pending = False  # a side launch the main stream has not joined yet
-        for n in self.nodes:
-            if n.beside:
-                if not pending:
-                    self._fork.record(self.stream)
-                    self._side.wait_event(self._fork)
-                with self._side:
+        try:
+            for n in self.nodes:
+                if n.beside:
+                    if not pending:
+                        self._fork.record(self.stream)
+                        self._side.wait_event(self._fork)
+                    with self._side:
+                        n.launch()
+                    pending = True
+                else:
                     n.launch()
-                pending = True
-            else:
-                n.launch()
-                if pending:
-                    self._join.record(self._side)
-                    self.stream.wait_event(self._join)
-                    pending = False
-        if pending:  # a side launch last: join before the step ends (a capture must rejoin)
-            self._join.record(self._side)
-            self.stream.wait_event(self._join)
+                    if pending:
+                        self._join.record(self._side)
+                        self.stream.wait_event(self._join)
+                        pending = False
+        finally:
+            if pending:  # a side launch last, or a launch failed after a fork: join (a capture must rejoin)
+                self._join.record(self._side)
+                self.stream.wait_event(self._join)
 
     def run_eager(self) -> None:
         with self.stream:
             self._launch_all()
 
     def capture(self) -> None:
+        """Capture every node's launch into self.graph. If a launch raises, the capture is ended
+        and dropped (self.graph stays None: a partial step must never be replayed) and that
+        error propagates, not one from ending the broken capture."""
         with self.stream:
             self.stream.begin_capture()
             try:
                 self._launch_all()
-            finally:
-                self.graph = self.stream.end_capture()
+            except BaseException:
+                try:
+                    self.stream.end_capture()
+                except Exception:  # the capture may be invalid by now; the launch's error is the one to see
+                    pass
+                self.graph = None
+                raise
+            self.graph = self.stream.end_capture()
 
     def replay(self) -> None:
         if self.graph is None:

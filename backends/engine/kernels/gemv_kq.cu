@@ -327,7 +327,8 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 #define KQ_CS_MAXR 8  // rounds (grid-stride passes) a cluster-split warp may have (ops.gemv bounds it;
                       // rows of later rounds would not be stored)
 #ifndef KQ_GSPLIT
-// KQ_GSPLIT=1 (with KQ_CSPLIT=1; ops GGUF_HARNESS_GEMV_KQ_GSPLIT, the default since session 18): the
+// KQ_GSPLIT=1 (with KQ_CSPLIT=1; ops GGUF_HARNESS_GEMV_KQ_GSPLIT: every group since session 18, the
+// groups of 4 only since session 19): the
 // same _c2 / _c4 entries without __cluster_dims__. Blocks CS q .. CS q + CS - 1 are a "virtual
 // cluster" (rank = blockIdx.x % CS, as a 1-D cluster's rank): each part's sums go to global memory
 // (kq_gpart) instead of rank 0's shared memory, each block counts itself in (kq_gcount, after a
@@ -342,9 +343,12 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 // S the step 6345.2 / 6343.0 -> 6302.5 / 6303.1 us; ffn_down (4 parts) -1.7 / -2.0 %, the 2-part
 // ssm_out / attn_output +7.7 % against hardware clusters of 2 (ops GGUF_HARNESS_GEMV_KQ_GSPLIT).
 // Not reentrant: kq_gpart / kq_gcount belong to the compiled module, shared by every node built
-// from it, which is safe because the engine runs its nodes on one stream and every kernel calls
-// pdl_wait before its first global write (a node's writes follow the previous grid's completion,
-// the count's reset included). Two launches of one build on two streams would race. The grid must
+// from it, which is safe because no two such nodes run at once: the engine runs its nodes in
+// order and every kernel calls pdl_wait before its first global write (a node's writes follow the
+// previous grid's completion, the count's reset included); the one exception, a `beside` node on
+// a second stream (executor.py, GGUF_HARNESS_GEMV_KQ_MIXED=beside), overlaps only the next main
+// node, and ops.gemv_nodes keeps nodes of a KQ_GSPLIT build in line. Two launches of one build
+// running at once would race. The grid must
 // be whole groups, at most KQ_GS_MAXCB of them: ops.gemv, through which every caller (the engine,
 // bench kernels, kernel_trace) builds these nodes, sizes it so.
 #define KQ_GSPLIT 0
@@ -357,8 +361,9 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 // the block's readers: the cooperative-groups grid-sync form, a release / acquire pair by
 // cumulativity through the barriers (PTX ISA memory consistency model, "fence" and "bar"), with
 // one fence per block instead of one per thread. 0: every thread fences (__threadfence) before
-// the barrier, then thread 0 counts (session 18's form; a review found it formally weaker: the
-// fences are not in the thread whose write publishes). The values are the same either way.
+// the barrier, then thread 0 counts (session 18's form; also correct, as __threadfence is
+// fence.sc.gpu and Fence-SC orders every writer's fence before the reader's, but only with sc
+// fences: the new form stays correct with acq_rel ones). The values are the same either way.
 // Measured (H200, session 19, the 27B at c = 2048, one machine start): all groups in global
 // memory, step 6333.1 / 6343.5 -> 6320.7 us (ssm_out -1.1 %, the rest within noise); with the
 // 2-part nodes on hardware clusters (GSPLIT 4) 6311.1 -> 6314.1 (ffn_down -0.2 %): no cost.
