@@ -60,6 +60,18 @@ def _x_seen(x):
     return gemv_check.x_seen(x, eops.GEMV_IMPL)
 
 
+def _v9_default_routes(monkeypatch, eops):
+    """The v9 routing switches at the shipped defaults, whatever the environment says (8-lane
+    rows, split by rows, P2 for Q6_K from 2048 rows, the wide and queue builds, cluster splits
+    with groups of 4 in global memory, one fence per group block)."""
+    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
+    for knob in ("GEMV_KQ_SPLIT", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_P2", "GEMV_KQ_P2_MIN_ROWS", "GEMV_KQ_CSPLIT",
+                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_BW", "GEMV_KQ_WMAJ",
+                 "GEMV_KQ_GSPLIT", "GEMV_KQ_GS_FENCE"):
+        monkeypatch.setattr(eops, knob, {"GEMV_KQ_SPLIT": "auto", "GEMV_KQ_P2": "q6_k", "GEMV_KQ_P2_MIN_ROWS": "2048",
+                                         "GEMV_KQ_CSPLIT": "1"}.get(knob, ""))
+
+
 def _check_rows(y, w, x, what):
     """y [rows] from the kernel vs the float64 products with the rule derived in the module
     docstring (oracles.gemv_check holds it, shared with `harness bench kernels`)."""
@@ -998,12 +1010,7 @@ def test_xpf_build_is_bitwise_equal_to_the_default(monkeypatch):
     from backends.engine import ops as eops, xpf
     if eops.GEMV_IMPL != "q16":
         pytest.skip("q16 kernels")
-    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
-    for knob in ("GEMV_KQ_SPLIT", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_P2", "GEMV_KQ_P2_MIN_ROWS", "GEMV_KQ_CSPLIT",
-                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_BW", "GEMV_KQ_WMAJ",
-                 "GEMV_KQ_GSPLIT"):
-        monkeypatch.setattr(eops, knob, {"GEMV_KQ_SPLIT": "auto", "GEMV_KQ_P2": "q6_k", "GEMV_KQ_P2_MIN_ROWS": "2048",
-                                         "GEMV_KQ_CSPLIT": "1"}.get(knob, ""))
+    _v9_default_routes(monkeypatch, eops)
     rng = np.random.default_rng(47)
     keep = []
     K = 5120
@@ -1067,12 +1074,8 @@ def test_xs_rot_build_keeps_unnormed_outputs_bitwise(monkeypatch):
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
         pytest.skip("q16 kernels")
-    monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
-    for knob in ("GEMV_KQ_SPLIT", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_P2", "GEMV_KQ_P2_MIN_ROWS", "GEMV_KQ_CSPLIT",
-                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_BW", "GEMV_KQ_WMAJ",
-                 "GEMV_KQ_GSPLIT", "GEMV_KQ_GS_FENCE", "GEMV_KQ_XPF"):
-        monkeypatch.setattr(eops, knob, {"GEMV_KQ_SPLIT": "auto", "GEMV_KQ_P2": "q6_k", "GEMV_KQ_P2_MIN_ROWS": "2048",
-                                         "GEMV_KQ_CSPLIT": "1"}.get(knob, ""))
+    _v9_default_routes(monkeypatch, eops)
+    monkeypatch.setattr(eops, "GEMV_KQ_XPF", "")
     rng = np.random.default_rng(59)
     keep = []
     K, KD = 5120, 17408

@@ -231,8 +231,9 @@ KV9_CSPLIT_TYPES = ("q4_k", "q5_k")
 # session 19): groups of 4 only, groups of 2 as hardware clusters; "1": every cluster-split node
 # (session 18's default); "0": hardware clusters (__cluster_dims__) for all. Bitwise equal outputs
 # either way. Measured (H200, session 19, same machine start): "4" against "1" the step 6311.1
-# against 6333.1 / 6343.5 us, ssm_out and attn_output -7.1 % each, the rest the same. Measured (H200, session 18, 27B c = 2048, `harness bench nodes`, same machine start,
-# two pairs): with GGUF_HARNESS_GEMV_KQ_CSPLIT=1 the step 6345.2 / 6343.0 (clusters of 2, the old
+# against 6333.1 / 6343.5 us, ssm_out and attn_output -7.1 % each, the rest the same.
+# Measured (H200, session 18, 27B c = 2048, `harness bench nodes`, same machine start, two
+# pairs): with GGUF_HARNESS_GEMV_KQ_CSPLIT=1 the step 6345.2 / 6343.0 (clusters of 2, the old
 # default) -> 6302.5 / 6303.1 us (-0.65 %): ffn_down Q4_K / Q5_K (4 parts) -1.7 / -2.0 %, but the
 # 2-part ssm_out / attn_output +7.7 % (hence "4"); with clusters of at most 2 (CSPLIT=2) the step
 # +1.0 % (ffn_down +3.3 % as 2 parts in global memory).
