@@ -867,6 +867,30 @@ def test_xs_rot_switch(monkeypatch):
     assert re.search(r"^#define XS_ROT (\d+)", src, re.M).group(1) == "0"
 
 
+def test_part_rot_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_PART_ROT=1 adds KQ_PART_ROT=1 to every v9 build (kernels/gemv_kq.cu
+    kq_row_part: a row's leftover super-block groups rotated over the parts); "" and 0 add nothing;
+    another value, or the switch with the PIPE / L1PF builds (whose loops it does not rotate), is
+    refused before any build; results record it; the define is off by default."""
+    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "1")
+    assert "KQ_PART_ROT=1" in ops.kv9_defines()
+    for env in ("GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
+        with monkeypatch.context() as m:
+            m.setattr(ops, env, "1")
+            with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PART_ROT"):
+                ops.kv9_defines()
+    for off in ("", "0"):
+        monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", off)
+        assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
+    for bad in ("2", "on"):
+        monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PART_ROT"):
+            ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_PART_ROT" in machine.ENGINE_SWITCHES
+    src = (Path(ops.__file__).parent / "kernels" / "xstage.cuh").read_text()
+    assert re.search(r"^#define KQ_PART_ROT (\d+)", src, re.M).group(1) == "0"
+
+
 def test_dq_routing(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_DQ (kernels/gemv_kq.cu KQ_DQ, a row queue per block): unset or "1" (the
     default) gives the wide SwiGLU nodes whose kernel is an 8-lane one-row-per-warp one (the 27B's

@@ -816,9 +816,9 @@ def test_wide_nodes_match_the_default(kq, monkeypatch):
                             monkeypatch, kq=kq, relaunch=3, normed=False)
 
 
-@pytest.mark.parametrize("gsplit", ["0", "1"])
-@pytest.mark.parametrize("split", ["2", "4"])
-def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, monkeypatch):
+@pytest.mark.parametrize("split,gsplit,rot", [("2", "0", ""), ("2", "1", ""), ("4", "0", ""), ("4", "1", ""),
+                                              ("2", "0", "1"), ("4", "1", "1")])
+def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_CSPLIT=1 (kernels/gemv_kq.cu KQ_CSPLIT): the parts of a row group in the
     blocks of a thread-block cluster compute the partial sums the _s<S> kernel's warps compute and
     rank 0 adds them in the same order, so store and add nodes without a norm must equal the
@@ -830,11 +830,16 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, monk
     = 17408 (17 groups of 4 super-blocks: parts of unequal size), K = 2816 (a partial group), K =
     512 at S = 4 (parts without a super-block), row counts above one round of clusters, two
     segments of different row counts. A node of more than KQ_CS_MAXR rounds falls back to the
-    S-split kernel, and a normed node is never taken."""
+    S-split kernel, and a normed node is never taken. With GGUF_HARNESS_GEMV_KQ_PART_ROT=1 (`rot`,
+    gemv_kq.cu kq_row_part) both kernels hand a row's leftover groups to a part that changes with the
+    round: still equal to each other bit for bit and each within the oracle rule (K = 17408: one
+    leftover group of 17 at S = 4; K = 2816: a partial leftover group; K = 512 at S = 4: no full
+    sweep)."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
         pytest.skip("q16 kernels")
+    monkeypatch.setattr(eops, "GEMV_KQ_PART_ROT", rot)
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "1000000")  # Q6_K on the one-row-per-warp kernels
     monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
@@ -869,6 +874,7 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, monk
                 assert n.grid[0] % S == 0 or cs == "0", n.grid
                 assert ("KQ_CSPLIT=1" in n.defines) == (cs == "1"), n.defines
                 assert ("KQ_GSPLIT=1" in n.defines) == (cs == "1" and gsplit == "1"), n.defines
+                assert ("KQ_PART_ROT=1" in n.defines) == (rot == "1"), n.defines
                 n.launch()
             got[cs] = (ya.get(), yb.get(), acc.get())
             ya.fill(np.nan)  # a relaunch that stored nothing (a group count left unreset) must show

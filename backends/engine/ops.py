@@ -385,6 +385,12 @@ def kv9_gsplit(cs: int) -> bool:
 # "0": off). Unnormed outputs unchanged; normed ones add the sum of squares in another order.
 GEMV_XS_ROT = os.environ.get("GGUF_HARNESS_GEMV_XS_ROT", "")
 
+# KQ_PART_ROT (kernels/gemv_kq.cu kq_row_part): "1" the v9 builds hand a row's leftover groups of
+# 4 super-blocks (K / 1024 mod parts) to part (m + round) mod parts instead of part m, so the blocks of
+# a 4-part [5120x17408] node read 4.25 groups per row each rather than 5 in part 0 (A/B; "" or "0":
+# off). The split nodes' sums change order (not the default's bits); unsplit nodes are unchanged.
+GEMV_KQ_PART_ROT = os.environ.get("GGUF_HARNESS_GEMV_KQ_PART_ROT", "")
+
 # KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1" or "" (the
 # default since session 19): one fence by thread 0 after the barrier (the cooperative-groups
 # grid-sync form), "0": a fence in every thread before it (session 18's). Same values either way.
@@ -423,7 +429,8 @@ def kv9_defines() -> tuple[str, ...]:
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
     KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1,
-    GEMV_KQ_CONV=1 -> KQ_CONV=1, GEMV_XS_ROT=1 -> XS_ROT=1, then
+    GEMV_KQ_CONV=1 -> KQ_CONV=1, GEMV_XS_ROT=1 -> XS_ROT=1, GEMV_KQ_PART_ROT=1 -> KQ_PART_ROT=1
+    (not with PIPE / L1PF), then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
     both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
@@ -481,6 +488,11 @@ def kv9_defines() -> tuple[str, ...]:
     _switch01("GGUF_HARNESS_GEMV_XS_ROT", GEMV_XS_ROT)
     if GEMV_XS_ROT == "1":
         out.append("XS_ROT=1")
+    _switch01("GGUF_HARNESS_GEMV_KQ_PART_ROT", GEMV_KQ_PART_ROT)
+    if GEMV_KQ_PART_ROT == "1":
+        if GEMV_KQ_PIPE or GEMV_KQ_L1PF:  # kq_row_part rotates only the default loop
+            raise ValueError("GGUF_HARNESS_GEMV_KQ_PART_ROT=1: not with GGUF_HARNESS_GEMV_KQ_PIPE / _L1PF")
+        out.append("KQ_PART_ROT=1")
     return tuple(out) + iq4_xil_defines()
 
 

@@ -214,6 +214,36 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
     return acc;
 }
 
+// A part's share of one row (kq_body's plain store/add path): part wpart of NP takes super-blocks
+// grp + 4 wpart + 4 NP k (kq_row's sb0, st). KQ_PART_ROT=1 (A/B, ops GGUF_HARNESS_GEMV_KQ_PART_ROT):
+// the ng = ceil(nsb / 4) groups of 4 super-blocks are F = ng / NP full sweeps, which every part
+// takes as before, and L = ng mod NP leftover groups, of which leftover m goes to part
+// (m + round) mod NP instead of always to part m; round is the warp's row loop count, the same
+// in every part of a row group, so each leftover is computed exactly once per row. Why: at K =
+// 17408 (17 groups) and 4 parts, part 0 reads 5 groups of every row and parts 1..3 read 4, so in
+// the KQ_GSPLIT / cluster builds, whose parts sit in different blocks without a per-round barrier,
+// the part-0 blocks run 5/4.25 = 1.18x the mean work and end last (the 27B's 64 ffn_down nodes,
+// 22 % of the decode step). Rotating the leftover gives every block 4.25 groups per row on
+// average. In the S-split kernels (one block, a barrier per round) nothing changes but which warp
+// reads the leftover; they rotate too so that the _c<S> and _s<S> kernels of one build still add
+// the same partial sums (GPU test). Sums of another set of super-blocks per part: outputs are not
+// the default build's bit for bit.
+template <class Q, int NP>
+__device__ __forceinline__ float kq_row_part(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int grp,
+                                             int wpart, int round, int i, Carry<Q>* c, const u8* next) {
+#if KQ_PART_ROT
+    static_assert(kKqPipe == 0 && kKqL1pf == 0, "KQ_PART_ROT: not with the KQ_PIPE / KQ_L1PF builds");
+    if constexpr (NP > 1) {
+        const int ng = (nsb + 3) >> 2, F = ng / NP, L = ng - F * NP;
+        float acc = kq_row<Q>(row, xa, w, min(nsb, 4 * F * NP), grp + 4 * wpart, 4 * NP, i);
+        for (int m = 0; m < L; ++m)  // one round (sb + 4 NP >= nsb); a lane past nsb adds 0
+            if ((m + round) % NP == wpart) acc += kq_row<Q>(row, xa, w, nsb, 4 * (F * NP + m) + grp, 4 * NP, i);
+        return acc;
+    }
+#endif
+    return kq_row<Q>(row, xa, w, nsb, grp + 4 * wpart, 4 * NP, i, c, next);
+}
+
 // Gate and up rows: both rows' blocks loaded before any arithmetic, the activations read once.
 template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
                                                              const typename Q::Lane& w, int nsb, int sb0, int st,
@@ -774,7 +804,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
-            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row<Q>(rp, xa, w, nsb, sb0, st, i, &carry, np)
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_part<Q, nparts>(rp, xa, w, nsb, grp, wpart, round, i, &carry, np)
                                                        : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, l + LPR * ws, LPR * S));
         }
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes

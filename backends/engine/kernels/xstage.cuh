@@ -34,12 +34,27 @@
 // multiple of 128, so of 32: warp-uniform); cs_entry: the entry of the part's v-th, or nch (no
 // entry) for v >= nv; in a partial last group it is >= nch too, which stage_xq's c < nch test
 // skips. A warp's 32 entries stay one aligned run of a super-block (XLANE's records).
+// KQ_PART_ROT (gemv_kq.cu): a part also stages the L = ng mod cs leftover groups F cs .. ng - 1
+// (F = ng / cs full sweeps), since which part computes them changes from row to row: its F groups
+// part + cs k, then the L leftovers.
+#ifndef KQ_PART_ROT
+#define KQ_PART_ROT 0
+#endif
 __device__ __forceinline__ int cs_entries(int nch, int cs, int part) {
     const int ng = (nch + 127) >> 7;
+#if KQ_PART_ROT
+    return 128 * (ng / cs + ng % cs);
+#else
     return ng > part ? 128 * ((ng - part + cs - 1) / cs) : 0;
+#endif
 }
 __device__ __forceinline__ int cs_entry(int v, int nv, int nch, int cs, int part) {
+#if KQ_PART_ROT
+    const int g = v >> 7, F = ((nch + 127) >> 7) / cs;
+    return v < nv ? (((g < F ? g * cs + part : F * cs + g - F) << 7) | (v & 127)) : nch;
+#else
     return v < nv ? ((((v >> 7) * cs + part) << 7) | (v & 127)) : nch;
+#endif
 }
 
 // Largest |v| and whether any value is NaN/Inf, over a thread's 8 values and then the 4 lanes
