@@ -212,7 +212,8 @@ def test_v9_iq3s_grid_defines(monkeypatch):
     copies); unset = the default build; a value the kernel rejects is refused here."""
     from backends.engine import module, ops
     src = (module.KERNEL_DIR / "kwide_iq3s.cuh").read_text()
-    assert "#define KQ_IQ3S_GRID 1" in src
+    assert "#define KQ_IQ3S_GRID 16" in src  # the default since session 20
+    assert "__shared__ __align__(16) u32 iq3s_grid_s" in src  # the uint4 stores of the setup
     monkeypatch.setattr(ops, "GEMV_KQ_IQ3S_GRID", "")
     assert ops.kv9_iq3s_defines([21]) == () and ops.kv9_iq3s_defines([12]) == ()
     for n in ops.KQ_IQ3S_GRIDS:
@@ -849,46 +850,24 @@ def test_max_active_clusters_falls_back_without_the_driver(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_CSPLIT" in machine.ENGINE_SWITCHES
 
 
-def test_xs_rot_switch(monkeypatch):
-    """GGUF_HARNESS_GEMV_XS_ROT=1 adds XS_ROT=1 to every v9 build (kernels/xstage.cuh: x staged from
-    a per-block rotated start); "" and 0 add nothing; another value is refused before any build;
-    results record it; the define is off by default and guards the rotated loop only."""
-    monkeypatch.setattr(ops, "GEMV_XS_ROT", "1")
-    assert "XS_ROT=1" in ops.kv9_defines()
-    for off in ("", "0"):
-        monkeypatch.setattr(ops, "GEMV_XS_ROT", off)
-        assert not any(d.startswith("XS_ROT") for d in ops.kv9_defines())
-    for bad in ("2", "on"):
-        monkeypatch.setattr(ops, "GEMV_XS_ROT", bad)
-        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_XS_ROT"):
-            ops.kv9_defines()
-    assert "GGUF_HARNESS_GEMV_XS_ROT" in machine.ENGINE_SWITCHES
-    src = (Path(ops.__file__).parent / "kernels" / "xstage.cuh").read_text()
-    assert re.search(r"^#define XS_ROT (\d+)", src, re.M).group(1) == "0"
-
-
 def test_part_rot_switch(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_PART_ROT=1 adds KQ_PART_ROT=1 to every v9 build (kernels/gemv_kq.cu
-    kq_row_part: a row's leftover super-block groups rotated over the parts); "" and 0 add nothing;
-    another value, or the switch with the PIPE / L1PF builds (whose loops it does not rotate), is
-    refused before any build; results record it; the define is off by default."""
-    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "1")
-    assert "KQ_PART_ROT=1" in ops.kv9_defines()
-    for env in ("GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
-        with monkeypatch.context() as m:
-            m.setattr(ops, env, "1")
-            with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PART_ROT"):
-                ops.kv9_defines()
-    for off in ("", "0"):
-        monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", off)
+    """GGUF_HARNESS_GEMV_KQ_PART_ROT (kernels/gemv_kq.cu kq_row_part: a row's leftover super-block
+    groups rotated over the 4 parts of the group / cluster kernels) is on by default: "" and 1 add
+    no define (the kernel's default, 1), 0 adds KQ_PART_ROT=0; another value is refused before any
+    build; results record it; the kernel's default is 1 and only CS == 4 instances rotate."""
+    for on in ("", "1"):
+        monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", on)
         assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
+    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "0")
+    assert "KQ_PART_ROT=0" in ops.kv9_defines()
     for bad in ("2", "on"):
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PART_ROT"):
             ops.kv9_defines()
     assert "GGUF_HARNESS_GEMV_KQ_PART_ROT" in machine.ENGINE_SWITCHES
-    src = (Path(ops.__file__).parent / "kernels" / "xstage.cuh").read_text()
-    assert re.search(r"^#define KQ_PART_ROT (\d+)", src, re.M).group(1) == "0"
+    kdir = Path(ops.__file__).parent / "kernels"
+    assert re.search(r"^#define KQ_PART_ROT (\d+)", (kdir / "xstage.cuh").read_text(), re.M).group(1) == "1"
+    assert "kq_row_part<Q, nparts, KQ_PART_ROT && CS == 4>" in (kdir / "gemv_kq.cu").read_text()
 
 
 def test_dq_routing(monkeypatch):

@@ -48,12 +48,8 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_P=
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"))]  # the cluster kernels without clusters
 # session 19: session 18's fence in every thread of a group block (GGUF_HARNESS_GEMV_KQ_GS_FENCE=0)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_GS_FENCE=0"))]
-# ... and x staged from a per-block rotated start (GGUF_HARNESS_GEMV_XS_ROT), default, queue and group builds
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "XS_ROT=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "XS_ROT=1")),
-            ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "XS_ROT=1"))]
-# session 20: a row's leftover super-block groups rotated over the parts (GGUF_HARNESS_GEMV_KQ_PART_ROT),
-# the S-split build and the group build
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_PART_ROT=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PART_ROT=1"))]
+# session 20: the group build without the leftover rotation (GGUF_HARNESS_GEMV_KQ_PART_ROT=0; on by default)
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PART_ROT=0"))]
 # session 17: the next node's prefetch (ops GGUF_HARNESS_GEMV_KQ_XPF; its static_assert holds the
 # table to ops.table_dtype(xpf=True)'s 200 bytes), in the default and the queue build
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XPF=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_XPF=1"))]

@@ -94,8 +94,9 @@ KV9_Q0_NAMES = {8: "q8_0", 2: "q4_0"}  # kernels/gemv_kq.cu KQ_MODES(T_Q8_0, q8_
 # [5120x17408] 52.2 -> 32.2 us, the 27B decode step 7955 -> 7469 us, docs/perf-notes.md "v9
 # IQ3_S rows"); "0" keeps IQ3_S nodes on gemv.cu's I-quant loop. Read by kv9_kernel at call time.
 GEMV_KQ_IQ3S = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S", "1")
-# A/B of where those rows read the IQ3_S grid: "" the kernel's default (one copy in shared
-# memory), or N = 0 (the global table), 1, 2, 4, 8, 16 shared-memory copies: gemv_kq.cu built
+# A/B of where those rows read the IQ3_S grid: "" the kernel's default (16 copies in shared
+# memory since session 20: the 27B's IQ3_S gate/up -13 %), or N = 0 (the global table), 1, 2, 4, 8,
+# 16 shared-memory copies: gemv_kq.cu built
 # with -DKQ_IQ3S_GRID=N (its own NVRTC compile and CuPy cache entry; kv9_iq3s_defines).
 GEMV_KQ_IQ3S_GRID = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S_GRID", "")
 KQ_IQ3S_GRIDS = ("0", "1", "2", "4", "8", "16")
@@ -381,14 +382,11 @@ def kv9_gsplit(cs: int) -> bool:
     return GEMV_KQ_GSPLIT == "1" or (GEMV_KQ_GSPLIT in ("", "4") and cs == 4)
 
 
-# XS_ROT (kernels/xstage.cuh): "1" the v9 builds stage x from a per-block rotated start (A/B; "" or
-# "0": off). Unnormed outputs unchanged; normed ones add the sum of squares in another order.
-GEMV_XS_ROT = os.environ.get("GGUF_HARNESS_GEMV_XS_ROT", "")
-
-# KQ_PART_ROT (kernels/gemv_kq.cu kq_row_part): "1" the v9 builds hand a row's leftover groups of
-# 4 super-blocks (K / 1024 mod parts) to part (m + round) mod parts instead of part m, so the blocks of
-# a 4-part [5120x17408] node read 4.25 groups per row each rather than 5 in part 0 (A/B; "" or "0":
-# off). The split nodes' sums change order (not the default's bits); unsplit nodes are unchanged.
+# KQ_PART_ROT (kernels/gemv_kq.cu kq_row_part): "1" or "" (the default since session 20) the 4-part
+# group / cluster kernels hand a row's leftover groups of 4 super-blocks (K / 1024 mod 4) to part
+# (m + round) mod 4 instead of part m, so the blocks of a [5120x17408] node read 4.25 groups per row
+# each rather than 5 in part 0 (the 27B's ffn_down -2 to -3.5 %); "0": part m (session 19's sums,
+# the _s4 kernels' bit for bit).
 GEMV_KQ_PART_ROT = os.environ.get("GGUF_HARNESS_GEMV_KQ_PART_ROT", "")
 
 # KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1" or "" (the
@@ -429,8 +427,7 @@ def kv9_defines() -> tuple[str, ...]:
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
     KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1,
-    GEMV_KQ_CONV=1 -> KQ_CONV=1, GEMV_XS_ROT=1 -> XS_ROT=1, GEMV_KQ_PART_ROT=1 -> KQ_PART_ROT=1
-    (not with PIPE / L1PF), then
+    GEMV_KQ_CONV=1 -> KQ_CONV=1, GEMV_KQ_PART_ROT=0 -> KQ_PART_ROT=0, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
     both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
@@ -485,14 +482,9 @@ def kv9_defines() -> tuple[str, ...]:
     _switch01("GGUF_HARNESS_GEMV_KQ_CONV", GEMV_KQ_CONV)
     if GEMV_KQ_CONV == "1":  # every v9 build with the conv fields (only ssm_in nodes set them)
         out.append("KQ_CONV=1")
-    _switch01("GGUF_HARNESS_GEMV_XS_ROT", GEMV_XS_ROT)
-    if GEMV_XS_ROT == "1":
-        out.append("XS_ROT=1")
     _switch01("GGUF_HARNESS_GEMV_KQ_PART_ROT", GEMV_KQ_PART_ROT)
-    if GEMV_KQ_PART_ROT == "1":
-        if GEMV_KQ_PIPE or GEMV_KQ_L1PF:  # kq_row_part rotates only the default loop
-            raise ValueError("GGUF_HARNESS_GEMV_KQ_PART_ROT=1: not with GGUF_HARNESS_GEMV_KQ_PIPE / _L1PF")
-        out.append("KQ_PART_ROT=1")
+    if GEMV_KQ_PART_ROT == "0":  # "1" / "": the kernel's default (KQ_PART_ROT 1)
+        out.append("KQ_PART_ROT=0")
     return tuple(out) + iq4_xil_defines()
 
 

@@ -215,32 +215,34 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 }
 
 // A part's share of one row (kq_body's plain store/add path): part wpart of NP takes super-blocks
-// grp + 4 wpart + 4 NP k (kq_row's sb0, st). KQ_PART_ROT=1 (A/B, ops GGUF_HARNESS_GEMV_KQ_PART_ROT):
-// the ng = ceil(nsb / 4) groups of 4 super-blocks are F = ng / NP full sweeps, which every part
-// takes as before, and L = ng mod NP leftover groups, of which leftover m goes to part
-// (m + round) mod NP instead of always to part m; round is the warp's row loop count, the same
-// in every part of a row group, so each leftover is computed exactly once per row. Why: at K =
-// 17408 (17 groups) and 4 parts, part 0 reads 5 groups of every row and parts 1..3 read 4, so in
-// the KQ_GSPLIT / cluster builds, whose parts sit in different blocks without a per-round barrier,
-// the part-0 blocks run 5/4.25 = 1.18x the mean work and end last (the 27B's 64 ffn_down nodes,
-// 22 % of the decode step). Rotating the leftover gives every block 4.25 groups per row on
-// average. In the S-split kernels (one block, a barrier per round) nothing changes but which warp
-// reads the leftover; they rotate too so that the _c<S> and _s<S> kernels of one build still add
-// the same partial sums (GPU test). Sums of another set of super-blocks per part: outputs are not
-// the default build's bit for bit.
-template <class Q, int NP>
+// grp + 4 wpart + 4 NP k (kq_row's sb0, st). ROT (KQ_PART_ROT, the default since session 20, and
+// the 4-part group / cluster kernels only: kq_body's CS == 4): the ng = ceil(nsb / 4) groups of 4
+// super-blocks are F = ng / NP full sweeps, which every part takes as before, and L = ng mod NP
+// leftover groups, of which leftover m goes to part (m + round) mod NP instead of always to part
+// m; round is the warp's row loop count, the same in every part of a row group (first and step
+// depend on the group and the warp only), so each leftover is computed exactly once per row, and
+// stage_xq stages the leftovers in every part. Why: at K = 17408 (17 groups), part 0 read 5 groups
+// of every row and parts 1..3 read 4, so the part-0 blocks, which run without a barrier with
+// their partners until the final count, did 5 / 4.25 = 1.18x the mean work. Measured (H200,
+// session 20, the 27B at c = 2048, bench nodes, three pairs in one machine start): ffn_down Q4_K
+// x48 -2.2 to -3.5 %, Q5_K x16 -1.8 to -2.6 %. Not in the S-split kernels (one block, a barrier
+// per round: the round still waits for the part with the leftover): there, rotating cost 6-9 %
+// ([5120x17408] IQ3_S and Q6_K at S 4, [1024x5120] Q6_K at S 2; kernel table, same start), and not
+// at 2 parts (the 27B's are K = 6144 nodes, L = 0; the compiled-in rotation cost ssm_out +1-2 %).
+// So the _c4 kernels add other partial sums than the _s4 ones: equal within the oracle rule, not
+// bit for bit (KQ_PART_ROT=0 restores that).
+template <class Q, int NP, bool ROT>
 __device__ __forceinline__ float kq_row_part(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int grp,
                                              int wpart, int round, int i, Carry<Q>* c, const u8* next) {
-#if KQ_PART_ROT
-    static_assert(kKqPipe == 0 && kKqL1pf == 0, "KQ_PART_ROT: not with the KQ_PIPE / KQ_L1PF builds");
-    if constexpr (NP > 1) {
+    // (ops.kv9_csplit never routes a node to the cluster kernels of a PIPE / L1PF build)
+    static_assert(!(ROT && NP > 1) || (kKqPipe == 0 && kKqL1pf == 0), "KQ_PART_ROT: not with KQ_PIPE / KQ_L1PF");
+    if constexpr (ROT && NP > 1) {
         const int ng = (nsb + 3) >> 2, F = ng / NP, L = ng - F * NP;
         float acc = kq_row<Q>(row, xa, w, min(nsb, 4 * F * NP), grp + 4 * wpart, 4 * NP, i);
         for (int m = 0; m < L; ++m)  // one round (sb + 4 NP >= nsb); a lane past nsb adds 0
             if ((m + round) % NP == wpart) acc += kq_row<Q>(row, xa, w, nsb, 4 * (F * NP + m) + grp, 4 * NP, i);
         return acc;
     }
-#endif
     return kq_row<Q>(row, xa, w, nsb, grp + 4 * wpart, 4 * NP, i, c, next);
 }
 
@@ -804,7 +806,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
-            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_part<Q, nparts>(rp, xa, w, nsb, grp, wpart, round, i, &carry, np)
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_part<Q, nparts, KQ_PART_ROT && CS == 4>(rp, xa, w, nsb, grp, wpart, round, i, &carry, np)
                                                        : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, l + LPR * ws, LPR * S));
         }
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes

@@ -54,8 +54,14 @@
 // 2 wavefronts (32 KiB per block; 2, 4, 8 copies gain nothing: 3.3-3.4). 32 copies (1 wavefront)
 // would need 64 KiB, over the 48 KiB a static __shared__ array may take (NVRTC fails), so they
 // would have to live in the dynamic allocation: not done. KQ_IQ3S_GRID 0 reads the global table
-// instead (__ldg; SASS: 2 more integer ops per lookup for the 64-bit address). Default 1 (2 KiB:
-// no occupancy cost at K <= 17408); 0 and 16 are a same-run A/B (ops.py GEMV_KQ_IQ3S_GRID).
+// instead (__ldg; SASS: 2 more integer ops per lookup for the 64-bit address). Default 16 since
+// session 20 (was 1): in the 27B decode step (H200, c = 2048, bench nodes, three same-start pairs)
+// the IQ3_S gate/up pairs went -12.6 to -13.3 % (362 -> 315 us per step over 8 nodes), where the
+// kernel table's single [5120x17408] store had shown only -3 % (session 9). 32 KiB of static
+// shared memory per block (+2.625 K bytes of x): two 16-warp blocks per SM up to K ~ 40000. 16
+// copies need the array 16-byte aligned (iq3s_grid_setup's uint4 stores): without __align__ the
+// build faulted with a misaligned address once the kernel's other static arrays moved it (session
+// 20). 0, 1, 2, 4, 8 stay an A/B (ops.py GEMV_KQ_IQ3S_GRID).
 //
 // Alignment: rows start 256-byte aligned (arena.py ALIGN), blocks are 110 = 2 x 55 bytes, so a
 // block is only 2-byte aligned and the lane's qs run (offset 2 + 8i) starts at byte o = (block +
@@ -82,7 +88,7 @@
 #include "kwide_iq4.cuh"  // prmt, laneid_v; via kwide.cuh: XS, lds128, lds32f, xq_slot, dot8c, funnel_r
 
 #ifndef KQ_IQ3S_GRID
-#define KQ_IQ3S_GRID 1  // copies of iq3s_grid in shared memory (0: the global table)
+#define KQ_IQ3S_GRID 16  // copies of iq3s_grid in shared memory (0: the global table)
 #endif
 constexpr int kIq3sCopies = KQ_IQ3S_GRID;
 static_assert(kIq3sCopies == 0 || kIq3sCopies == 1 || kIq3sCopies == 2 || kIq3sCopies == 4 || kIq3sCopies == 8 ||
@@ -93,7 +99,7 @@ constexpr int kIq3sLg = kIq3sCopies <= 1 ? 0 : kIq3sCopies == 2 ? 1 : kIq3sCopie
 #if KQ_IQ3S_GRID > 0
 // Word copies x index + copy (byte offset 4x that) = iq3s_grid[index]. Allocated only in the
 // kernels that use it (the IQ3_S instances; ptxas -v: the others keep their static shared memory).
-__shared__ u32 iq3s_grid_s[512 * KQ_IQ3S_GRID];
+__shared__ __align__(16) u32 iq3s_grid_s[512 * KQ_IQ3S_GRID];  // 16: uint4 stores (setup)
 #endif
 
 // Fill the shared copies (every thread of the block; the caller's later barrier publishes them).

@@ -16,45 +16,27 @@
 #define XQ_MAX 32767.f
 #endif
 #define XQ_FLUSH 1e-30f  // blocks with max |x| below this become zeros (XQ_MAX / amax overflows ~1e-34)
-#ifndef XS_ROT
-// XS_ROT=1 (A/B, ops GGUF_HARNESS_GEMV_XS_ROT; gemv_kq.cu builds): block b stages its entries
-// starting at super-block 7 b mod (entries / 32) instead of 0, so the blocks of a grid, which all
-// stage at the same moment, ask L2 for x's lines in different orders. Why: session 19's KQ_NPF (160
-// more lines asked for by every block before the PDL wait) cost ~1 us per node, which suggested
-// that every block asking for the same lines at once queues at the L2 slices holding them; x's
-// staging (2.2 us at K = 5120, H200 session 15) does that too. A warp still stages 32 consecutive
-// entries (whole super-blocks: the lane records). The codes are the same; a fused norm's sum of
-// squares is added in another order (thread to entry changes), so normed outputs are not
-// bitwise the default's; unnormed ones are.
-#define XS_ROT 0
-#endif
 
 // Cluster parts (gemv_kq.cu KQ_CSPLIT): a part takes the groups of 4 super-blocks (128 entries of 8
 // values) j = part, part + cs, ... of the nch entries. cs_entries: how many entries that is (a
 // multiple of 128, so of 32: warp-uniform); cs_entry: the entry of the part's v-th, or nch (no
 // entry) for v >= nv; in a partial last group it is >= nch too, which stage_xq's c < nch test
 // skips. A warp's 32 entries stay one aligned run of a super-block (XLANE's records).
-// KQ_PART_ROT (gemv_kq.cu): a part also stages the L = ng mod cs leftover groups F cs .. ng - 1
-// (F = ng / cs full sweeps), since which part computes them changes from row to row: its F groups
-// part + cs k, then the L leftovers.
+// KQ_PART_ROT (gemv_kq.cu kq_row_part; rot = KQ_PART_ROT && cs == 4): a part also stages the
+// L = ng mod cs leftover groups F cs .. ng - 1 (F = ng / cs full sweeps), since which part computes
+// them changes from row to row: its F groups part + cs k, then the L leftovers.
 #ifndef KQ_PART_ROT
-#define KQ_PART_ROT 0
+#define KQ_PART_ROT 1
 #endif
-__device__ __forceinline__ int cs_entries(int nch, int cs, int part) {
+__device__ __forceinline__ int cs_entries(int nch, int cs, int part, bool rot) {
     const int ng = (nch + 127) >> 7;
-#if KQ_PART_ROT
-    return 128 * (ng / cs + ng % cs);
-#else
+    if (rot) return 128 * (ng / cs + ng % cs);
     return ng > part ? 128 * ((ng - part + cs - 1) / cs) : 0;
-#endif
 }
-__device__ __forceinline__ int cs_entry(int v, int nv, int nch, int cs, int part) {
-#if KQ_PART_ROT
+__device__ __forceinline__ int cs_entry(int v, int nv, int nch, int cs, int part, bool rot) {
+    if (v >= nv) return nch;
     const int g = v >> 7, F = ((nch + 127) >> 7) / cs;
-    return v < nv ? (((g < F ? g * cs + part : F * cs + g - F) << 7) | (v & 127)) : nch;
-#else
-    return v < nv ? ((((v >> 7) * cs + part) << 7) | (v & 127)) : nch;
-#endif
+    return ((rot ? (g < F ? g * cs + part : F * cs + g - F) : g * cs + part) << 7) | (v & 127);
 }
 
 // Largest |v| and whether any value is NaN/Inf, over a thread's 8 values and then the 4 lanes
@@ -96,7 +78,8 @@ __device__ __forceinline__ void block_amax_bad(const float (&v)[8], float& am, i
 // same bytes; xd natural); each warp stages one super-block (32 consecutive entries), so a record's
 // run sums and scales come from its neighbours by shuffles.
 // CS > 1 (gemv_kq.cu KQ_CSPLIT, no norm): only the entries of the super-blocks sb with
-// (sb / 4) % CS == part (those kq_body's cluster part reads); the others are left unwritten.
+// (sb / 4) % CS == part (those kq_body's cluster part reads), at CS = 4 (KQ_PART_ROT) those of the
+// leftover groups too; the others are left unwritten.
 template <bool SW4 = false, bool IL = false, int XL = 0, int CS = 1>
 __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const float* __restrict__ norm,
                                           float eps, int K, int4* xq, int* xs, float* xd, float* scratch,
@@ -112,19 +95,11 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
 #endif
     float ss = 0.f;
     // CS > 1: the entries of part `part` only, as c = cs_entry (the super-blocks of kq_body's part)
-    const int nv = CS > 1 ? cs_entries(nch, CS, part) : nch;
-#if XS_ROT
-    const int rot = nv >= 32 ? (int)((7u * blockIdx.x) % (unsigned)(nv >> 5)) << 5 : 0;  // nv % 32 == 0
-#endif
+    constexpr bool rot = KQ_PART_ROT && CS == 4;  // kq_row_part's leftover groups
+    const int nv = CS > 1 ? cs_entries(nch, CS, part, rot) : nch;
 #pragma unroll 2
     for (int c0 = 0; c0 < nv; c0 += blockDim.x) {
-#if XS_ROT
-        int vr = c0 + threadIdx.x;
-        if (vr < nv) vr = vr + rot < nv ? vr + rot : vr + rot - nv;
-        const int c = CS > 1 ? cs_entry(vr, nv, nch, CS, part) : vr, i0 = 8 * c;
-#else
-        const int c = CS > 1 ? cs_entry(c0 + threadIdx.x, nv, nch, CS, part) : c0 + threadIdx.x, i0 = 8 * c;
-#endif
+        const int c = CS > 1 ? cs_entry(c0 + threadIdx.x, nv, nch, CS, part, rot) : c0 + threadIdx.x, i0 = 8 * c;
         float v[8];
         // value index of the entry's code j (IL: block 32 (c >> 2), quad c & 3, halves interleaved)
         auto at = [&](int j) { return IL ? 32 * (c >> 2) + 4 * (c & 3) + (j >> 1) + 16 * (j & 1) : i0 + j; };
