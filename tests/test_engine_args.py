@@ -867,7 +867,7 @@ def test_part_rot_switch(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_PART_ROT" in machine.ENGINE_SWITCHES
     kdir = Path(ops.__file__).parent / "kernels"
     assert re.search(r"^#define KQ_PART_ROT (\d+)", (kdir / "xstage.cuh").read_text(), re.M).group(1) == "1"
-    assert "kq_row_part<Q, nparts, KQ_PART_ROT && CS == 4>" in (kdir / "gemv_kq.cu").read_text()
+    assert "kq_row_sel<Q, nparts, KQ_PART_ROT && CS == 4>" in (kdir / "gemv_kq.cu").read_text()
 
 
 def test_dq_routing(monkeypatch):

@@ -215,8 +215,8 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 }
 
 // A part's share of one row (kq_body's plain store/add path): part wpart of NP takes super-blocks
-// grp + 4 wpart + 4 NP k (kq_row's sb0, st). ROT (KQ_PART_ROT, the default since session 20, and
-// the 4-part group / cluster kernels only: kq_body's CS == 4): the ng = ceil(nsb / 4) groups of 4
+// grp + 4 wpart + 4 NP k (kq_row's sb0, st). With KQ_PART_ROT (the default since session 20; called
+// by the 4-part group / cluster kernels only, kq_body's CS == 4): the ng = ceil(nsb / 4) groups of 4
 // super-blocks are F = ng / NP full sweeps, which every part takes as before, and L = ng mod NP
 // leftover groups, of which leftover m goes to part (m + round) mod NP instead of always to part
 // m; round is the warp's row loop count, the same in every part of a row group (first and step
@@ -231,19 +231,24 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 // at 2 parts (the 27B's are K = 6144 nodes, L = 0; the compiled-in rotation cost ssm_out +1-2 %).
 // So the _c4 kernels add other partial sums than the _s4 ones: equal within the oracle rule, not
 // bit for bit (KQ_PART_ROT=0 restores that).
-template <class Q, int NP, bool ROT>
+template <class Q, int NP>
 __device__ __forceinline__ float kq_row_part(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int grp,
-                                             int wpart, int round, int i, Carry<Q>* c, const u8* next) {
+                                             int wpart, int round, int i) {
     // (ops.kv9_csplit never routes a node to the cluster kernels of a PIPE / L1PF build)
-    static_assert(!(ROT && NP > 1) || (kKqPipe == 0 && kKqL1pf == 0), "KQ_PART_ROT: not with KQ_PIPE / KQ_L1PF");
-    if constexpr (ROT && NP > 1) {
-        const int ng = (nsb + 3) >> 2, F = ng / NP, L = ng - F * NP;
-        float acc = kq_row<Q>(row, xa, w, min(nsb, 4 * F * NP), grp + 4 * wpart, 4 * NP, i);
-        for (int m = 0; m < L; ++m)  // one round (sb + 4 NP >= nsb); a lane past nsb adds 0
-            if ((m + round) % NP == wpart) acc += kq_row<Q>(row, xa, w, nsb, 4 * (F * NP + m) + grp, 4 * NP, i);
-        return acc;
-    }
-    return kq_row<Q>(row, xa, w, nsb, grp + 4 * wpart, 4 * NP, i, c, next);
+    static_assert(NP == 1 || (kKqPipe == 0 && kKqL1pf == 0), "KQ_PART_ROT: not with KQ_PIPE / KQ_L1PF");
+    const int ng = (nsb + 3) >> 2, F = ng / NP, L = ng - F * NP;
+    float acc = kq_row<Q>(row, xa, w, min(nsb, 4 * F * NP), grp + 4 * wpart, 4 * NP, i);
+    for (int m = 0; m < L; ++m)  // one round (sb + 4 NP >= nsb); a lane past nsb adds 0
+        if ((m + round) % NP == wpart) acc += kq_row<Q>(row, xa, w, nsb, 4 * (F * NP + m) + grp, 4 * NP, i);
+    return acc;
+}
+
+// kq_body's plain row: kq_row_part when ROT, else kq_row as before (same arguments, same code).
+template <class Q, int NP, bool ROT>
+__device__ __forceinline__ float kq_row_sel(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int sb0,
+                                            int st, int i, Carry<Q>* c, const u8* next, int grp, int wpart, int round) {
+    if constexpr (ROT) return kq_row_part<Q, NP>(row, xa, w, nsb, grp, wpart, round, i);
+    else return kq_row<Q>(row, xa, w, nsb, sb0, st, i, c, next);
 }
 
 // Gate and up rows: both rows' blocks loaded before any arithmetic, the activations read once.
@@ -806,7 +811,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
-            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_part<Q, nparts, KQ_PART_ROT && CS == 4>(rp, xa, w, nsb, grp, wpart, round, i, &carry, np)
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_sel<Q, nparts, KQ_PART_ROT && CS == 4>(rp, xa, w, nsb, sb0, st, i, &carry, np, grp, wpart, round)
                                                        : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, l + LPR * ws, LPR * S));
         }
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes

@@ -34,9 +34,11 @@ __device__ __forceinline__ int cs_entries(int nch, int cs, int part, bool rot) {
     return ng > part ? 128 * ((ng - part + cs - 1) / cs) : 0;
 }
 __device__ __forceinline__ int cs_entry(int v, int nv, int nch, int cs, int part, bool rot) {
-    if (v >= nv) return nch;
-    const int g = v >> 7, F = ((nch + 127) >> 7) / cs;
-    return ((rot ? (g < F ? g * cs + part : F * cs + g - F) : g * cs + part) << 7) | (v & 127);
+    if (rot) {
+        const int g = v >> 7, F = ((nch + 127) >> 7) / cs;
+        return v < nv ? (((g < F ? g * cs + part : F * cs + g - F) << 7) | (v & 127)) : nch;
+    }
+    return v < nv ? ((((v >> 7) * cs + part) << 7) | (v & 127)) : nch;
 }
 
 // Largest |v| and whether any value is NaN/Inf, over a thread's 8 values and then the 4 lanes
