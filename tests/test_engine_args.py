@@ -853,21 +853,29 @@ def test_max_active_clusters_falls_back_without_the_driver(monkeypatch):
 def test_part_rot_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_PART_ROT (kernels/gemv_kq.cu kq_row_part: a row's leftover super-block
     groups rotated over the 4 parts of the group / cluster kernels) is on by default: "" and 1 add
-    no define (the kernel's default, 1), 0 adds KQ_PART_ROT=0; another value is refused before any
-    build; results record it; the kernel's default is 1 and only CS == 4 instances rotate."""
+    no define (the kernel's default, 1), 0 adds KQ_PART_ROT=0 to the cluster builds only (no other
+    kernel reads it); another value is refused before any build; results record it; the kernel's
+    default is 1 and one rule (kKqPartRot: CS == 4) serves the staging and the row loop."""
     for on in ("", "1"):
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", on)
-        assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
+        assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_csplit_defines(ops.kv9_defines(), 4))
     monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "0")
-    assert "KQ_PART_ROT=0" in ops.kv9_defines()
+    assert "KQ_PART_ROT=0" in ops.kv9_csplit_defines(ops.kv9_defines(), 4)
+    assert "KQ_PART_ROT=0" in ops.kv9_csplit_defines(ops.kv9_defines(), 2)
+    assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
     for bad in ("2", "on"):
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PART_ROT"):
             ops.kv9_defines()
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PART_ROT"):
+            ops.kv9_csplit_defines((), 4)
     assert "GGUF_HARNESS_GEMV_KQ_PART_ROT" in machine.ENGINE_SWITCHES
     kdir = Path(ops.__file__).parent / "kernels"
-    assert re.search(r"^#define KQ_PART_ROT (\d+)", (kdir / "xstage.cuh").read_text(), re.M).group(1) == "1"
-    assert "kq_row_sel<Q, nparts, KQ_PART_ROT && CS == 4>" in (kdir / "gemv_kq.cu").read_text()
+    xs = (kdir / "xstage.cuh").read_text()
+    assert re.search(r"^#define KQ_PART_ROT (\d+)", xs, re.M).group(1) == "1"
+    assert "constexpr bool kKqPartRot = KQ_PART_ROT && CS == 4;" in xs
+    assert "constexpr bool rot = kKqPartRot<CS>;" in xs
+    assert "kq_row_sel<Q, nparts, kKqPartRot<CS>>" in (kdir / "gemv_kq.cu").read_text()
 
 
 def test_dq_routing(monkeypatch):

@@ -27,7 +27,8 @@ SOURCES.append(pytest.param("gemv.cu", ("ACT_Q8_1",), marks=pytest.mark.slow))  
 # the _iq4 kernels (wide IQ4_XS loop) of nodes with an IQ4_XS segment (ops.gemv_kernel), q16 and q8_1
 SOURCES += [pytest.param("gemv.cu", d + ("GEMV_IQ4",), marks=pytest.mark.slow) for d in ((), ("ACT_Q8_1",))]
 # the IQ3_S grid-table A/B builds of the v9 kernels (ops.kv9_iq3s_defines, GGUF_HARNESS_GEMV_KQ_IQ3S_GRID)
-SOURCES += [("gemv_kq.cu", ("KQ_IQ3S_GRID=0",)), ("gemv_kq.cu", ("KQ_IQ3S_GRID=16",))]
+# (16 copies is the default since session 20: 1 and 2 take the scalar setup loop)
+SOURCES += [("gemv_kq.cu", ("KQ_IQ3S_GRID=0",)), ("gemv_kq.cu", ("KQ_IQ3S_GRID=1",)), ("gemv_kq.cu", ("KQ_IQ3S_GRID=2",))]
 # the latency A/B builds (ops.kv9_defines: GGUF_HARNESS_GEMV_KQ_PF / _KQ_PIPE / _KQ_L1PF / _KQ_MINB)
 SOURCES += [("gemv_kq.cu", ("KQ_PF=1", "KQ_PIPE=1")), ("gemv_kq.cu", ("KQ_PIPE=2", "KQ_MINB=2")),
             ("gemv_kq.cu", ("KQ_L1PF=2", "KQ_MINB=2"))]
@@ -160,6 +161,23 @@ def test_v9_wide_build_launch_bounds(dq):
     assert {v for k, v in mins.items() if k.startswith("gemvkq")} == {1}
     ntid = re.findall(r"\.entry (gemvkq\w+)\((?:.|\n)*?\.maxntid (\d+), 1, 1", ptx[0])
     assert len(ntid) == len(v9) and {n for _, n in ntid} == {"1024"}
+
+
+def test_iq3s_grid_copies_are_16_byte_aligned():
+    """kernels/kwide_iq3s.cuh: iq3s_grid_setup writes 4 or more grid copies with uint4 stores, so
+    the static shared array must be 16-byte aligned (session 20: the 16-copy build faulted with
+    cudaErrorMisalignedAddress on the H200 while the array sat at .align 4). Read from the PTX of
+    the default build (16 copies) and of the 4-copy build."""
+    lib = _nvrtc()
+    for defines in (("KQ_P2=1",), ("KQ_P2=1", "KQ_IQ3S_GRID=4")):
+        ptx = []
+        rc, log = compile_source(lib, "gemv_kq.cu", defines, ptx)
+        assert rc == 0, log
+        decl = re.search(r"\.shared \.align (\d+) \.b8 iq3s_grid_s\[(\d+)\]", ptx[0])
+        assert decl, f"{defines}: no iq3s_grid_s in the PTX"
+        assert int(decl.group(1)) >= 16, f"{defines}: iq3s_grid_s at .align {decl.group(1)}"
+        copies = 16 if len(defines) == 1 else 4
+        assert int(decl.group(2)) == 512 * 4 * copies, decl.group(0)
 
 
 def test_a_broken_source_fails_to_compile(monkeypatch):

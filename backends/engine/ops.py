@@ -215,7 +215,8 @@ GEMV_KQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_BW", "")
 # parts; the default of sessions 16-17 with hardware clusters: H200, session 16, only 61-62
 # clusters of 4 were resident, 248 of 264 block slots, and one cluster ran as a second wave; the 27B
 # step 6673.0 -> 6463.4 us, -3.1 %, decode x1.67 -> x1.72 llama.cpp); "0": off. Bitwise equal
-# outputs to the _s<group size> kernels (the same partial sums, added in the same order). The
+# outputs to the _s<group size> kernels (the same partial sums, added in the same order), except
+# at 4 parts with the leftover rotation (KQ_PART_ROT below; GGUF_HARNESS_GEMV_KQ_PART_ROT=0). The
 # latency A/B builds (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF) keep the S-split kernels (their
 # prefetch and carry code has not run in cluster form), and a cluster build never has KQ_WMAJ
 # (block-major groups only). Unset or "": the default (1).
@@ -231,7 +232,8 @@ KV9_CSPLIT_TYPES = ("q4_k", "q5_k")
 # them to finish adds and stores, so every block slot is used. "4" or unset (the default since
 # session 19): groups of 4 only, groups of 2 as hardware clusters; "1": every cluster-split node
 # (session 18's default); "0": hardware clusters (__cluster_dims__) for all. Bitwise equal outputs
-# either way. Measured (H200, session 19, same machine start): "4" against "1" the step 6311.1
+# either way, but with the leftover rotation (KQ_PART_ROT) the 4-part nodes' bits follow the
+# grid's group count, which differs between the two. Measured (H200, session 19, same machine start): "4" against "1" the step 6311.1
 # against 6333.1 / 6343.5 us, ssm_out and attn_output -7.1 % each, the rest the same.
 # Measured (H200, session 18, 27B c = 2048, `harness bench nodes`, same machine start, two
 # pairs): with GGUF_HARNESS_GEMV_KQ_CSPLIT=1 the step 6345.2 / 6343.0 (clusters of 2, the old
@@ -385,8 +387,8 @@ def kv9_gsplit(cs: int) -> bool:
 # KQ_PART_ROT (kernels/gemv_kq.cu kq_row_part): "1" or "" (the default since session 20) the 4-part
 # group / cluster kernels hand a row's leftover groups of 4 super-blocks (K / 1024 mod 4) to part
 # (m + round) mod 4 instead of part m, so the blocks of a [5120x17408] node read 4.25 groups per row
-# each rather than 5 in part 0 (the 27B's ffn_down -2 to -3.5 %); "0": part m (session 19's sums,
-# the _s4 kernels' bit for bit).
+# each rather than 5 in part 0 (the 27B's ffn_down Q4_K -2.2 to -2.6 %); "0": part m (session 19's
+# sums, the _s4 kernels' bit for bit, and independent of the grid; kv9_csplit_defines).
 GEMV_KQ_PART_ROT = os.environ.get("GGUF_HARNESS_GEMV_KQ_PART_ROT", "")
 
 # KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1" or "" (the
@@ -399,12 +401,15 @@ def kv9_csplit_defines(defines: tuple[str, ...], cs: int) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the cluster-split build of a node of `cs` parts: `defines`
     (kv9_defines() + ...) without KQ_WMAJ (the cluster kernels deal row groups block-major), plus
     KQ_CSPLIT=1, and KQ_GSPLIT=1 when kv9_gsplit(cs) (with KQ_GS_FENCE=0 when
-    GGUF_HARNESS_GEMV_KQ_GS_FENCE is 0; the kernel's default is 1). ValueError on a _GS_FENCE
-    other than "", 0 or 1."""
+    GGUF_HARNESS_GEMV_KQ_GS_FENCE is 0; the kernel's default is 1), and KQ_PART_ROT=0 when
+    GGUF_HARNESS_GEMV_KQ_PART_ROT is 0 (the kernel's default is 1; only the cluster kernels read
+    it). ValueError on a _GS_FENCE or _PART_ROT other than "", 0 or 1."""
     _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)
+    _switch01("GGUF_HARNESS_GEMV_KQ_PART_ROT", GEMV_KQ_PART_ROT)
     gs = kv9_gsplit(cs)
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
-            + (("KQ_GSPLIT=1",) if gs else ()) + (("KQ_GS_FENCE=0",) if gs and GEMV_KQ_GS_FENCE == "0" else ()))
+            + (("KQ_GSPLIT=1",) if gs else ()) + (("KQ_GS_FENCE=0",) if gs and GEMV_KQ_GS_FENCE == "0" else ())
+            + (("KQ_PART_ROT=0",) if GEMV_KQ_PART_ROT == "0" else ()))
 
 
 def kv9_warps() -> int:
@@ -427,7 +432,7 @@ def kv9_defines() -> tuple[str, ...]:
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
     KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1,
-    GEMV_KQ_CONV=1 -> KQ_CONV=1, GEMV_KQ_PART_ROT=0 -> KQ_PART_ROT=0, then
+    GEMV_KQ_CONV=1 -> KQ_CONV=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
     both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
@@ -482,9 +487,7 @@ def kv9_defines() -> tuple[str, ...]:
     _switch01("GGUF_HARNESS_GEMV_KQ_CONV", GEMV_KQ_CONV)
     if GEMV_KQ_CONV == "1":  # every v9 build with the conv fields (only ssm_in nodes set them)
         out.append("KQ_CONV=1")
-    _switch01("GGUF_HARNESS_GEMV_KQ_PART_ROT", GEMV_KQ_PART_ROT)
-    if GEMV_KQ_PART_ROT == "0":  # "1" / "": the kernel's default (KQ_PART_ROT 1)
-        out.append("KQ_PART_ROT=0")
+    _switch01("GGUF_HARNESS_GEMV_KQ_PART_ROT", GEMV_KQ_PART_ROT)  # (a define of the cluster build only)
     return tuple(out) + iq4_xil_defines()
 
 
@@ -783,9 +786,12 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
 
         def v9k(sp: int):  # the kernel of split sp (its name: kv9_kernel)
             return module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, l4, sp, rows), kdefs)
+        def slots(sp: int) -> int:  # resident blocks of split sp (after the shared-memory opt-in,
+            kk = v9k(sp)              # which the occupancy query needs above 48 KiB: IQ3_S's grid)
+            module.allow_smem(kk, smem)
+            return module.blocks_per_sm(kk, kv9_warps() * 32, smem) * module.sm_count()
         if GEMV_KQ_SPLIT == "auto":
-            split = kv9_split(rows, K, v9_rows,
-                              lambda sp: module.blocks_per_sm(v9k(sp), kv9_warps() * 32, smem) * module.sm_count())
+            split = kv9_split(rows, K, v9_rows, slots)
         elif GEMV_KQ_SPLIT in [str(sp) for sp in KV9_SPLITS]:
             split = int(GEMV_KQ_SPLIT)
         else:

@@ -216,21 +216,26 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 
 // A part's share of one row (kq_body's plain store/add path): part wpart of NP takes super-blocks
 // grp + 4 wpart + 4 NP k (kq_row's sb0, st). With KQ_PART_ROT (the default since session 20; called
-// by the 4-part group / cluster kernels only, kq_body's CS == 4): the ng = ceil(nsb / 4) groups of 4
-// super-blocks are F = ng / NP full sweeps, which every part takes as before, and L = ng mod NP
-// leftover groups, of which leftover m goes to part (m + round) mod NP instead of always to part
-// m; round is the warp's row loop count, the same in every part of a row group (first and step
-// depend on the group and the warp only), so each leftover is computed exactly once per row, and
-// stage_xq stages the leftovers in every part. Why: at K = 17408 (17 groups), part 0 read 5 groups
-// of every row and parts 1..3 read 4, so the part-0 blocks, which run without a barrier with
-// their partners until the final count, did 5 / 4.25 = 1.18x the mean work. Measured (H200,
-// session 20, the 27B at c = 2048, bench nodes, three pairs in one machine start): ffn_down Q4_K
-// x48 -2.2 to -3.5 %, Q5_K x16 -1.8 to -2.6 %. Not in the S-split kernels (one block, a barrier
-// per round: the round still waits for the part with the leftover): there, rotating cost 6-9 %
-// ([5120x17408] IQ3_S and Q6_K at S 4, [1024x5120] Q6_K at S 2; kernel table, same start), and not
-// at 2 parts (the 27B's are K = 6144 nodes, L = 0; the compiled-in rotation cost ssm_out +1-2 %).
-// So the _c4 kernels add other partial sums than the _s4 ones: equal within the oracle rule, not
-// bit for bit (KQ_PART_ROT=0 restores that).
+// by the 4-part group / cluster kernels only, kq_body's CS == 4, xstage.cuh kKqPartRot): the ng =
+// ceil(nsb / 4) groups of 4 super-blocks are F = ng / NP full sweeps, which every part takes as
+// before, and L = ng mod NP leftover groups, of which leftover m goes to part (m + round) mod NP
+// instead of always to part m; round is the warp's row loop count, the same in every part of a
+// row group (first and step depend on the group and the warp only), so each leftover is computed
+// exactly once per row, and stage_xq stages the leftovers in every part. Why: at K = 17408 (17
+// groups), part 0 read 5 groups of every row and parts 1..3 read 4, so the part-0 blocks, which
+// run without a barrier with their partners until the final count, did 5 / 4.25 = 1.18x the mean
+// work. Measured (H200, session 20, the 27B at c = 2048, bench nodes, four same-start pairs of
+// this form): ffn_down Q4_K x48 -2.2 to -2.6 % (FASTER), Q5_K x16 -1.2 to -1.7 % (within noise).
+// Not in the S-split kernels (one block, a barrier per round: the round still waits for the part
+// with the leftover): there, rotating cost 6-9 % ([5120x17408] IQ3_S and Q6_K at S 4, [1024x5120]
+// Q6_K at S 2; kernel table, same start); not at 2 parts (the 27B's are K = 6144 nodes, L = 0).
+// Values: the _c4 kernels add other partial sums than the _s4 ones (equal within the oracle
+// rule, not bit for bit; KQ_PART_ROT=0 restores that), and since the round of a row is (row -
+// first) / step, which part adds a leftover depends on the grid's group count (occupancy x SMs,
+// ops.gemv): on one GPU and build the outputs are reproducible, but another SM count, a MIG slice
+// or a build with other register use may round differently. A key from the row index alone would
+// not depend on the grid, but keeps each warp's rows balanced only for some group counts (not
+// measured).
 template <class Q, int NP>
 __device__ __forceinline__ float kq_row_part(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int grp,
                                              int wpart, int round, int i) {
@@ -372,7 +377,8 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 // fence), and whichever block of the group counts in last adds the CS parts in part order and
 // stores, then resets the count (so the next launch finds 0; the next kernel reads it only after
 // its PDL wait, i.e. after this grid has completed). The same partial sums added in the same
-// order: the _s<CS> kernel's outputs bit for bit. Why: clusters of 4 had the right balance for the
+// order: the _s<CS> kernel's outputs bit for bit (at CS = 4 only with KQ_PART_ROT=0: kq_row_part).
+// Why: clusters of 4 had the right balance for the
 // [5120x17408] nodes (20480 parts over 4224 warps: 4.85 rounds, against 2.42 -> 3 rounds at 2
 // parts) and staged a quarter of x (5.0 -> 1.9 us), but the GPCs held only 61-62 clusters of 4
 // (one ran as a second wave; H200, session 16); without hardware clusters every block slot is used.
@@ -811,7 +817,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
-            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_sel<Q, nparts, KQ_PART_ROT && CS == 4>(rp, xa, w, nsb, sb0, st, i, &carry, np, grp, wpart, round)
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_sel<Q, nparts, kKqPartRot<CS>>(rp, xa, w, nsb, sb0, st, i, &carry, np, grp, wpart, round)
                                                        : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, l + LPR * ws, LPR * S));
         }
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes
@@ -886,7 +892,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     if constexpr (CS > 1) {
         // every part's stores have landed in rank 0's shared memory (release / acquire); rank 0
         // adds them in part order, as part 0 of an S = CS row group does, so the outputs are the
-        // _s<CS> kernel's bit for bit; lane j of warp g stores the row of its round j
+        // _s<CS> kernel's bit for bit (CS = 4: with KQ_PART_ROT=0); lane j of warp g stores the row of its round j
         cluster_sync();
         if (wpart == 0 && lane < round && lane < KQ_CS_MAXR) {
             int r = first + lane * step;  // (h = 0, R = 1)

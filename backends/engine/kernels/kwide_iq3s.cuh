@@ -1,7 +1,7 @@
 // Engine v9 rows for IQ3_S (gemv_kq.cu KQ<T_IQ3_S>): 8 lanes per 256-value super-block, 32
 // weights per lane, exact int32 dp2a sums against the staged int16 codes, as kwide.cuh /
-// kwide_iq4.cuh do for Q4_K..IQ4_XS. Built and checked on the CPU only (NVRTC, a numpy model of
-// the lane: tests/test_kwide_iq3s_model.py); not yet run on a GPU.
+// kwide_iq4.cuh do for Q4_K..IQ4_XS. Checked on the CPU (NVRTC, a numpy model of the lane:
+// tests/test_kwide_iq3s_model.py) and on the H200 (GPU tests, the kernel table; session 9 on).
 //
 // Why (docs/perf-notes.md session 8): IQ3_S nodes run gemv.cu's generic I-quant loop (iquants.cuh
 // iq_grid8 + iqdot.cuh qdot8_grid: 8 weights per call, 5 small global loads per 8 weights plus
@@ -58,7 +58,8 @@
 // session 20 (was 1): in the 27B decode step (H200, c = 2048, bench nodes, three same-start pairs)
 // the IQ3_S gate/up pairs went -12.6 to -13.3 % (362 -> 315 us per step over 8 nodes), where the
 // kernel table's single [5120x17408] store had shown only -3 % (session 9). 32 KiB of static
-// shared memory per block (+2.625 K bytes of x): two 16-warp blocks per SM up to K ~ 40000. 16
+// shared memory per block (+2.625 K bytes of x, ~1.4 KiB more static and reserved): two 16-warp
+// blocks per SM up to K ~ 31000. 16
 // copies need the array 16-byte aligned (iq3s_grid_setup's uint4 stores): without __align__ the
 // build faulted with a misaligned address once the kernel's other static arrays moved it (session
 // 20). 0, 1, 2, 4, 8 stay an A/B (ops.py GEMV_KQ_IQ3S_GRID).

@@ -28,6 +28,7 @@
 #ifndef KQ_PART_ROT
 #define KQ_PART_ROT 1
 #endif
+template <int CS> constexpr bool kKqPartRot = KQ_PART_ROT && CS == 4;  // one rule for stage_xq and kq_body
 __device__ __forceinline__ int cs_entries(int nch, int cs, int part, bool rot) {
     const int ng = (nch + 127) >> 7;
     if (rot) return 128 * (ng / cs + ng % cs);
@@ -97,7 +98,7 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
 #endif
     float ss = 0.f;
     // CS > 1: the entries of part `part` only, as c = cs_entry (the super-blocks of kq_body's part)
-    constexpr bool rot = KQ_PART_ROT && CS == 4;  // kq_row_part's leftover groups
+    constexpr bool rot = kKqPartRot<CS>;  // kq_row_part's leftover groups
     const int nv = CS > 1 ? cs_entries(nch, CS, part, rot) : nch;
 #pragma unroll 2
     for (int c0 = 0; c0 < nv; c0 += blockDim.x) {
