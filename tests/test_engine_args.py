@@ -863,6 +863,9 @@ def test_part_rot_switch(monkeypatch):
     assert "KQ_PART_ROT=0" in ops.kv9_csplit_defines(ops.kv9_defines(), 4)
     assert "KQ_PART_ROT=0" in ops.kv9_csplit_defines(ops.kv9_defines(), 2)
     assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
+    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "row")  # keyed by the row group (A/B)
+    assert "KQ_PART_ROT=2" in ops.kv9_csplit_defines(ops.kv9_defines(), 4)
+    assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
     for bad in ("2", "on"):
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PART_ROT"):
@@ -876,6 +879,28 @@ def test_part_rot_switch(monkeypatch):
     assert "constexpr bool kKqPartRot = KQ_PART_ROT && CS == 4;" in xs
     assert "constexpr bool rot = kKqPartRot<CS>;" in xs
     assert "kq_row_sel<Q, nparts, kKqPartRot<CS>>" in (kdir / "gemv_kq.cu").read_text()
+
+
+def test_part_rot_row_key_takes_an_odd_group_count(monkeypatch):
+    """Under GGUF_HARNESS_GEMV_KQ_PART_ROT=row the leftover's part is (m + cb + round ncb) mod 4
+    (kernels/gemv_kq.cu), which cycles through the 4 parts over a warp's rounds only for an odd
+    group count ncb: ops.kv9_odd_groups drops one group from an even count when the rows still fit
+    in as many rounds, and changes nothing otherwise or under the other settings."""
+    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "row")
+    assert ops.kv9_odd_groups(66, 5120, 16) == 65  # 320 row groups: 5 rounds either way
+    assert ops.kv9_odd_groups(65, 5120, 16) == 65  # already odd
+    assert ops.kv9_odd_groups(64, 1024, 16) == 64  # 64 row groups: 1 round, 63 groups would need 2
+    assert ops.kv9_odd_groups(2, 5120, 16) == 2    # too few to drop one
+    for key in ("", "1", "0"):
+        monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", key)
+        assert ops.kv9_odd_groups(66, 5120, 16) == 66
+    for groups in range(3, 80):  # the property the kernel needs, wherever a group could go
+        monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "row")
+        for rows in (1000, 5120, 9001):
+            got = ops.kv9_odd_groups(groups, rows, 16)
+            assert got in (groups, groups - 1)
+            assert -(-rows // (16 * got)) == -(-rows // (16 * groups))
+            assert got % 2 or -(-rows // (16 * (groups - 1))) > -(-rows // (16 * groups))
 
 
 def test_dq_routing(monkeypatch):

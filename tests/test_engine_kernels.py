@@ -911,6 +911,44 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot,
     assert n.kernel.name.endswith(f"_s{S}"), n.kernel.name
 
 
+@pytest.mark.gpu
+def test_part_rot_row_key_does_not_depend_on_the_grid(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_PART_ROT=row (kernels/gemv_kq.cu KQ_PART_ROT=2) keys a row's leftover
+    groups on its row group rather than on the warp's round, so the same 4-part node run as groups
+    in global memory (GGUF_HARNESS_GEMV_KQ_GSPLIT=1: every block slot) and as hardware clusters
+    (GSPLIT=0: as many clusters as are co-resident), two different group counts, must give the same
+    outputs bit for bit, each within the oracle rule, with odd group counts where ops.kv9_odd_groups
+    can make them so. Nodes with a leftover group over more than one round: K = 17408 (17 groups)
+    and 5120 (5), and a partial one (K = 2816)."""
+    cp = cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("q16 kernels")
+    _v9_default_routes(monkeypatch, eops)
+    monkeypatch.setattr(eops, "GEMV_KQ_PART_ROT", "row")
+    monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", "4")
+    rng = np.random.default_rng(61)
+    keep = []
+    for name, K, rows in (("Q4_K", 17408, 3000), ("Q5_K", 5120, 2500), ("Q4_K", 2816, 2100)):
+        t = TYPES[name]
+        raw, w = _matrix(t, rows, K, seed=rows + K)
+        dev = device_tensor(cp, "w", raw, t, (K, rows), keep)
+        x = (rng.normal(size=K) * 0.7).astype(np.float32)
+        got, grids = {}, {}
+        for gsplit in ("1", "0"):
+            monkeypatch.setattr(eops, "GEMV_KQ_GSPLIT", gsplit)
+            out = nan_poisoned(cp, rows)
+            n = eops.gemv("d", "store", [eops.Seg(dev, out)], cp.asarray(x), K)
+            assert n.kernel.name.endswith("_c4") and "KQ_PART_ROT=2" in n.defines, (n.kernel.name, n.defines)
+            assert ("KQ_GSPLIT=1" in n.defines) == (gsplit == "1"), n.defines
+            n.launch()
+            got[gsplit], grids[gsplit] = out.get(), n.grid[0] // 4
+            _check_rows(got[gsplit].astype(np.float64), w, x, f"{name} [{rows}x{K}] row key, GSPLIT={gsplit}")
+        if grids["1"] == grids["0"]:
+            pytest.skip(f"the same group count either way ({grids['1']}) on this GPU: nothing to compare")
+        assert np.array_equal(got["1"], got["0"]), f"{name} [{rows}x{K}]: groups {grids} gave other bits"
+
+
 def _dq_tail(n_rows, grid, T, strided=False):
     """Boolean [n_rows]: the rows kernels/gemv_kq.cu kq_dq_body splits into parts, the last
     min(rows, T) of each block's rows: the range [b N / B, (b + 1) N / B), or (KQ_DQ_MAP=1) the rows

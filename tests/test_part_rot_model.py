@@ -89,3 +89,18 @@ def test_a_model_without_staged_leftovers_fails():
     missing = [(p, r, sb) for r in range(NP) for p in range(NP) for grp in range(GROUPS_PER_WARP)
                for sb in part_sbs(nsb, grp, p, r, NP, True) if sb not in staged_sbs(nsb, NP, p, False)]
     assert missing and {p for p, _, _ in missing} == {1, 2, 3}
+
+
+def test_row_group_key_balances_for_an_odd_group_count():
+    """GGUF_HARNESS_GEMV_KQ_PART_ROT=row keys the leftover on the row group n = cb + round ncb
+    (a function of the row, not of the grid). A warp's rows take the leftover in part (m + n) mod 4:
+    over 4 rounds every part once when ncb is odd (ops.kv9_odd_groups), but only 2 of the 4 parts
+    for ncb = 66 (the even count the grid would give), as for any even count."""
+    NP = 4
+    for ncb in (65, 61, 67):
+        for cb in range(ncb):
+            parts = sorted((cb + r * ncb) % NP for r in range(NP))
+            assert parts == [0, 1, 2, 3], (ncb, cb)
+    for ncb in (66, 64, 62):
+        assert all(len({(cb + r * ncb) % NP for r in range(NP)}) <= 2 for cb in range(ncb))
+

@@ -388,7 +388,9 @@ def kv9_gsplit(cs: int) -> bool:
 # group / cluster kernels hand a row's leftover groups of 4 super-blocks (K / 1024 mod 4) to part
 # (m + round) mod 4 instead of part m, so the blocks of a [5120x17408] node read 4.25 groups per row
 # each rather than 5 in part 0 (the 27B's ffn_down Q4_K -2.2 to -2.6 %); "0": part m (session 19's
-# sums, the _s4 kernels' bit for bit, and independent of the grid; kv9_csplit_defines).
+# sums, the _s4 kernels' bit for bit, and independent of the grid; kv9_csplit_defines); "row" (A/B,
+# KQ_PART_ROT=2, not yet measured): keyed by the row group instead of the round, so the sums do not
+# depend on the grid, with an odd group count where that costs no round (gemv, kv9_odd_groups).
 GEMV_KQ_PART_ROT = os.environ.get("GGUF_HARNESS_GEMV_KQ_PART_ROT", "")
 
 # KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1" or "" (the
@@ -403,13 +405,35 @@ def kv9_csplit_defines(defines: tuple[str, ...], cs: int) -> tuple[str, ...]:
     KQ_CSPLIT=1, and KQ_GSPLIT=1 when kv9_gsplit(cs) (with KQ_GS_FENCE=0 when
     GGUF_HARNESS_GEMV_KQ_GS_FENCE is 0; the kernel's default is 1), and KQ_PART_ROT=0 when
     GGUF_HARNESS_GEMV_KQ_PART_ROT is 0 (the kernel's default is 1; only the cluster kernels read
-    it). ValueError on a _GS_FENCE or _PART_ROT other than "", 0 or 1."""
+    it), KQ_PART_ROT=2 when it is "row". ValueError on a _GS_FENCE other than "", 0 or 1 and as
+    kv9_part_rot."""
     _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)
-    _switch01("GGUF_HARNESS_GEMV_KQ_PART_ROT", GEMV_KQ_PART_ROT)
+    rot = kv9_part_rot()
     gs = kv9_gsplit(cs)
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
             + (("KQ_GSPLIT=1",) if gs else ()) + (("KQ_GS_FENCE=0",) if gs and GEMV_KQ_GS_FENCE == "0" else ())
-            + (("KQ_PART_ROT=0",) if GEMV_KQ_PART_ROT == "0" else ()))
+            + ((f"KQ_PART_ROT={rot}",) if rot != 1 else ()))
+
+
+def kv9_part_rot() -> int:
+    """The KQ_PART_ROT value of GGUF_HARNESS_GEMV_KQ_PART_ROT: "" or "1" -> 1 (the kernel's
+    default: the leftover groups rotated by round), "0" -> 0 (off), "row" -> 2 (rotated by row
+    group). ValueError on another value."""
+    rot = {"": 1, "1": 1, "0": 0, "row": 2}.get(GEMV_KQ_PART_ROT)
+    if rot is None:
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PART_ROT={GEMV_KQ_PART_ROT!r}: expected 0, 1 or row")
+    return rot
+
+
+def kv9_odd_groups(groups: int, rows: int, nw: int) -> int:
+    """The group count of a 4-part cluster node under GGUF_HARNESS_GEMV_KQ_PART_ROT=row: `groups`
+    less one when it is even and one fewer group still covers the rows in as many rounds of nw
+    rows per group (kernels/gemv_kq.cu kq_row_part: a warp's row groups cb + round ncb take the
+    leftover in part (m + cb + round ncb) mod 4, which cycles through every part only for odd ncb);
+    otherwise `groups`."""
+    if kv9_part_rot() != 2 or groups % 2 or groups < 3:
+        return groups
+    return groups - 1 if -(-rows // (nw * (groups - 1))) == -(-rows // (nw * groups)) else groups
 
 
 def kv9_warps() -> int:
@@ -487,7 +511,7 @@ def kv9_defines() -> tuple[str, ...]:
     _switch01("GGUF_HARNESS_GEMV_KQ_CONV", GEMV_KQ_CONV)
     if GEMV_KQ_CONV == "1":  # every v9 build with the conv fields (only ssm_in nodes set them)
         out.append("KQ_CONV=1")
-    _switch01("GGUF_HARNESS_GEMV_KQ_PART_ROT", GEMV_KQ_PART_ROT)  # (a define of the cluster build only)
+    kv9_part_rot()  # refuse a bad GGUF_HARNESS_GEMV_KQ_PART_ROT early (a define of the cluster build only)
     return tuple(out) + iq4_xil_defines()
 
 
@@ -816,6 +840,8 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
                 clusters = min(-(-rows // nw), resident, KQ_GS_MAXCB)
             else:
                 clusters = min(-(-rows // nw), module.max_active_clusters(ck, cs, nw * 32, smem))
+            if cs == 4:  # GGUF_HARNESS_GEMV_KQ_PART_ROT=row: an odd count where it costs no round
+                clusters = kv9_odd_groups(clusters, rows, nw)
             if clusters > 0 and -(-rows // (nw * clusters)) <= KQ_CS_MAXR:
                 kdefs, k = cdefs, ck
                 cs_grid = clusters * cs

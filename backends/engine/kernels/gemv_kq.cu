@@ -218,8 +218,8 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 // grp + 4 wpart + 4 NP k (kq_row's sb0, st). With KQ_PART_ROT (the default since session 20; called
 // by the 4-part group / cluster kernels only, kq_body's CS == 4, xstage.cuh kKqPartRot): the ng =
 // ceil(nsb / 4) groups of 4 super-blocks are F = ng / NP full sweeps, which every part takes as
-// before, and L = ng mod NP leftover groups, of which leftover m goes to part (m + round) mod NP
-// instead of always to part m; round is the warp's row loop count, the same in every part of a
+// before, and L = ng mod NP leftover groups, of which leftover m goes to part (m + key) mod NP
+// instead of always to part m; key = round, the warp's row loop count, the same in every part of a
 // row group (first and step depend on the group and the warp only), so each leftover is computed
 // exactly once per row, and stage_xq stages the leftovers in every part. Why: at K = 17408 (17
 // groups), part 0 read 5 groups of every row and parts 1..3 read 4, so the part-0 blocks, which
@@ -233,26 +233,29 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 // rule, not bit for bit; KQ_PART_ROT=0 restores that), and since the round of a row is (row -
 // first) / step, which part adds a leftover depends on the grid's group count (occupancy x SMs,
 // ops.gemv): on one GPU and build the outputs are reproducible, but another SM count, a MIG slice
-// or a build with other register use may round differently. A key from the row index alone would
-// not depend on the grid, but keeps each warp's rows balanced only for some group counts (not
-// measured).
+// or a build with other register use may round differently. KQ_PART_ROT=2 (A/B, ops
+// GGUF_HARNESS_GEMV_KQ_PART_ROT=row; not yet measured) keys the rotation on the row group base /
+// rpb = cb + round ncb instead of the round (block-major rows: base = rpb cb + R g + round step,
+// step = rpb ncb), a function of the row alone, so the sums do not depend on the grid; a warp's
+// rows then cycle through all 4 parts only when the group count ncb is odd, which ops.gemv makes
+// it when that costs no round.
 template <class Q, int NP>
 __device__ __forceinline__ float kq_row_part(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int grp,
-                                             int wpart, int round, int i) {
+                                             int wpart, int key, int i) {
     // (ops.kv9_csplit never routes a node to the cluster kernels of a PIPE / L1PF build)
     static_assert(NP == 1 || (kKqPipe == 0 && kKqL1pf == 0), "KQ_PART_ROT: not with KQ_PIPE / KQ_L1PF");
     const int ng = (nsb + 3) >> 2, F = ng / NP, L = ng - F * NP;
     float acc = kq_row<Q>(row, xa, w, min(nsb, 4 * F * NP), grp + 4 * wpart, 4 * NP, i);
     for (int m = 0; m < L; ++m)  // one round (sb + 4 NP >= nsb); a lane past nsb adds 0
-        if ((m + round) % NP == wpart) acc += kq_row<Q>(row, xa, w, nsb, 4 * (F * NP + m) + grp, 4 * NP, i);
+        if ((m + key) % NP == wpart) acc += kq_row<Q>(row, xa, w, nsb, 4 * (F * NP + m) + grp, 4 * NP, i);
     return acc;
 }
 
 // kq_body's plain row: kq_row_part when ROT, else kq_row as before (same arguments, same code).
 template <class Q, int NP, bool ROT>
 __device__ __forceinline__ float kq_row_sel(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int sb0,
-                                            int st, int i, Carry<Q>* c, const u8* next, int grp, int wpart, int round) {
-    if constexpr (ROT) return kq_row_part<Q, NP>(row, xa, w, nsb, grp, wpart, round, i);
+                                            int st, int i, Carry<Q>* c, const u8* next, int grp, int wpart, int key) {
+    if constexpr (ROT) return kq_row_part<Q, NP>(row, xa, w, nsb, grp, wpart, key, i);
     else return kq_row<Q>(row, xa, w, nsb, sb0, st, i, c, next);
 }
 
@@ -817,7 +820,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
-            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_sel<Q, nparts, kKqPartRot<CS>>(rp, xa, w, nsb, sb0, st, i, &carry, np, grp, wpart, round)
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_sel<Q, nparts, kKqPartRot<CS>>(rp, xa, w, nsb, sb0, st, i, &carry, np, grp, wpart, KQ_PART_ROT == 2 ? base / rpb : round)
                                                        : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, l + LPR * ws, LPR * S));
         }
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes

@@ -28,6 +28,7 @@
 #ifndef KQ_PART_ROT
 #define KQ_PART_ROT 1
 #endif
+static_assert(KQ_PART_ROT >= 0 && KQ_PART_ROT <= 2, "KQ_PART_ROT: 0 off, 1 keyed by the round, 2 by the row group");
 template <int CS> constexpr bool kKqPartRot = KQ_PART_ROT && CS == 4;  // one rule for stage_xq and kq_body
 __device__ __forceinline__ int cs_entries(int nch, int cs, int part, bool rot) {
     const int ng = (nch + 127) >> 7;
