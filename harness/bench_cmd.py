@@ -19,6 +19,33 @@ from . import models, results
 from .errors import ConfigError
 
 
+MIN_CTX = 8  # the smallest --ctx of a command that loads the engine on a model
+
+
+def add_model_args(p) -> None:
+    """--model and --ctx of a command that loads the engine on one model (`harness bench
+    nodes`, python -m harness.graph_edges)."""
+    p.add_argument("--model", default=models.DEFAULT_MODEL, help="registry name or .gguf path")
+    p.add_argument("--ctx", type=int, default=512, help="context size (KV cache length)")
+
+
+def require_engine(cmd: str) -> None:
+    """ConfigError naming why when the engine backend cannot load here (no CuPy, no GPU); called
+    before the model is assembled. cmd: the command named in the message."""
+    from backends import registry
+    no_gpu = registry.available_backends().get("engine")
+    if no_gpu:
+        raise ConfigError(f"{cmd} needs the engine backend: {no_gpu}")
+
+
+def resolve_model(name: str, console: Console):
+    """models.resolve(name) with a byte-count bar on `console` while a registry model is
+    assembled or a file hashed."""
+    from .progress import bytes_progress
+    with bytes_progress(console, f"model {name}") as advance:
+        return models.resolve(name, progress=advance)
+
+
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: `bench nodes` times one engine decode step node "
                        "by node, `bench kernels` the engine's GEMV kernels shape by shape")
@@ -26,8 +53,7 @@ def add_bench_parser(sub) -> None:
     from .bench_kernels_cmd import add_kernels_parser
     add_kernels_parser(bsub)
     n = bsub.add_parser("nodes", help="per-node timing of one engine decode step (GPU)")
-    n.add_argument("--model", default=models.DEFAULT_MODEL, help="registry name or .gguf path")
-    n.add_argument("--ctx", type=int, default=512, help="context size (KV cache length)")
+    add_model_args(n)
     n.add_argument("--method", default="graph,eager", help="timing methods: graph, eager or both")
     n.add_argument("--steps", type=int, default=64, help="chained replays timed for the step time")
     n.add_argument("--out", default="out", help="output root (runs go to OUT/runs/...)")
@@ -43,20 +69,15 @@ def run_bench(args, console: Console) -> int:
     methods = tuple(m.strip() for m in args.method.split(",") if m.strip())
     if not methods or any(m not in METHODS for m in methods):
         raise ConfigError(f"--method {args.method!r}: expected a comma list of {', '.join(METHODS)}")
-    if args.ctx < 8 or args.steps < 1:
-        raise ConfigError("need --ctx >= 8 and --steps >= 1")
-    from backends import registry
-    no_gpu = registry.available_backends().get("engine")
-    if no_gpu:  # before the model is assembled and tokenised: the engine cannot load here
-        raise ConfigError(f"harness bench nodes needs the engine backend: {no_gpu}")
+    if args.ctx < MIN_CTX or args.steps < 1:
+        raise ConfigError(f"need --ctx >= {MIN_CTX} and --steps >= 1")
+    require_engine("harness bench nodes")  # before the model is assembled and tokenised
     results.check_out_root(args.out)  # an --out file fails now, not after the benchmark
     from .gguf_file import open_gguf
     from .machine import machine_info
     from .main_job import model_meta, tokenize_prompt
-    from .progress import bytes_progress
     from .prompt import STANDARD_PROMPT, STANDARD_PROMPT_TOKENS
-    with bytes_progress(console, f"model {args.model}") as advance:
-        model = models.resolve(args.model, progress=advance)
+    model = resolve_model(args.model, console)
     info = open_gguf(model.path)
     tok, ids = tokenize_prompt(model, STANDARD_PROMPT, STANDARD_PROMPT_TOKENS)
     tok.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from contextlib import contextmanager
 
 SCHEMA = "gguf-harness/nodes/1"
 METHODS = ("graph", "eager")
@@ -78,6 +79,22 @@ def layer_matrix(rows: list[dict]) -> tuple[list[int], list[str], list[list[floa
     return layers, ops, [[cell[layer, op] for op in ops] for layer in layers]
 
 
+@contextmanager
+def loaded_engine(model, n_ctx: int):
+    """An EngineBackend loaded on `model` (harness.config.ModelRef) with n_ctx, closed on exit
+    (run_nodes, harness.graph_edges). Raises UnsupportedError without CuPy/GPU, ConfigError /
+    ModelError on bad input, ValueError on a bad GGUF_HARNESS_* switch value (from the engine)."""
+    from backends.engine import EngineBackend
+
+    from .config import RunConfig
+    e = EngineBackend()
+    e.load(model, RunConfig(n_ctx=n_ctx))
+    try:
+        yield e
+    finally:
+        e.close()
+
+
 def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: int = 64,
               log=print) -> dict:
     """Load the engine on `model` (harness.config.ModelRef), feed the prompt, time the step
@@ -85,18 +102,13 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
     Raises UnsupportedError without CuPy/GPU (from the engine), ConfigError on bad input."""
     import statistics
 
-    from backends.engine import EngineBackend
-
-    from .config import RunConfig
     from .errors import ConfigError
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise ConfigError(f"node timing methods {bad or methods}: expected some of {', '.join(METHODS)}")
     if len(prompt_ids) + steps + 1 > n_ctx:
         raise ConfigError(f"n_ctx {n_ctx} too small for {len(prompt_ids)} prompt tokens + {steps} steps")
-    e = EngineBackend()
-    e.load(model, RunConfig(n_ctx=n_ctx))
-    try:
+    with loaded_engine(model, n_ctx) as e:
         # the engine's own throughput loop: prompt, then `steps` chained step-graph replays
         decode_s = e.bench(prompt_ids, steps, 3)["decode_s"]
         step_us = 1e6 * statistics.median(decode_s) / steps
@@ -112,5 +124,3 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
             out["methods"][m] = aggregate(rows, step_us)
             log(f"{m}: {len(rows)} nodes, sum {out['methods'][m]['sum_us']:.1f} us")
         return out
-    finally:
-        e.close()

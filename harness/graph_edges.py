@@ -1,6 +1,6 @@
 """Which dependency edges of a captured CUDA graph are programmatic (PDL) and which are full.
 
-    python -m harness.graph_edges [--model NAME|PATH] [--ctx 512] [--out DIR]
+    python -m harness.graph_edges [--model NAME|PATH] [--ctx 512] [--out OUT]
 
 The engine launches every kernel with programmatic dependent launch (backends/engine/launch.py)
 and captures its decode step into one CUDA graph (backends/engine/executor.py); with
@@ -9,17 +9,24 @@ Each edge of a graph carries edge data (CUDA >= 12.3): `type` 1 (cudaGraphDepend
 with `from_port` 1 (cudaGraphKernelNodePortProgrammatic) or 2 (..PortLaunchCompletion) lets the
 downstream kernel start before the upstream one ends; type 0 with from_port 0 is a full edge
 (the upstream node completes, its writes visible, before the downstream node starts).
-This tool loads the engine as `harness bench nodes` does (models.resolve, EngineBackend.load;
-every GGUF_HARNESS_* switch is read by the engine as usual), captures one decode step, and
-prints nodes by type, edges by (type, from_port), the kernel-to-kernel edges that are not
-programmatic, and the joins and forks (nodes with several incoming / outgoing edges).
-With --out it also writes DIR/graph-edges.json (schema SCHEMA, atomic: results.write_json).
+This tool loads the engine as `harness bench nodes` does (harness.bench_cmd's --model/--ctx,
+engine check and model resolution, bench_nodes.loaded_engine; every GGUF_HARNESS_* switch is
+read by the engine as usual), captures one decode step, and prints nodes by type, edges by
+(type, from_port), the kernel-to-kernel edges that are not programmatic, and the joins and forks
+(nodes with several incoming / outgoing edges). With --out it also writes
+OUT/runs/<time>-<sha>/graph-edges.json (schema SCHEMA; a new folder, never overwritten, as
+results.new_run_dir makes them; atomic: results.write_json). Errors print one line
+(`graph_edges: ...`) and exit 2 for bad input (HarnessError, a bad switch value: ValueError, an
+unusable --out or an unwritable result: OSError) or 1 for a failing CUDA call.
 
 Sources: CUDA Runtime API reference, Graph Management (cudaGraphGetEdges_v2 in CUDA 12.3-12.9,
 named cudaGraphGetEdges from CUDA 13; cudaGraphGetNodes, cudaGraphNodeGetType,
 cudaGraphKernelNodeGetParams, cudaFuncGetName) and Data Structures (cudaGraphEdgeData); the
 Driver API twins used by default (cuGraphGetEdges_v2, CUgraphEdgeData, cuGraphNodeGetType,
-cuGraphKernelNodeGetParams_v2, cuFuncGetName) take the same handles, structs and enum values.
+cuGraphKernelNodeGetParams_v2, cuFuncGetName, cuGetErrorName) take the same handles, structs
+and enum values. Every call is made through a ctypes prototype of its cuda.h /
+cuda_runtime_api.h declaration (ARGTYPES; results are CUresult / cudaError_t, int enums), so a
+handle (a pointer) always passes as 64 bits.
 """
 from __future__ import annotations
 
@@ -45,10 +52,26 @@ TYPE_DEFAULT, TYPE_PROGRAMMATIC = 0, 1  # cudaGraphDependencyType
 
 
 class EdgeData(ctypes.Structure):
-    """cudaGraphEdgeData = CUgraphEdgeData: 8 bytes."""
+    """cudaGraphEdgeData = CUgraphEdgeData (cuda.h / driver_types.h, CUDA >= 12.3): unsigned char
+    from_port, to_port, type, reserved[5]; 8 bytes, offsets 0, 1, 2 and 3..7, no padding."""
 
     _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte),
                 ("type", ctypes.c_ubyte), ("reserved", ctypes.c_ubyte * 5)]
+
+
+class KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h, CUDA >= 12.0), what cuGraphKernelNodeGetParams_v2
+    fills: CUfunction func at 0; gridDimX/Y/Z, blockDimX/Y/Z, sharedMemBytes (unsigned int) at
+    8..35; 4 bytes of padding; void **kernelParams at 40, void **extra at 48, CUkernel kern at
+    56, CUcontext ctx at 64: 72 bytes (LP64). The runtime's cudaKernelNodeParams (RUNTIME_12's
+    cudaGraphKernelNodeGetParams) is its first 56 bytes in the same places (void *func at 0, dim3
+    gridDim, dim3 blockDim, sharedMemBytes, kernelParams at 40, extra at 48). Only func is read."""
+
+    _fields_ = [("func", ctypes.c_void_p),
+                *[(f, ctypes.c_uint) for f in ("gridDimX", "gridDimY", "gridDimZ", "blockDimX",
+                                               "blockDimY", "blockDimZ", "sharedMemBytes")],
+                ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
 # the calls used, by API: (nodes, edges, node type, kernel node params, function name)
@@ -56,6 +79,20 @@ DRIVER = ("cuGraphGetNodes", "cuGraphGetEdges_v2", "cuGraphNodeGetType",
           "cuGraphKernelNodeGetParams_v2", "cuFuncGetName")
 RUNTIME_12 = ("cudaGraphGetNodes", "cudaGraphGetEdges_v2", "cudaGraphNodeGetType",
               "cudaGraphKernelNodeGetParams", "cudaFuncGetName")
+_HANDLE = ctypes.c_void_p  # CUgraph, CUgraphNode, CUfunction: opaque pointers
+_HANDLES = ctypes.POINTER(ctypes.c_void_p)
+_COUNT = ctypes.POINTER(ctypes.c_size_t)
+# argument types of those calls, in that order, for both APIs (the prototypes of cuda.h and
+# cuda_runtime_api.h; every one returns CUresult / cudaError_t, an int enum):
+ARGTYPES = (
+    (_HANDLE, _HANDLES, _COUNT),  # GetNodes(graph, nodes[], size_t *numNodes)
+    (_HANDLE, _HANDLES, _HANDLES, ctypes.POINTER(EdgeData), _COUNT),  # GetEdges_v2(graph, from[], to[], edgeData[], size_t *numEdges)
+    (_HANDLE, ctypes.POINTER(ctypes.c_int)),  # NodeGetType(node, CUgraphNodeType *)
+    (_HANDLE, ctypes.POINTER(KernelNodeParams)),  # KernelNodeGetParams(node, params *)
+    (ctypes.POINTER(ctypes.c_char_p), _HANDLE),  # FuncGetName(const char **name, func)
+)
+# error names: CUresult cuGetErrorName(CUresult, const char **); const char *cudaGetErrorName(cudaError_t)
+ERROR_NAME = {DRIVER: "cuGetErrorName", RUNTIME_12: "cudaGetErrorName"}
 
 
 def load_cuda():
@@ -82,10 +119,54 @@ def _api(lib) -> tuple[str, ...]:
                        "CUDA 12.3-12.9 libcudart (CUDA 13's names the call cudaGraphGetEdges)")
 
 
-def _call(lib, name: str, *args) -> None:
-    rc = getattr(lib, name)(*args)
-    if rc != 0:
-        raise RuntimeError(f"{name} failed with error code {rc}")
+def _function(lib, name: str, restype, argtypes):
+    """lib's C function `name` as a ctypes function of that prototype (restype, argtypes), as
+    launch.py declares its calls: every argument is converted to its declared C type (a handle
+    given as a Python int passes as a 64-bit pointer, never a 32-bit int). A new function object
+    at the same address, so `lib`'s own attribute keeps whatever its owner declared.
+    AttributeError when lib has no `name`; TypeError when it is not a C function."""
+    fn = getattr(lib, name)
+    try:
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+    except ctypes.ArgumentError:
+        raise TypeError(f"{name} of {type(lib).__name__} is not a C function (expected a ctypes "
+                        f"library such as load_cuda()'s)") from None
+    return ctypes.CFUNCTYPE(restype, *argtypes)(address)
+
+
+def error_name(lib, api: tuple[str, ...], rc: int) -> str | None:
+    """The name of error code `rc` (e.g. CUDA_ERROR_ILLEGAL_ADDRESS) from cuGetErrorName, or
+    cudaGetErrorName for a libcudart (api RUNTIME_12); None when lib has no such call or the call
+    does not know the code."""
+    call = ERROR_NAME[api]
+    try:
+        if api == DRIVER:
+            s = ctypes.c_char_p()
+            if _function(lib, call, ctypes.c_int, (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)))(
+                    rc, ctypes.byref(s)) != 0:
+                return None
+            name = s.value
+        else:
+            name = _function(lib, call, ctypes.c_char_p, (ctypes.c_int,))(rc)
+    except (AttributeError, TypeError, ctypes.ArgumentError):
+        return None
+    return name.decode(errors="replace") if name else None
+
+
+def _checked(lib, api: tuple[str, ...], i: int):
+    """Call i of `api` (DRIVER / RUNTIME_12 order) of lib, with its prototype (ARGTYPES[i]);
+    a non-zero result raises RuntimeError naming the call and the error (error_name, and the
+    number)."""
+    name = api[i]
+    fn = _function(lib, name, ctypes.c_int, ARGTYPES[i])
+
+    def call(*args) -> None:
+        rc = fn(*args)
+        if rc != 0:
+            err = error_name(lib, api, rc)
+            raise RuntimeError(f"{name} failed with " + (f"{err} (error code {rc})" if err
+                                                          else f"error code {rc}"))
+    return call
 
 
 def _bounded(n: int, limit: int, what: str, call: str) -> int:
@@ -109,56 +190,59 @@ def read_graph(graph_handle: int, lib=None) -> tuple[list[int], list[tuple], lis
     to_port, type) as cudaGraphGetEdges_v2 returns it with its cudaGraphEdgeData; kernel names
     come from cudaGraphKernelNodeGetParams + cudaFuncGetName (None where those fail or for other
     nodes; the note then says why). lib: a ctypes library (default load_cuda()) with the DRIVER
-    or RUNTIME_12 calls. Raises RuntimeError for a call that returns a non-zero error code (its
-    name and the code in the message), a node or edge count over MAX_NODES / MAX_EDGES (checked
-    before any array is allocated), a library without the edge-data call, or NULL handles."""
+    or RUNTIME_12 calls, each called through its prototype (ARGTYPES). Raises RuntimeError for a
+    call that returns a non-zero error code (its name, the error's name where cuGetErrorName /
+    cudaGetErrorName knows it, and the code in the message), a node or edge count over MAX_NODES
+    / MAX_EDGES (checked before any array is allocated), a library without the edge-data call,
+    or NULL handles; TypeError when lib's graph calls are not C functions."""
     lib = load_cuda() if lib is None else lib
-    get_nodes, get_edges, node_type, kparams, func_name = _api(lib)
+    api = _api(lib)
+    get_nodes, get_edges, node_type = (_checked(lib, api, i) for i in range(3))
     g = ctypes.c_void_p(graph_handle)
 
     n = ctypes.c_size_t(0)
-    _call(lib, get_nodes, g, None, ctypes.pointer(n))
-    cap = _bounded(n.value, MAX_NODES, "nodes", get_nodes)
+    get_nodes(g, None, ctypes.byref(n))
+    cap = _bounded(n.value, MAX_NODES, "nodes", api[0])
     arr = (ctypes.c_void_p * max(cap, 1))()
     n.value = cap
-    _call(lib, get_nodes, g, arr, ctypes.pointer(n))
-    nodes = _handles(arr, _bounded(n.value, cap, "nodes", get_nodes), get_nodes)
+    get_nodes(g, arr, ctypes.byref(n))
+    nodes = _handles(arr, _bounded(n.value, cap, "nodes", api[0]), api[0])
 
     m = ctypes.c_size_t(0)
-    _call(lib, get_edges, g, None, None, None, ctypes.pointer(m))
-    cap = _bounded(m.value, MAX_EDGES, "edges", get_edges)
+    get_edges(g, None, None, None, ctypes.byref(m))
+    cap = _bounded(m.value, MAX_EDGES, "edges", api[1])
     frm, to = (ctypes.c_void_p * max(cap, 1))(), (ctypes.c_void_p * max(cap, 1))()
     data = (EdgeData * max(cap, 1))()
     m.value = cap
-    _call(lib, get_edges, g, frm, to, data, ctypes.pointer(m))
-    m = _bounded(m.value, cap, "edges", get_edges)
+    get_edges(g, frm, to, data, ctypes.byref(m))
+    m = _bounded(m.value, cap, "edges", api[1])
     index = {h: i for i, h in enumerate(nodes)}
-    ends = zip(_handles(frm, m, get_edges), _handles(to, m, get_edges))
+    ends = zip(_handles(frm, m, api[1]), _handles(to, m, api[1]))
     try:
         edges = [(index[a], index[b], d.from_port, d.to_port, d.type) for (a, b), d in zip(ends, data)]
     except KeyError:
-        raise RuntimeError(f"{get_edges} returned an edge to a node {get_nodes} did not list") from None
+        raise RuntimeError(f"{api[1]} returned an edge to a node {api[0]} did not list") from None
 
     types = []
     for h in nodes:
         t = ctypes.c_int(-1)
-        _call(lib, node_type, ctypes.c_void_p(h), ctypes.pointer(t))
+        node_type(h, ctypes.byref(t))
         types.append(t.value)
 
     names, note = [None] * len(nodes), None
     try:
+        kparams, func_name = _checked(lib, api, 3), _checked(lib, api, 4)
         for i, h in enumerate(nodes):
             if types[i] != KERNEL:
                 continue
-            params = (ctypes.c_ubyte * 256)()  # kernel node params; func is the first field (a pointer)
-            _call(lib, kparams, ctypes.c_void_p(h), params)
-            func = ctypes.c_void_p.from_buffer(params).value
-            if not func:
-                raise RuntimeError(f"{kparams} gave no function handle")
+            params = KernelNodeParams()
+            kparams(h, ctypes.byref(params))
+            if not params.func:
+                raise RuntimeError(f"{api[3]} gave no function handle")
             name = ctypes.c_char_p()
-            _call(lib, func_name, ctypes.pointer(name), ctypes.c_void_p(func))
+            func_name(ctypes.byref(name), params.func)
             names[i] = name.value.decode(errors="replace") if name.value else None
-    except (RuntimeError, AttributeError) as e:  # names are a convenience: indices stay
+    except (RuntimeError, AttributeError, TypeError) as e:  # names are a convenience: indices stay
         names, note = [None] * len(nodes), f"kernel names unavailable: {e}"
     return types, edges, names, note
 
@@ -252,26 +336,22 @@ def engine_labels(node_types: list[int], names: list, step_nodes: list) -> tuple
 
 
 def step_graph_summary(model, n_ctx: int, lib=None) -> dict:
-    """Load the engine on `model` (harness.config.ModelRef) with n_ctx, feed token 0 (which
-    captures the decode step graph, executor.Executor.capture, and replays it once) and return
-    {"edges": edge_summary of that graph with "labels" (how its nodes are named,
+    """Load the engine on `model` (harness.config.ModelRef) with n_ctx (bench_nodes.loaded_engine),
+    feed token 0 (which captures the decode step graph, executor.Executor.capture, and replays it
+    once) and return {"edges": edge_summary of that graph with "labels" (how its nodes are named,
     engine_labels: engine node names such as blk.3.attn_qkv.q6_k where they can be matched),
     "pdl": whether launches were PDL launches, "engine": EngineBackend.info()}. Raises
-    UnsupportedError without CuPy/GPU, ConfigError / ModelError on bad input (from the engine),
-    RuntimeError from read_graph."""
-    from backends.engine import EngineBackend, launch
+    UnsupportedError without CuPy/GPU, ConfigError / ModelError on bad input and ValueError on a
+    bad GGUF_HARNESS_* switch value (from the engine), RuntimeError / TypeError from read_graph."""
+    from backends.engine import launch
 
-    from .config import RunConfig
-    e = EngineBackend()
-    e.load(model, RunConfig(n_ctx=n_ctx))
-    try:
+    from .bench_nodes import loaded_engine
+    with loaded_engine(model, n_ctx) as e:
         e.step(0)
         types, edges, names, note = read_graph(graph_handle(e.step_exec.graph), lib)
         labels, how = engine_labels(types, names, e.step_exec.nodes)
         return {"edges": summarize(types, edges, labels) | {"names_note": note, "labels": how},
                 "pdl": launch.pdl_available(), "engine": e.info()}
-    finally:
-        e.close()
 
 
 def format_summary(s: dict) -> str:
@@ -296,40 +376,44 @@ def format_summary(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import models, results
+    from rich.console import Console
+
+    from . import results
+    from .bench_cmd import MIN_CTX, add_model_args, require_engine, resolve_model
     from .errors import ConfigError, HarnessError
     ap = argparse.ArgumentParser(prog="python -m harness.graph_edges", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=models.DEFAULT_MODEL, help="registry name or .gguf path")
-    ap.add_argument("--ctx", type=int, default=512, help="context size (KV cache length)")
-    ap.add_argument("--out", default=None, help="folder for graph-edges.json (none: print only)")
+    add_model_args(ap)
+    ap.add_argument("--out", default=None, help="output root: writes OUT/runs/<time>-<sha>/"
+                    "graph-edges.json (none: print only)")
     a = ap.parse_args(argv)
     try:
-        if a.ctx < 8:
-            raise ConfigError("--ctx must be at least 8")
-        if a.out is not None:  # a bad --out fails now, not after the engine has loaded
-            try:
-                Path(a.out).mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"cannot create the output folder {a.out}: {e}") from None
-        from .gpu import require_cupy
-        require_cupy()  # UnsupportedError before a registry model is assembled
-        model = models.resolve(a.model)
+        if a.ctx < MIN_CTX:
+            raise ConfigError(f"--ctx must be at least {MIN_CTX}")
+        if a.out is not None:  # an empty or bad --out fails now, not after the engine has loaded
+            results.check_out_root(a.out)
+        require_engine("python -m harness.graph_edges")  # before a registry model is assembled
+        model = resolve_model(a.model, Console(stderr=True))
         res = step_graph_summary(model, a.ctx)
+        print(f"PDL launches: {'on' if res['pdl'] else 'off'}; labels: {res['edges']['labels']}")
+        print(format_summary(res["edges"]))
+        if a.out is not None:
+            from .machine import machine_info
+            machine = machine_info()
+            run_dir = results.new_run_dir(Path(a.out) / "runs", machine.get("git", {}).get("sha"))
+            path = run_dir / "graph-edges.json"
+            results.write_json(path, {"schema": SCHEMA, "created": datetime.now(timezone.utc).isoformat(),
+                                      "machine": machine, "n_ctx": a.ctx,
+                                      "model": {"name": model.name, "sha256": model.sha256}} | res)
+            print(f"wrote {path}")
     except HarnessError as e:
         print(f"graph_edges: {e}", file=sys.stderr)
         return e.exit_code
+    except (ValueError, OSError) as e:  # a bad GGUF_HARNESS_* switch value; the result unwritable
+        print(f"graph_edges: {e}", file=sys.stderr)
+        return 2
     except (RuntimeError, TypeError) as e:  # a failing CUDA call, no graph handle
         print(f"graph_edges: {e}", file=sys.stderr)
         return 1
-    print(f"PDL launches: {'on' if res['pdl'] else 'off'}; labels: {res['edges']['labels']}")
-    print(format_summary(res["edges"]))
-    if a.out is not None:
-        from .machine import machine_info
-        path = Path(a.out) / "graph-edges.json"
-        results.write_json(path, {"schema": SCHEMA, "created": datetime.now(timezone.utc).isoformat(),
-                                  "machine": machine_info(), "n_ctx": a.ctx,
-                                  "model": {"name": model.name, "sha256": model.sha256}} | res)
-        print(f"wrote {path}")
     return 0
 
 

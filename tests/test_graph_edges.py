@@ -1,7 +1,10 @@
-"""harness.graph_edges: the summary of constructed edge lists (CPU), read_graph through a fake
-CUDA library that answers the driver calls as the CUDA reference says (counts first, then the
-arrays), its error paths (a failing call, an oversized count, no edge-data call), and on a GPU
-the captured step graph of a tiny qwen35 model with the `beside` fork and join."""
+"""harness.graph_edges: the summary of constructed edge lists (CPU), the layout of the structs
+it hands to CUDA, read_graph through a fake CUDA library whose calls are C functions (ctypes
+callbacks of the cuda.h prototypes, written here apart from the module's) that answer as the
+CUDA reference says (counts first, then the arrays; edge data and kernel node params written at
+the header's byte offsets; handles above 32 bits), its error paths (a failing call named with
+cuGetErrorName, an oversized count, no edge-data call, a library of Python functions), the CLI's
+one-line errors, and on a GPU the captured step graph of a tiny qwen35 model with `beside`."""
 from __future__ import annotations
 
 import ctypes
@@ -60,54 +63,125 @@ def test_summarize_refuses_bad_indices_and_labels():
         ge.summarize([K, K], [], ["a"])
 
 
+def test_edge_data_layout_is_cuda_h_s():
+    """CUgraphEdgeData (cuda.h, CUDA 12.3) = cudaGraphEdgeData (driver_types.h): unsigned char
+    from_port, to_port, type, reserved[5]: 8 bytes, no padding."""
+    E = ge.EdgeData
+    assert ctypes.sizeof(E) == 8 and ctypes.alignment(E) == 1
+    assert (E.from_port.offset, E.to_port.offset, E.type.offset) == (0, 1, 2)
+    assert (E.reserved.offset, E.reserved.size) == (3, 5)
+
+
+def test_kernel_node_params_layout_is_cuda_h_s():
+    """CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h, CUDA >= 12.0, cuGraphKernelNodeGetParams_v2's struct):
+    CUfunction func; unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY,
+    blockDimZ, sharedMemBytes; void **kernelParams; void **extra; CUkernel kern; CUcontext ctx:
+    72 bytes on LP64 (4 bytes of padding after sharedMemBytes). The runtime's
+    cudaKernelNodeParams (void *func; dim3 gridDim, blockDim; unsigned int sharedMemBytes;
+    void **kernelParams, **extra: 56 bytes) has func at 0 too and fits in it."""
+    P = ge.KernelNodeParams
+    assert ctypes.sizeof(P) == 72 and ctypes.sizeof(ctypes.c_void_p) == 8
+    assert (P.func.offset, P.func.size) == (0, 8)
+    assert [getattr(P, f).offset for f in ("gridDimX", "gridDimY", "gridDimZ", "blockDimX",
+                                            "blockDimY", "blockDimZ", "sharedMemBytes")] == list(range(8, 36, 4))
+    assert (P.kernelParams.offset, P.extra.offset, P.kern.offset, P.ctx.offset) == (40, 48, 56, 64)
+
+
+VP, INT = ctypes.c_void_p, ctypes.c_int
+HANDLES, COUNT = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+# the cuda.h prototypes (CUresult = int), struct pointers as void *: the fake writes their bytes
+PROTOTYPES = {
+    "cuGraphGetNodes": (INT, VP, HANDLES, COUNT),  # (CUgraph, CUgraphNode *, size_t *)
+    "cuGraphGetEdges_v2": (INT, VP, HANDLES, HANDLES, VP, COUNT),  # (.., from, to, CUgraphEdgeData *, ..)
+    "cuGraphNodeGetType": (INT, VP, ctypes.POINTER(INT)),  # (CUgraphNode, CUgraphNodeType *)
+    "cuGraphKernelNodeGetParams_v2": (INT, VP, VP),  # (CUgraphNode, CUDA_KERNEL_NODE_PARAMS *)
+    "cuFuncGetName": (INT, VP, VP),  # (const char **name, CUfunction)
+    "cuGetErrorName": (INT, INT, VP),  # (CUresult, const char **pStr)
+}
+ERRORS = {700: b"CUDA_ERROR_ILLEGAL_ADDRESS", 400: b"CUDA_ERROR_INVALID_HANDLE"}
+CUDA_ERROR_INVALID_VALUE = 1
+
+
 class FakeDriver:
-    """The DRIVER calls on one fake graph (handle 0x1000): nodes are handles 0x100 + i; every
-    call writes through the ctypes pointers it gets, as libcuda does."""
+    """The DRIVER calls (and cuGetErrorName) on one fake graph as C functions: every attribute
+    is a ctypes callback of the cuda.h prototype, so read_graph's arguments go through its
+    declared argument types into C and back, as with libcuda. Handles are above 32 bits (a
+    handle cut to an int would not be found). Edge data is written at byte 8 i + 0 / 1 / 2 and
+    the function handle at byte 0 of the params, the header's layout, not by field name. A
+    callback that raises records the exception (`errors`; ctypes would only print it) and
+    returns 999."""
 
-    GRAPH = 0x1000
+    GRAPH = 0x7F12_3456_7000
+    NODE0 = 0x7E00_0000_0100
+    FUNC0 = 0x7D00_0000_5000
 
-    def __init__(self, node_types, edges, names, fail=None, edge_count=None):
+    def __init__(self, node_types, edges, names, fail=None, edge_count=None, error_names=True):
         self.types, self.edges, self.names = node_types, edges, names
         self.fail, self.edge_count = fail or {}, edge_count
-        self.calls = []
+        self.calls, self.errors, self.graphs, self.nodes_asked = [], [], set(), set()
         self._keep = []  # name buffers handed out, alive while the fake is
+        for name, (res, *args) in PROTOTYPES.items():
+            if name == "cuGetErrorName" and not error_names:
+                continue
+            setattr(self, name, ctypes.CFUNCTYPE(res, *args)(self._guarded(name, getattr(self, "_" + name))))
+
+    def _guarded(self, name, fn):
+        def call(*args):
+            try:
+                return fn(*args)
+            except Exception as e:  # noqa: BLE001 - reported by the test, not by ctypes
+                self.errors.append(f"{name}: {type(e).__name__}: {e}")
+                return 999
+        return call
 
     def _rc(self, name):
         self.calls.append(name)
         return self.fail.get(name, 0)
 
-    def cuGraphGetNodes(self, g, arr, n):
-        assert g.value == self.GRAPH
-        if arr is not None:
-            for i in range(min(n.contents.value, len(self.types))):
-                arr[i] = 0x100 + i
-        n.contents.value = len(self.types)
+    def _node(self, h):
+        self.nodes_asked.add(h)
+        return h - self.NODE0
+
+    def _cuGraphGetNodes(self, g, arr, n):
+        self.graphs.add(g)
+        if arr:
+            for i in range(min(n[0], len(self.types))):
+                arr[i] = self.NODE0 + i
+        n[0] = len(self.types)
         return self._rc("cuGraphGetNodes")
 
-    def cuGraphGetEdges_v2(self, g, frm, to, data, n):
-        assert g.value == self.GRAPH
-        if frm is None:
-            n.contents.value = self.edge_count if self.edge_count is not None else len(self.edges)
+    def _cuGraphGetEdges_v2(self, g, frm, to, data, n):
+        self.graphs.add(g)
+        if not frm:
+            n[0] = self.edge_count if self.edge_count is not None else len(self.edges)
             return self._rc("cuGraphGetEdges_v2")
-        for i, (a, b, fp, tp, t) in enumerate(self.edges[:n.contents.value]):
-            frm[i], to[i] = 0x100 + a, 0x100 + b
-            data[i].from_port, data[i].to_port, data[i].type = fp, tp, t
-        n.contents.value = len(self.edges)
+        for i, (a, b, fp, tp, t) in enumerate(self.edges[:n[0]]):
+            frm[i], to[i] = self.NODE0 + a, self.NODE0 + b
+            ctypes.memmove(data + 8 * i, bytes([fp, tp, t]), 3)
+        n[0] = len(self.edges)
         return self._rc("cuGraphGetEdges_v2")
 
-    def cuGraphNodeGetType(self, node, t):
-        t.contents.value = self.types[node.value - 0x100]
+    def _cuGraphNodeGetType(self, node, t):
+        t[0] = self.types[self._node(node)]
         return self._rc("cuGraphNodeGetType")
 
-    def cuGraphKernelNodeGetParams_v2(self, node, params):
-        ctypes.c_void_p.from_buffer(params).value = 0x5000 + node.value - 0x100  # func: first field
+    def _cuGraphKernelNodeGetParams_v2(self, node, params):
+        ctypes.c_void_p.from_address(params).value = self.FUNC0 + self._node(node)
         return self._rc("cuGraphKernelNodeGetParams_v2")
 
-    def cuFuncGetName(self, name, func):
-        buf = ctypes.create_string_buffer(self.names[func.value - 0x5000].encode())
+    def _cuFuncGetName(self, name, func):
+        buf = ctypes.create_string_buffer(self.names[func - self.FUNC0].encode())
         self._keep.append(buf)
-        ctypes.c_void_p.from_address(ctypes.addressof(name.contents)).value = ctypes.addressof(buf)
+        ctypes.c_void_p.from_address(name).value = ctypes.addressof(buf)
         return self._rc("cuFuncGetName")
+
+    def _cuGetErrorName(self, rc, out):
+        if rc not in ERRORS:
+            return CUDA_ERROR_INVALID_VALUE  # as cuGetErrorName does; *pStr left NULL
+        buf = ctypes.create_string_buffer(ERRORS[rc])
+        self._keep.append(buf)
+        ctypes.c_void_p.from_address(out).value = ctypes.addressof(buf)
+        return 0
 
 
 def _fake(**kw):
@@ -118,24 +192,48 @@ def _fake(**kw):
 def test_read_graph_through_the_driver_calls():
     lib = _fake()
     s = ge.edge_summary(FakeDriver.GRAPH, lib)
+    assert lib.errors == []
     assert s["names_note"] is None and s["nodes"] == 4 and s["edges"] == 3
     assert s["nodes_by_type"] == {"kernel": 3, "event_record": 1}
     assert s["kernel_edges"] == {"programmatic": 1, "full": 1, "other": 0}
     assert [(r["from_name"], r["to_name"]) for r in s["non_programmatic_kernel_edges"]] == [("k1", "k2")]
     assert lib.calls.count("cuFuncGetName") == 3  # kernel nodes only
     assert lib.calls[:4] == ["cuGraphGetNodes"] * 2 + ["cuGraphGetEdges_v2"] * 2  # count, then arrays
+    # the 64-bit handles arrived whole in C
+    assert lib.graphs == {FakeDriver.GRAPH}
+    assert lib.nodes_asked == {FakeDriver.NODE0 + i for i in range(4)}
+
+
+def test_edge_data_is_read_at_the_header_offsets():
+    # every (from_port, to_port, type) a byte pattern of its own, written by offset
+    spec = [(0, 1, (1, 0, 1)), (1, 2, (2, 0, 0)), (2, 0, (0, 3, 7))]
+    lib = FakeDriver([K, K, K], _edges(spec), ["a", "b", "c"])
+    _, edges, names, note = ge.read_graph(FakeDriver.GRAPH, lib)
+    assert lib.errors == [] and note is None and names == ["a", "b", "c"]
+    assert edges == _edges(spec)
 
 
 @pytest.mark.parametrize("call", ["cuGraphGetNodes", "cuGraphGetEdges_v2", "cuGraphNodeGetType"])
 def test_a_failing_call_raises_with_its_name_and_code(call):
-    with pytest.raises(RuntimeError, match=f"{call} failed with error code 700"):
+    with pytest.raises(RuntimeError, match=f"^{call} failed with CUDA_ERROR_ILLEGAL_ADDRESS "
+                                           r"\(error code 700\)$"):
         ge.read_graph(FakeDriver.GRAPH, _fake(fail={call: 700}))
 
 
+def test_an_error_code_without_a_name_is_given_as_a_number():
+    with pytest.raises(RuntimeError, match=r"^cuGraphGetNodes failed with error code 12345$"):
+        ge.read_graph(FakeDriver.GRAPH, _fake(fail={"cuGraphGetNodes": 12345}))  # unknown to it
+    with pytest.raises(RuntimeError, match=r"^cuGraphGetNodes failed with error code 700$"):
+        ge.read_graph(FakeDriver.GRAPH, _fake(fail={"cuGraphGetNodes": 700}, error_names=False))
+
+
 def test_failing_name_calls_leave_indices():
-    types_, edges, names, note = ge.read_graph(FakeDriver.GRAPH, _fake(fail={"cuFuncGetName": 98}))
-    assert names == [None] * 4 and "cuFuncGetName failed with error code 98" in note
+    lib = _fake(fail={"cuFuncGetName": 400})
+    types_, edges, names, note = ge.read_graph(FakeDriver.GRAPH, lib)
+    assert names == [None] * 4
+    assert "cuFuncGetName failed with CUDA_ERROR_INVALID_HANDLE (error code 400)" in note
     assert len(edges) == 3 and types_ == [K, K, K, EV_REC]  # the edges are still read
+    assert lib.errors == []
 
 
 def test_an_oversized_edge_count_is_refused_before_allocating(monkeypatch):
@@ -154,14 +252,29 @@ def test_a_library_without_edge_data_is_refused():
         ge.read_graph(FakeDriver.GRAPH, old)
 
 
+def test_a_library_of_python_functions_is_refused():
+    py = types.SimpleNamespace(**{n: (lambda *a: 0) for n in ge.DRIVER})
+    with pytest.raises(TypeError, match="cuGraphGetNodes of SimpleNamespace is not a C function"):
+        ge.read_graph(FakeDriver.GRAPH, py)
+
+
 def test_runtime_names_are_used_for_a_cudart():
-    d = _fake()
+    d = _fake(fail={"cuGraphNodeGetType": 400})
+    names = {}  # cudaGetErrorName: const char *(cudaError_t); a void * result here (ctypes
+    # callbacks cannot return c_char_p), the same pointer in C
+    get_name = ctypes.CFUNCTYPE(VP, INT)(lambda rc: ctypes.addressof(
+        names.setdefault(rc, ctypes.create_string_buffer(b"cudaErrorInvalidResourceHandle"))))
     rt = types.SimpleNamespace(cudaGraphGetNodes=d.cuGraphGetNodes, cudaGraphGetEdges_v2=d.cuGraphGetEdges_v2,
                                cudaGraphNodeGetType=d.cuGraphNodeGetType,
                                cudaGraphKernelNodeGetParams=d.cuGraphKernelNodeGetParams_v2,
-                               cudaFuncGetName=d.cuFuncGetName)
+                               cudaFuncGetName=d.cuFuncGetName, cudaGetErrorName=get_name)
+    with pytest.raises(RuntimeError, match=r"^cudaGraphNodeGetType failed with "
+                                           r"cudaErrorInvalidResourceHandle \(error code 400\)$"):
+        ge.read_graph(FakeDriver.GRAPH, rt)
+    d.fail.clear()
     s = ge.edge_summary(FakeDriver.GRAPH, rt)
     assert s["kernel_edges"]["full"] == 1 and s["non_programmatic_kernel_edges"][0]["from_name"] == "k1"
+    assert d.errors == []
 
 
 def test_graph_handle_of_a_cupy_graph_and_of_other_objects():
@@ -197,21 +310,84 @@ def test_cli_refuses_a_small_ctx(capsys):
     assert "--ctx must be at least 8" in capsys.readouterr().err
 
 
-def test_cli_refuses_an_out_file_and_reports_errors_in_one_line(tmp_path, capsys):
+def test_cli_checks_out_as_other_commands_and_reports_errors_in_one_line(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("")
     assert ge.main(["--model", "x.gguf", "--out", str(f)]) == 2
-    assert "cannot create the output folder" in capsys.readouterr().err
+    assert f"--out {f} exists and is not a folder" in capsys.readouterr().err
+    assert ge.main(["--model", "x.gguf", "--out", " "]) == 2  # --out "$OUT" with OUT unset
+    assert "--out is empty" in capsys.readouterr().err
     assert ge.main(["--model", str(tmp_path / "missing.gguf")]) == 2  # no GPU here, or no file
     err = capsys.readouterr().err
     assert err.startswith("graph_edges: ") and err.count("\n") == 1
 
 
+def test_cli_reports_a_bad_engine_switch_in_one_line(monkeypatch, tmp_path, capsys):
+    """A ValueError from a bad GGUF_HARNESS_* value (here GEMV_KQ_CSPLIT=7, refused by the
+    engine's own check as the engine's load refuses it) is one line and exit code 2, no
+    traceback; without a GPU: the engine check passes and the engine's load is the check."""
+    from backends.engine import EngineBackend, ops
+
+    from harness import bench_cmd
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setattr(bench_cmd, "require_engine", lambda cmd: None)
+    monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "7")
+    monkeypatch.setattr(EngineBackend, "load", lambda self, model, cfg: ops.kv9_csplit("", "store", 2, False))
+    monkeypatch.setattr(EngineBackend, "close", lambda self: None)
+    assert ge.main(["--model", str(model), "--ctx", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err == "graph_edges: GGUF_HARNESS_GEMV_KQ_CSPLIT='7': expected 0, 1 or 2\n"
+
+
+def test_cli_reports_a_failing_cuda_call_with_exit_code_1(monkeypatch, tmp_path, capsys):
+    from harness import bench_cmd
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setattr(bench_cmd, "require_engine", lambda cmd: None)
+
+    def fails(model, n_ctx):
+        raise RuntimeError("cuGraphGetNodes failed with CUDA_ERROR_ILLEGAL_ADDRESS (error code 700)")
+    monkeypatch.setattr(ge, "step_graph_summary", fails)
+    assert ge.main(["--model", str(model), "--out", str(tmp_path / "o")]) == 1
+    assert capsys.readouterr().err == ("graph_edges: cuGraphGetNodes failed with "
+                                       "CUDA_ERROR_ILLEGAL_ADDRESS (error code 700)\n")
+    assert list((tmp_path / "o" / "runs").iterdir()) == []  # no result folder for a failed run
+
+
+def test_cli_writes_a_new_run_folder_per_run(monkeypatch, tmp_path, capsys):
+    from harness import bench_cmd
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setattr(bench_cmd, "require_engine", lambda cmd: None)
+    summary = ge.summarize([K, K], _edges([(0, 1, P)]), ["a", "b"]) | {"names_note": None,
+                                                                      "labels": "engine nodes"}
+    monkeypatch.setattr(ge, "step_graph_summary", lambda model, n_ctx: {
+        "edges": summary, "pdl": True, "engine": {"nodes_per_step": 2}})
+    for _ in range(2):
+        assert ge.main(["--model", str(model), "--ctx", "64", "--out", str(tmp_path / "o")]) == 0
+    files = sorted((tmp_path / "o" / "runs").glob("*/graph-edges.json"))
+    assert len(files) == 2  # never overwritten
+    out = json.loads(files[0].read_text())
+    assert out["schema"] == ge.SCHEMA and out["n_ctx"] == 64 and out["edges"]["edges"] == 1
+    assert out["model"]["name"] == "m" and out["pdl"] is True
+    assert "1 programmatic, 0 full, 0 other" in capsys.readouterr().out
+
+
 @pytest.mark.gpu
 def test_step_graph_of_the_engine_with_beside(tiny_qwen35_mix, monkeypatch, tmp_path):
-    """The tiny qwen35 ud-q4_k_m model with GGUF_HARNESS_GEMV_KQ_MIXED=beside: one kernel node
-    per engine node, labelled with the engine's names, a fork and a join per attention layer's
-    beside node, and (with PDL on) programmatic edges; the CLI writes the same summary."""
+    """The tiny qwen35 ud-q4_k_m model (8 layers, full attention in layers 3 and 7) with
+    GGUF_HARNESS_GEMV_KQ_MIXED=beside: one kernel node per engine node, labelled with the
+    engine's names, and the topology the H200 showed for the 27B (388 kernel nodes, 418 edges,
+    all programmatic; 387 edges, all programmatic, without beside). Each attention layer L's
+    blk.L.qkv.q6_k (attn_k + attn_v) runs on the side stream: a fork at the node before it (the
+    previous layer's ffn_down: -> q6_k and -> qkv.q4_k) and a join at blk.L.attn (<- q4_k, <-
+    q6_k); and the side stream's own order adds an edge q6_k of layer L -> q6_k of the next
+    attention layer (L + 4), so every q6_k but the last is a fork and every one but the first a
+    join (27B: 16 + 15 forks, 16 + 15 joins). Every fork and join has two edges, so
+    edges = nodes - 1 + forks = nodes - 1 + joins (27B: 418 = 387 + 31; tiny: 3 forks, 3 joins).
+    With PDL on every edge is programmatic (type 1) as on the H200; off, none is. The CLI
+    writes the same summary."""
     from gpu_util import cupy_or_skip
     cupy_or_skip()
     from backends.engine import ops as eops
@@ -222,15 +398,22 @@ def test_step_graph_of_the_engine_with_beside(tiny_qwen35_mix, monkeypatch, tmp_
     s = res["edges"]
     print(ge.format_summary(s))  # the answer this tool exists for (pytest -s shows it)
     n = res["engine"]["nodes_per_step"]
-    assert s["nodes_by_type"].get("kernel") == n and s["labels"] == "engine nodes"
-    assert len(s["joins"]) >= 2 and len(s["forks"]) >= 2  # layers 3 and 7: qkv's k, v beside
-    assert all(r["name"].startswith("blk.") for r in s["joins"] + s["forks"])
-    assert s["nodes_by_type"] == {"kernel": n}  # stream events make edges, not nodes
-    assert s["edges"] == n - 1 + len(s["forks"])  # a chain, plus the side edge of each fork
+    assert s["nodes_by_type"] == {"kernel": n} and s["labels"] == "engine nodes"  # events make edges
+    name = {r["node"]: r["name"] for r in s["forks"] + s["joins"]}
+    side = sorted(i for i, lab in name.items() if lab.endswith(".qkv.q6_k"))
+    assert [name[i] for i in side] == ["blk.3.qkv.q6_k", "blk.7.qkv.q6_k"]
+    forks, joins = [r["node"] for r in s["forks"]], [r["node"] for r in s["joins"]]
+    assert forks == sorted([i - 1 for i in side] + side[:-1])  # before each q6_k; q6_k -> next q6_k
+    assert joins == sorted([i + 2 for i in side] + side[1:])  # attn after q6_k, q4_k; the next q6_k
+    assert [name[i - 1] for i in side] == ["blk.2.ffn_down", "blk.6.ffn_down"]
+    assert [name[i + 2] for i in side] == ["blk.3.attn", "blk.7.attn"]
+    assert all(sum(r["kinds"].values()) == 2 for r in s["forks"] + s["joins"])
+    assert s["edges"] == n - 1 + len(s["forks"]) == n - 1 + len(s["joins"])
     if res["pdl"]:
-        assert s["kernel_edges"]["programmatic"] > 0
+        assert s["kernel_edges"] == {"programmatic": s["edges"], "full": 0, "other": 0}
     else:
         assert s["kernel_edges"]["programmatic"] == 0
     assert ge.main(["--model", str(path), "--ctx", "128", "--out", str(tmp_path)]) == 0
-    out = json.loads((tmp_path / "graph-edges.json").read_text())
+    (f,) = (tmp_path / "runs").glob("*/graph-edges.json")
+    out = json.loads(f.read_text())
     assert out["schema"] == ge.SCHEMA and out["edges"]["nodes"] == s["nodes"]
