@@ -222,9 +222,20 @@ def test_v9_iq3s_grid_defines(monkeypatch):
         assert ops.kv9_iq3s_defines([21, 0]) == (f"KQ_IQ3S_GRID={n}",)
         assert ops.kv9_iq3s_defines([14]) == ()
         assert f"kIq3sCopies == {n}" in src  # the kernel's static_assert admits it
-    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S_GRID", "32")  # 64 KiB: over the static shared limit
+    monkeypatch.setattr(ops, "GEMV_KQ_IQ3S_GRID", "64")  # no such build
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_IQ3S_GRID"):
         ops.kv9_iq3s_defines([21])
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_IQ3S_GRID"):
+        ops.kv9_iq3s_dyn_bytes([21])
+    # 32 copies (64 KiB) live in the dynamic shared memory, before x: only IQ3_S nodes add them
+    for n in ops.KQ_IQ3S_GRIDS:
+        monkeypatch.setattr(ops, "GEMV_KQ_IQ3S_GRID", n)
+        assert ops.kv9_iq3s_dyn_bytes([21]) == (65536 if n == "32" else 0)
+        assert ops.kv9_iq3s_dyn_bytes([12]) == 0
+    assert "constexpr int kIq3sDynInt4 = KQ_IQ3S_GRID == 32 ? 512 * 32 * 4 / 16 : 0;" in src
+    assert 512 * 32 * 4 // 16 * 16 == 65536  # kIq3sDynInt4 int4 slots = kv9_iq3s_dyn_bytes's bytes
+    kq = (module.KERNEL_DIR / "gemv_kq.cu").read_text()
+    assert kq.count("int4* xq = smem4 + (Q::TYPE == T_IQ3_S ? kIq3sDynInt4 : 0);") == 2  # both row bodies
 
 
 def _v9_launches(monkeypatch, cases, ptr_of=lambda i: 1 << 20 + i, csplit="0"):

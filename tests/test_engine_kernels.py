@@ -503,12 +503,13 @@ def test_gemv_v9_latency_builds(build, split, monkeypatch):
     test_gemv_v9_grid_stride_segments_norm_bias("v9l8", split, monkeypatch)
 
 
-@pytest.mark.parametrize("grid", ["", "0", "1"], ids=["default", "global", "copies1"])
+@pytest.mark.parametrize("grid", ["", "0", "1", "32"], ids=["default", "global", "copies1", "copies32"])
 def test_gemv_v9_iq3s_grid_tables(grid, monkeypatch):
     """The IQ3_S v9 rows (GGUF_HARNESS_GEMV_KQ_IQ3S=1) with each grid table of
     GGUF_HARNESS_GEMV_KQ_IQ3S_GRID: the default build (16 shared-memory copies since session 20:
     32 KiB of static shared memory, at K = 17408 with the staged x over the 48 KiB default, so
-    module.allow_smem opts in), the global table (0) and one copy, store and SwiGLU nodes of the 27B's
+    module.allow_smem opts in), the global table (0), one copy, and 32 copies at the start of the
+    dynamic shared memory with x after them (64 KiB more per block), store and SwiGLU nodes of the 27B's
     IQ3_S shapes cut to few rows, each asserted to run the iq3_s kernel; the oracle rule above."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
@@ -526,17 +527,22 @@ def test_gemv_v9_iq3s_grid_tables(grid, monkeypatch):
         assert re.fullmatch(r"gemvkq_store_iq3_s(_s[24])?", node.kernel.name), node.kernel.name
         node.launch()
         _check_rows(out.get().astype(np.float64), w, x, f"v9 IQ3_S grid {grid!r} [{rows}x{K}]")
-    rows, K = 77, 5120
-    (rg, wg), (ru, wu) = _matrix(t, rows, K, seed=1), _matrix(t, rows, K, seed=2)
-    x = np.random.default_rng(3).normal(size=K).astype(np.float32)
-    h = nan_poisoned(cp, rows)
-    node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K, rows), keep), h),
-                                     eops.Seg(device_tensor(cp, "u", ru, t, (K, rows), keep), h)], cp.asarray(x), K)
-    assert re.fullmatch(r"gemvkq_swiglu_iq3_s(_s[24])?", node.kernel.name), node.kernel.name
-    node.launch()
-    ref = ops.swiglu(wg @ _x_seen(x), wu @ _x_seen(x))
-    np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
-                               err_msg=f"v9 IQ3_S grid {grid!r} swiglu")
+    # 77 rows: the 16-warp build; 8200 rows: the wide queue build the 27B's IQ3_S gate/up pairs run
+    # (GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS 8192 by default; kq_dq_body stages x after the copies too)
+    monkeypatch.setattr(eops, "GEMV_KQ_WIDE_MIN_ROWS", "")
+    for rows in (77, 8200):
+        K = 5120
+        (rg, wg), (ru, wu) = _matrix(t, rows, K, seed=1), _matrix(t, rows, K, seed=2)
+        x = np.random.default_rng(3).normal(size=K).astype(np.float32)
+        h = nan_poisoned(cp, rows)
+        node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K, rows), keep), h),
+                                         eops.Seg(device_tensor(cp, "u", ru, t, (K, rows), keep), h)], cp.asarray(x), K)
+        assert re.fullmatch(r"gemvkq_swiglu_iq3_s(_s[24])?", node.kernel.name), node.kernel.name
+        assert ("KQ_BLOCK_WARPS=32" in node.defines) == (rows == 8200), node.defines
+        node.launch()
+        ref = ops.swiglu(wg @ _x_seen(x), wu @ _x_seen(x))
+        np.testing.assert_allclose(h.get(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
+                                   err_msg=f"v9 IQ3_S grid {grid!r} swiglu [{rows}x{K}]")
 
 
 def test_gemv_every_block_shape(monkeypatch):

@@ -28,7 +28,9 @@ SOURCES.append(pytest.param("gemv.cu", ("ACT_Q8_1",), marks=pytest.mark.slow))  
 SOURCES += [pytest.param("gemv.cu", d + ("GEMV_IQ4",), marks=pytest.mark.slow) for d in ((), ("ACT_Q8_1",))]
 # the IQ3_S grid-table A/B builds of the v9 kernels (ops.kv9_iq3s_defines, GGUF_HARNESS_GEMV_KQ_IQ3S_GRID)
 # (16 copies is the default since session 20: 1 and 2 take the scalar setup loop)
-SOURCES += [("gemv_kq.cu", ("KQ_IQ3S_GRID=0",)), ("gemv_kq.cu", ("KQ_IQ3S_GRID=1",)), ("gemv_kq.cu", ("KQ_IQ3S_GRID=2",))]
+SOURCES += [("gemv_kq.cu", ("KQ_IQ3S_GRID=0",)), ("gemv_kq.cu", ("KQ_IQ3S_GRID=1",)), ("gemv_kq.cu", ("KQ_IQ3S_GRID=2",)),
+            ("gemv_kq.cu", ("KQ_P2=1", "KQ_IQ3S_GRID=32")),  # 32 copies in the dynamic shared memory (A/B)
+            ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_IQ3S_GRID=32"))]
 # the latency A/B builds (ops.kv9_defines: GGUF_HARNESS_GEMV_KQ_PF / _KQ_PIPE / _KQ_L1PF / _KQ_MINB)
 SOURCES += [("gemv_kq.cu", ("KQ_PF=1", "KQ_PIPE=1")), ("gemv_kq.cu", ("KQ_PIPE=2", "KQ_MINB=2")),
             ("gemv_kq.cu", ("KQ_L1PF=2", "KQ_MINB=2"))]

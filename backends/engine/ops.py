@@ -96,10 +96,11 @@ KV9_Q0_NAMES = {8: "q8_0", 2: "q4_0"}  # kernels/gemv_kq.cu KQ_MODES(T_Q8_0, q8_
 GEMV_KQ_IQ3S = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S", "1")
 # A/B of where those rows read the IQ3_S grid: "" the kernel's default (16 copies in shared
 # memory since session 20: the 27B's IQ3_S gate/up -13 %), or N = 0 (the global table), 1, 2, 4, 8,
-# 16 shared-memory copies: gemv_kq.cu built
+# 16 shared-memory copies, 32 (64 KiB at the start of the dynamic shared memory, before x;
+# kv9_iq3s_dyn_bytes; not yet run): gemv_kq.cu built
 # with -DKQ_IQ3S_GRID=N (its own NVRTC compile and CuPy cache entry; kv9_iq3s_defines).
 GEMV_KQ_IQ3S_GRID = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S_GRID", "")
-KQ_IQ3S_GRIDS = ("0", "1", "2", "4", "8", "16")
+KQ_IQ3S_GRIDS = ("0", "1", "2", "4", "8", "16", "32")  # 32: dynamic shared memory (kv9_iq3s_dyn_bytes)
 KV9_WARPS = 16  # kernels/gemv_kq.cu KQ_BLOCK_WARPS (the default; kv9_warps() for the build's)
 # v9 warps per row group (kernels/gemv_kq.cu S, the kernel name's _s2 / _s4): "auto" (kv9_split)
 # or a forced 1, 2 or 4 for every v9 node (same-run A/B); read by gemv() at call time.
@@ -675,6 +676,13 @@ def kv9_iq3s_defines(type_ids) -> tuple[str, ...]:
     return (f"KQ_IQ3S_GRID={GEMV_KQ_IQ3S_GRID}",)
 
 
+def kv9_iq3s_dyn_bytes(type_ids) -> int:
+    """Dynamic shared memory a v9 IQ3_S node adds before its staged x: 64 KiB (32 grid copies of
+    2 KiB, kernels/kwide_iq3s.cuh kIq3sDynInt4) under GGUF_HARNESS_GEMV_KQ_IQ3S_GRID=32, else 0.
+    ValueError as kv9_iq3s_defines."""
+    return 512 * 32 * 4 if kv9_iq3s_defines(type_ids) == ("KQ_IQ3S_GRID=32",) else 0
+
+
 def kv9_split_cost(rows: int, K: int, rows_per_warp: int, split: int, block_slots: int) -> int:
     """Relative time of a v9 node (kernels/gemv_kq.cu) with `split` warps per row group, in
     super-blocks one warp reads: grid-stride passes x super-blocks per warp and pass. A pass
@@ -804,7 +812,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             a = 16 if s.w.type_id == 0 else KV9_ALIGN.get(s.w.type_id, 1)
             if s.w.ptr % a:
                 raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
-        smem = gemv_smem(K, impl)
+        smem = gemv_smem(K, impl) + kv9_iq3s_dyn_bytes(types)  # (GGUF_HARNESS_GEMV_KQ_IQ3S_GRID=32: the copies first)
         v9_rows = kv9_rows_per_warp(kname)
         kdefs = kv9_defines() + kv9_iq3s_defines(types)
 

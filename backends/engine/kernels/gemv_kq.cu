@@ -600,8 +600,8 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     __shared__ int dq_next;                    // the next unit to hand out
     __shared__ int dq_seen[KQ_DQ_T];                // tail row j: parts added so far
     __shared__ float dq_part[KQ_DQ_T][KQ_DQ_P][2];  // tail row j, part p: (y, up)
-    int4* xq = smem4;
-    int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
+    int4* xq = smem4 + (Q::TYPE == T_IQ3_S ? kIq3sDynInt4 : 0);  // (KQ_IQ3S_GRID 32: the grid copies first)
+    int* xs = (int*)(xq + K / 8);  // K % 256 == 0 (ops.py): Kp = K
     float* xd = (float*)(xs + K / 8);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nsb = K >> 8;
@@ -725,8 +725,8 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     __shared__ float scratch[32];
     __shared__ float part[S > 1 ? 2 : 1][S > 1 ? NW : 1][2 * Q::R];  // [round & 1][warp][(y, up) per row]
     __shared__ float cpart[CS > 1 && !KQ_GSPLIT ? KQ_CS_MAXR : 1][CS][CS > 1 && !KQ_GSPLIT ? NW : 1];  // rank 0's: [round][part][warp]
-    int4* xq = smem4;
-    int* xs = (int*)(smem4 + K / 8);  // K % 256 == 0 (ops.py): Kp = K
+    int4* xq = smem4 + (Q::TYPE == T_IQ3_S ? kIq3sDynInt4 : 0);  // (KQ_IQ3S_GRID 32: the grid copies first)
+    int* xs = (int*)(xq + K / 8);  // K % 256 == 0 (ops.py): Kp = K
     float* xd = (float*)(xs + K / 8);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = P2 ? 0 : lane / LPR, l = lane % LPR;
     const int G = NW / S, g = warp / S, ws = warp - g * S;  // row groups per block, this warp's

@@ -41,6 +41,7 @@
 #include "qdot.cuh"  // (named here: module.py prefixes the I-quant tables to sources that include it)
 #include "xstage.cuh"
 #include "kq_traits.cuh"
+static_assert(KQ_IQ3S_GRID != 32, "gemv_tma.cu stages x at the start of its dynamic shared memory: no dynamic IQ3_S grid");
 #include "segs.cuh"
 
 extern __shared__ int4 smem4[];  // x (stage_xq layout), then the stage ring at byte offset ring_off

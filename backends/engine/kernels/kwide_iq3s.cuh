@@ -93,11 +93,22 @@
 #endif
 constexpr int kIq3sCopies = KQ_IQ3S_GRID;
 static_assert(kIq3sCopies == 0 || kIq3sCopies == 1 || kIq3sCopies == 2 || kIq3sCopies == 4 || kIq3sCopies == 8 ||
-                  kIq3sCopies == 16,
-              "KQ_IQ3S_GRID: 0 (global table) or 1, 2, 4, 8, 16 shared-memory copies (static: <= 48 KiB)");
-constexpr int kIq3sLg = kIq3sCopies <= 1 ? 0 : kIq3sCopies == 2 ? 1 : kIq3sCopies == 4 ? 2 : kIq3sCopies == 8 ? 3 : 4;
+                  kIq3sCopies == 16 || kIq3sCopies == 32,
+              "KQ_IQ3S_GRID: 0 (global table) or 1, 2, 4, 8, 16 (static) or 32 (dynamic) shared-memory copies");
+constexpr int kIq3sLg = kIq3sCopies <= 1 ? 0 : kIq3sCopies == 2 ? 1 : kIq3sCopies == 4 ? 2 : kIq3sCopies == 8 ? 3
+                        : kIq3sCopies == 16 ? 4 : 5;
+// KQ_IQ3S_GRID=32 (A/B, ops GGUF_HARNESS_GEMV_KQ_IQ3S_GRID=32; not yet run): one copy per lane, so
+// a lookup is one wavefront whatever the indices (16 copies: up to 2, the lanes L and L + 16 of one
+// bank). 64 KiB, over the 48 KiB a static array may take, so the copies sit at the start of the
+// dynamic shared memory (a constant base, as the static array's: no add per lookup) and the IQ3_S
+// instances stage x after them (kIq3sDynInt4; ops.gemv adds kv9_iq3s_dyn_bytes to the node's dynamic
+// shared memory). The 16-bit offsets of iq3s_pair still fit: 4 (32 x 511 + 31) < 2^16.
+constexpr int kIq3sDynInt4 = KQ_IQ3S_GRID == 32 ? 512 * 32 * 4 / 16 : 0;  // int4 slots of the dynamic copies
 
-#if KQ_IQ3S_GRID > 0
+#if KQ_IQ3S_GRID == 32
+extern __shared__ int4 smem4[];  // (gemv_kq.cu's dynamic shared memory: the copies, then x)
+#define iq3s_grid_s ((u32*)smem4)
+#elif KQ_IQ3S_GRID > 0
 // Word copies x index + copy (byte offset 4x that) = iq3s_grid[index]. Allocated only in the
 // kernels that use it (the IQ3_S instances; ptxas -v: the others keep their static shared memory).
 __shared__ __align__(16) u32 iq3s_grid_s[512 * KQ_IQ3S_GRID];  // 16: uint4 stores (setup)
