@@ -864,18 +864,19 @@ def test_max_active_clusters_falls_back_without_the_driver(monkeypatch):
 def test_part_rot_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_PART_ROT (kernels/gemv_kq.cu kq_row_part: a row's leftover super-block
     groups rotated over the 4 parts of the group / cluster kernels) is on by default: "" and 1 add
-    no define (the kernel's default, 1), 0 adds KQ_PART_ROT=0 to the cluster builds only (no other
-    kernel reads it); another value is refused before any build; results record it; the kernel's
+    no define (the kernel's default, 1), 0 adds KQ_PART_ROT=0 and row KQ_PART_ROT=2 to the 4-part
+    cluster builds only (no other kernel reads it); another value is refused before any build; results record it; the kernel's
     default is 1 and one rule (kKqPartRot: CS == 4) serves the staging and the row loop."""
     for on in ("", "1"):
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", on)
         assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_csplit_defines(ops.kv9_defines(), 4))
     monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "0")
     assert "KQ_PART_ROT=0" in ops.kv9_csplit_defines(ops.kv9_defines(), 4)
-    assert "KQ_PART_ROT=0" in ops.kv9_csplit_defines(ops.kv9_defines(), 2)
+    assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_csplit_defines(ops.kv9_defines(), 2))
     assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
     monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "row")  # keyed by the row group (A/B)
     assert "KQ_PART_ROT=2" in ops.kv9_csplit_defines(ops.kv9_defines(), 4)
+    assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_csplit_defines(ops.kv9_defines(), 2))
     assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
     for bad in ("2", "on"):
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", bad)

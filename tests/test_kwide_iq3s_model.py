@@ -117,7 +117,7 @@ def lane_dot(mem: Mem, blk: int, lane: int, sb: int, xq, xd, table: np.ndarray, 
     address blk (super-block sb of its row); table: the grid words as the kernel addresses them
     (copies interleaved, or the global table for copies 0). bug: a deliberate mapping error."""
     i = lane & 7
-    lg = {0: 0, 1: 0, 2: 1, 4: 2, 8: 3, 16: 4}[copies]
+    lg = {0: 0, 1: 0, 2: 1, 4: 2, 8: 3, 16: 4, 32: 5}[copies]
     # wide_lane_iq3s
     f = 2 * (i & 1)
     if bug == "no_x_swap":
@@ -208,7 +208,7 @@ def _mismatches(raw, w, xs, xq, xd, copies: int, bug: str | None = None, lane_ba
     return bad
 
 
-@pytest.mark.parametrize("copies", [1, 0, 16])
+@pytest.mark.parametrize("copies", [1, 0, 16, 32])
 @pytest.mark.parametrize("K", [256, 768, 1280])
 def test_model_matches_the_oracle_lane_by_lane(K, copies):
     raw, w, xs, xq, xd = _case(K, 5, K + copies)
@@ -279,9 +279,12 @@ def test_x_loads_are_conflict_free_and_grid_copies_bound_the_lookup():
         for wd in words:
             per_bank.setdefault(wd % 32, set()).add(wd)
         assert max(len(v) for v in per_bank.values()) <= 2
+        # 32 copies (KQ_IQ3S_GRID=32): lane L reads copy L, so every lane has a bank of its own
+        words32 = [int(ix) * 32 + L for L, ix in enumerate(idx)]
+        assert sorted(wd % 32 for wd in words32) == list(range(32))
 
 
-@pytest.mark.parametrize("copies", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("copies", [1, 2, 4, 8, 16, 32])
 def test_grid_fill_layout(copies):
     """iq3s_grid_setup's loops (one word per thread and step below 4 copies, one 16-byte store of
     4 copies of a word at and above) write word copies x index + copy = iq3s_grid[index], the

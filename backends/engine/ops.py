@@ -390,8 +390,9 @@ def kv9_gsplit(cs: int) -> bool:
 # (m + round) mod 4 instead of part m, so the blocks of a [5120x17408] node read 4.25 groups per row
 # each rather than 5 in part 0 (the 27B's ffn_down Q4_K -2.2 to -2.6 %); "0": part m (session 19's
 # sums, the _s4 kernels' bit for bit, and independent of the grid; kv9_csplit_defines); "row" (A/B,
-# KQ_PART_ROT=2, not yet measured): keyed by the row group instead of the round, so the sums do not
-# depend on the grid, with an odd group count where that costs no round (gemv, kv9_odd_groups).
+# KQ_PART_ROT=2, not yet measured): keyed by the row group instead of the round, so the _c4 kernels'
+# sums do not depend on the grid, with an odd group count where that costs no round (gemv,
+# kv9_odd_groups; where the count stays even it rotates less than the round key).
 GEMV_KQ_PART_ROT = os.environ.get("GGUF_HARNESS_GEMV_KQ_PART_ROT", "")
 
 # KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1" or "" (the
@@ -405,15 +406,15 @@ def kv9_csplit_defines(defines: tuple[str, ...], cs: int) -> tuple[str, ...]:
     (kv9_defines() + ...) without KQ_WMAJ (the cluster kernels deal row groups block-major), plus
     KQ_CSPLIT=1, and KQ_GSPLIT=1 when kv9_gsplit(cs) (with KQ_GS_FENCE=0 when
     GGUF_HARNESS_GEMV_KQ_GS_FENCE is 0; the kernel's default is 1), and KQ_PART_ROT=0 when
-    GGUF_HARNESS_GEMV_KQ_PART_ROT is 0 (the kernel's default is 1; only the cluster kernels read
-    it), KQ_PART_ROT=2 when it is "row". ValueError on a _GS_FENCE other than "", 0 or 1 and as
-    kv9_part_rot."""
+    GGUF_HARNESS_GEMV_KQ_PART_ROT is 0 and KQ_PART_ROT=2 when it is "row", for cs == 4 only (the
+    kernel's default is 1; only the 4-part kernels read it, so other builds stay the default's and
+    compile once). ValueError on a _GS_FENCE other than "", 0 or 1 and as kv9_part_rot."""
     _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)
     rot = kv9_part_rot()
     gs = kv9_gsplit(cs)
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
             + (("KQ_GSPLIT=1",) if gs else ()) + (("KQ_GS_FENCE=0",) if gs and GEMV_KQ_GS_FENCE == "0" else ())
-            + ((f"KQ_PART_ROT={rot}",) if rot != 1 else ()))
+            + ((f"KQ_PART_ROT={rot}",) if rot != 1 and cs == 4 else ()))  # (only the 4-part kernels read it)
 
 
 def kv9_part_rot() -> int:
@@ -431,7 +432,9 @@ def kv9_odd_groups(groups: int, rows: int, nw: int) -> int:
     less one when it is even and one fewer group still covers the rows in as many rounds of nw
     rows per group (kernels/gemv_kq.cu kq_row_part: a warp's row groups cb + round ncb take the
     leftover in part (m + cb + round ncb) mod 4, which cycles through every part only for odd ncb);
-    otherwise `groups`."""
+    otherwise `groups`. When the count stays even (one group fewer would cost a round), the row key
+    rotates less than the round key: ncb = 0 mod 4 not at all (each warp's leftover always in one
+    part), 2 mod 4 over 2 of the 4 parts; a node of one round is not rotated by either key."""
     if kv9_part_rot() != 2 or groups % 2 or groups < 3:
         return groups
     return groups - 1 if -(-rows // (nw * (groups - 1))) == -(-rows // (nw * groups)) else groups

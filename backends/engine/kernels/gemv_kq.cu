@@ -51,7 +51,7 @@
 #include "kq_traits.cuh"  // Lanes8 / Lanes4, KQ<T> (kwide_iq4.cuh, kwide_iq3s.cuh, kwide4.cuh)
 #include "segs.cuh"
 
-extern __shared__ int4 smem4[];  // the staged x (xstage.cuh stage_xq layout)
+extern __shared__ int4 smem4[];  // the staged x (xstage.cuh stage_xq layout); KQ_IQ3S_GRID 32: the grid copies first
 
 #ifndef KQ_UNROLL
 #define KQ_UNROLL 2  // rounds (4 super-blocks per warp) whose loads are in flight together
@@ -236,7 +236,8 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 // or a build with other register use may round differently. KQ_PART_ROT=2 (A/B, ops
 // GGUF_HARNESS_GEMV_KQ_PART_ROT=row; not yet measured) keys the rotation on the row group base /
 // rpb = cb + round ncb instead of the round (block-major rows: base = rpb cb + R g + round step,
-// step = rpb ncb), a function of the row alone, so the sums do not depend on the grid; a warp's
+// step = rpb ncb), a function of the row and the block's warps only, so the _c4 sums do not depend
+// on the grid (the routing itself, the split and the _s4 fallback past KQ_CS_MAXR, still can); a warp's
 // rows then cycle through all 4 parts only when the group count ncb is odd, which ops.gemv makes
 // it when that costs no round.
 template <class Q, int NP>

@@ -52,8 +52,8 @@
 // memory once per block (before the PDL wait; stage_xq's barriers publish it), KQ_IQ3S_GRID
 // copies of every word interleaved: lane L reads copy L % copies, so 16 copies bound a lookup at
 // 2 wavefronts (32 KiB per block; 2, 4, 8 copies gain nothing: 3.3-3.4). 32 copies (1 wavefront)
-// would need 64 KiB, over the 48 KiB a static __shared__ array may take (NVRTC fails), so they
-// would have to live in the dynamic allocation: not done. KQ_IQ3S_GRID 0 reads the global table
+// need 64 KiB, over the 48 KiB a static __shared__ array may take (NVRTC fails), so they live in
+// the dynamic allocation (KQ_IQ3S_GRID=32 below, an A/B). KQ_IQ3S_GRID 0 reads the global table
 // instead (__ldg; SASS: 2 more integer ops per lookup for the 64-bit address). Default 16 since
 // session 20 (was 1): in the 27B decode step (H200, c = 2048, bench nodes, three same-start pairs)
 // the IQ3_S gate/up pairs went -12.6 to -13.3 % (362 -> 315 us per step over 8 nodes), where the
@@ -184,7 +184,7 @@ __device__ __forceinline__ void wide_load_iq3s(const u8* blk, int i, WIq3& r) {
 // the same for 2e + 1) (prmt of a qs word with the spread qh bits); the mask keeps bits 0..8 of
 // each 16-bit half, i.e. the two 9-bit indices, at 4 (copies x index + copy).
 __device__ __forceinline__ void iq3s_pair(u32 P, u32 lc2, u32& g0, u32& g1) {
-    constexpr u32 sh = 2 + kIq3sLg, mask = (0x1ffu << sh) * 0x10001u;  // 511 x 4 x 16 < 2^16
+    constexpr u32 sh = 2 + kIq3sLg, mask = (0x1ffu << sh) * 0x10001u;  // 4 (32 x 511 + 31) < 2^16
     const u32 off = ((P << sh) & mask) | lc2;
     g0 = iq3s_word(off & 0xffffu);
     g1 = iq3s_word(off >> 16);
