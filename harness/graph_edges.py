@@ -19,14 +19,12 @@ results.new_run_dir makes them; atomic: results.write_json). Errors print one li
 (`graph_edges: ...`) and exit 2 for bad input (HarnessError, a bad switch value: ValueError, an
 unusable --out or an unwritable result: OSError) or 1 for a failing CUDA call.
 
-Sources: CUDA Runtime API reference, Graph Management (cudaGraphGetEdges_v2 in CUDA 12.3-12.9,
-named cudaGraphGetEdges from CUDA 13; cudaGraphGetNodes, cudaGraphNodeGetType,
-cudaGraphKernelNodeGetParams, cudaFuncGetName) and Data Structures (cudaGraphEdgeData); the
-Driver API twins used by default (cuGraphGetEdges_v2, CUgraphEdgeData, cuGraphNodeGetType,
-cuGraphKernelNodeGetParams_v2, cuFuncGetName, cuGetErrorName) take the same handles, structs
-and enum values. Every call is made through a ctypes prototype of its cuda.h /
-cuda_runtime_api.h declaration (ARGTYPES; results are CUresult / cudaError_t, int enums), so a
-handle (a pointer) always passes as 64 bits.
+Sources: CUDA Driver API reference, Graph Management (cuGraphGetNodes, cuGraphGetEdges_v2,
+cuGraphNodeGetType, cuGraphKernelNodeGetParams_v2, cuFuncGetName, cuGetErrorName) and Data
+Structures (CUgraphEdgeData); the runtime's twins (cudaGraphEdgeData, ...) take the same handles,
+structs and enum values. Every call is made through a ctypes prototype of its cuda.h
+declaration (ARGTYPES; results are CUresult, an int enum), so a handle (a pointer) always passes
+as 64 bits.
 """
 from __future__ import annotations
 
@@ -63,9 +61,7 @@ class KernelNodeParams(ctypes.Structure):
     """CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h, CUDA >= 12.0), what cuGraphKernelNodeGetParams_v2
     fills: CUfunction func at 0; gridDimX/Y/Z, blockDimX/Y/Z, sharedMemBytes (unsigned int) at
     8..35; 4 bytes of padding; void **kernelParams at 40, void **extra at 48, CUkernel kern at
-    56, CUcontext ctx at 64: 72 bytes (LP64). The runtime's cudaKernelNodeParams (RUNTIME_12's
-    cudaGraphKernelNodeGetParams) is its first 56 bytes in the same places (void *func at 0, dim3
-    gridDim, dim3 blockDim, sharedMemBytes, kernelParams at 40, extra at 48). Only func is read."""
+    56, CUcontext ctx at 64: 72 bytes (LP64). Only func is read."""
 
     _fields_ = [("func", ctypes.c_void_p),
                 *[(f, ctypes.c_uint) for f in ("gridDimX", "gridDimY", "gridDimZ", "blockDimX",
@@ -74,16 +70,14 @@ class KernelNodeParams(ctypes.Structure):
                 ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
-# the calls used, by API: (nodes, edges, node type, kernel node params, function name)
+# the calls used: (nodes, edges, node type, kernel node params, function name)
 DRIVER = ("cuGraphGetNodes", "cuGraphGetEdges_v2", "cuGraphNodeGetType",
           "cuGraphKernelNodeGetParams_v2", "cuFuncGetName")
-RUNTIME_12 = ("cudaGraphGetNodes", "cudaGraphGetEdges_v2", "cudaGraphNodeGetType",
-              "cudaGraphKernelNodeGetParams", "cudaFuncGetName")
 _HANDLE = ctypes.c_void_p  # CUgraph, CUgraphNode, CUfunction: opaque pointers
 _HANDLES = ctypes.POINTER(ctypes.c_void_p)
 _COUNT = ctypes.POINTER(ctypes.c_size_t)
-# argument types of those calls, in that order, for both APIs (the prototypes of cuda.h and
-# cuda_runtime_api.h; every one returns CUresult / cudaError_t, an int enum):
+# argument types of those calls, in that order (the prototypes of cuda.h; every one returns
+# CUresult, an int enum):
 ARGTYPES = (
     (_HANDLE, _HANDLES, _COUNT),  # GetNodes(graph, nodes[], size_t *numNodes)
     (_HANDLE, _HANDLES, _HANDLES, ctypes.POINTER(EdgeData), _COUNT),  # GetEdges_v2(graph, from[], to[], edgeData[], size_t *numEdges)
@@ -91,8 +85,6 @@ ARGTYPES = (
     (_HANDLE, ctypes.POINTER(KernelNodeParams)),  # KernelNodeGetParams(node, params *)
     (ctypes.POINTER(ctypes.c_char_p), _HANDLE),  # FuncGetName(const char **name, func)
 )
-# error names: CUresult cuGetErrorName(CUresult, const char **); const char *cudaGetErrorName(cudaError_t)
-ERROR_NAME = {DRIVER: "cuGetErrorName", RUNTIME_12: "cudaGetErrorName"}
 
 
 def load_cuda():
@@ -104,19 +96,13 @@ def load_cuda():
     try:
         return ctypes.CDLL("libcuda.so.1")
     except OSError as e:
-        raise RuntimeError(f"cannot load the CUDA driver library libcuda.so.1 ({e}); pass a "
-                           f"CUDA 12.3-12.9 libcudart as `lib` instead") from None
+        raise RuntimeError(f"cannot load the CUDA driver library libcuda.so.1 ({e})") from None
 
 
-def _api(lib) -> tuple[str, ...]:
-    """The call names `lib` has: DRIVER (libcuda) or RUNTIME_12 (a CUDA 12.3-12.9 libcudart).
-    RuntimeError when it has neither edge-data call (CUDA older than 12.3)."""
-    for names in (DRIVER, RUNTIME_12):
-        if hasattr(lib, names[1]):
-            return names
-    raise RuntimeError("the CUDA library has neither cuGraphGetEdges_v2 nor cudaGraphGetEdges_v2: "
-                       "edge data needs a CUDA >= 12.3 driver (libcuda.so.1, the default) or a "
-                       "CUDA 12.3-12.9 libcudart (CUDA 13's names the call cudaGraphGetEdges)")
+def _require_edge_data(lib) -> None:
+    """RuntimeError when `lib` has no cuGraphGetEdges_v2 (a driver older than CUDA 12.3)."""
+    if not hasattr(lib, DRIVER[1]):
+        raise RuntimeError("the CUDA driver has no cuGraphGetEdges_v2: edge data needs a CUDA >= 12.3 driver")
 
 
 def _function(lib, name: str, restype, argtypes):
@@ -134,36 +120,30 @@ def _function(lib, name: str, restype, argtypes):
     return ctypes.CFUNCTYPE(restype, *argtypes)(address)
 
 
-def error_name(lib, api: tuple[str, ...], rc: int) -> str | None:
-    """The name of error code `rc` (e.g. CUDA_ERROR_ILLEGAL_ADDRESS) from cuGetErrorName, or
-    cudaGetErrorName for a libcudart (api RUNTIME_12); None when lib has no such call or the call
-    does not know the code."""
-    call = ERROR_NAME[api]
+def error_name(lib, rc: int) -> str | None:
+    """The name of error code `rc` (e.g. CUDA_ERROR_ILLEGAL_ADDRESS) from cuGetErrorName; None
+    when lib has no such call or the call does not know the code."""
     try:
-        if api == DRIVER:
-            s = ctypes.c_char_p()
-            if _function(lib, call, ctypes.c_int, (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)))(
-                    rc, ctypes.byref(s)) != 0:
-                return None
-            name = s.value
-        else:
-            name = _function(lib, call, ctypes.c_char_p, (ctypes.c_int,))(rc)
+        s = ctypes.c_char_p()
+        if _function(lib, "cuGetErrorName", ctypes.c_int, (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)))(
+                rc, ctypes.byref(s)) != 0:
+            return None
+        name = s.value
     except (AttributeError, TypeError, ctypes.ArgumentError):
         return None
     return name.decode(errors="replace") if name else None
 
 
-def _checked(lib, api: tuple[str, ...], i: int):
-    """Call i of `api` (DRIVER / RUNTIME_12 order) of lib, with its prototype (ARGTYPES[i]);
-    a non-zero result raises RuntimeError naming the call and the error (error_name, and the
-    number)."""
-    name = api[i]
+def _checked(lib, i: int):
+    """Call i of DRIVER of lib, with its prototype (ARGTYPES[i]); a non-zero result raises
+    RuntimeError naming the call and the error (error_name, and the number)."""
+    name = DRIVER[i]
     fn = _function(lib, name, ctypes.c_int, ARGTYPES[i])
 
     def call(*args) -> None:
         rc = fn(*args)
         if rc != 0:
-            err = error_name(lib, api, rc)
+            err = error_name(lib, rc)
             raise RuntimeError(f"{name} failed with " + (f"{err} (error code {rc})" if err
                                                           else f"error code {rc}"))
     return call
@@ -190,14 +170,15 @@ def read_graph(graph_handle: int, lib=None) -> tuple[list[int], list[tuple], lis
     to_port, type) as cudaGraphGetEdges_v2 returns it with its cudaGraphEdgeData; kernel names
     come from cudaGraphKernelNodeGetParams + cudaFuncGetName (None where those fail or for other
     nodes; the note then says why). lib: a ctypes library (default load_cuda()) with the DRIVER
-    or RUNTIME_12 calls, each called through its prototype (ARGTYPES). Raises RuntimeError for a
-    call that returns a non-zero error code (its name, the error's name where cuGetErrorName /
-    cudaGetErrorName knows it, and the code in the message), a node or edge count over MAX_NODES
+    calls, each called through its prototype (ARGTYPES). Raises RuntimeError for a
+    call that returns a non-zero error code (its name, the error's name where cuGetErrorName
+    knows it, and the code in the message), a node or edge count over MAX_NODES
     / MAX_EDGES (checked before any array is allocated), a library without the edge-data call,
     or NULL handles; TypeError when lib's graph calls are not C functions."""
     lib = load_cuda() if lib is None else lib
-    api = _api(lib)
-    get_nodes, get_edges, node_type = (_checked(lib, api, i) for i in range(3))
+    _require_edge_data(lib)
+    api = DRIVER
+    get_nodes, get_edges, node_type = (_checked(lib, i) for i in range(3))
     g = ctypes.c_void_p(graph_handle)
 
     n = ctypes.c_size_t(0)
@@ -231,7 +212,7 @@ def read_graph(graph_handle: int, lib=None) -> tuple[list[int], list[tuple], lis
 
     names, note = [None] * len(nodes), None
     try:
-        kparams, func_name = _checked(lib, api, 3), _checked(lib, api, 4)
+        kparams, func_name = _checked(lib, 3), _checked(lib, 4)
         for i, h in enumerate(nodes):
             if types[i] != KERNEL:
                 continue
