@@ -863,22 +863,21 @@ def test_max_active_clusters_falls_back_without_the_driver(monkeypatch):
 
 def test_part_rot_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_PART_ROT (kernels/gemv_kq.cu kq_row_part: a row's leftover super-block
-    groups rotated over the 4 parts of the group / cluster kernels) is on by default: "" and 1 add
-    no define (the kernel's default, 1), 0 adds KQ_PART_ROT=0 and row KQ_PART_ROT=2 to the 4-part
-    cluster builds only (no other kernel reads it); another value is refused before any build; results record it; the kernel's
-    default is 1 and one rule (kKqPartRot: CS == 4) serves the staging and the row loop."""
-    for on in ("", "1"):
+    groups rotated over the 4 parts of the group / cluster kernels) is keyed by the row group by
+    default: "" and row add no define (the kernel's default, 2), round and 1 add KQ_PART_ROT=1 and 0
+    KQ_PART_ROT=0, to the 4-part cluster builds only (no other kernel reads it); another value is
+    refused before any build; results record it; the kernel's default is 2 and one rule
+    (kKqPartRot: CS == 4) serves the staging and the row loop."""
+    for on in ("", "row"):
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", on)
+        assert ops.kv9_part_rot() == 2
         assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_csplit_defines(ops.kv9_defines(), 4))
-    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "0")
-    assert "KQ_PART_ROT=0" in ops.kv9_csplit_defines(ops.kv9_defines(), 4)
-    assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_csplit_defines(ops.kv9_defines(), 2))
-    assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
-    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "row")  # keyed by the row group (A/B)
-    assert "KQ_PART_ROT=2" in ops.kv9_csplit_defines(ops.kv9_defines(), 4)
-    assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_csplit_defines(ops.kv9_defines(), 2))
-    assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
-    for bad in ("2", "on"):
+    for value, define in (("0", "KQ_PART_ROT=0"), ("round", "KQ_PART_ROT=1"), ("1", "KQ_PART_ROT=1")):
+        monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", value)
+        assert define in ops.kv9_csplit_defines(ops.kv9_defines(), 4), value
+        assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_csplit_defines(ops.kv9_defines(), 2))
+        assert not any(d.startswith("KQ_PART_ROT") for d in ops.kv9_defines())
+    for bad in ("2", "on", "Row"):
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PART_ROT"):
             ops.kv9_defines()
@@ -887,23 +886,26 @@ def test_part_rot_switch(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_PART_ROT" in machine.ENGINE_SWITCHES
     kdir = Path(ops.__file__).parent / "kernels"
     xs = (kdir / "xstage.cuh").read_text()
-    assert re.search(r"^#define KQ_PART_ROT (\d+)", xs, re.M).group(1) == "1"
+    assert re.search(r"^#define KQ_PART_ROT (\d+)", xs, re.M).group(1) == "2"
     assert "constexpr bool kKqPartRot = KQ_PART_ROT && CS == 4;" in xs
     assert "constexpr bool rot = kKqPartRot<CS>;" in xs
     assert "kq_row_sel<Q, nparts, kKqPartRot<CS>>" in (kdir / "gemv_kq.cu").read_text()
 
 
 def test_part_rot_row_key_takes_an_odd_group_count(monkeypatch):
-    """Under GGUF_HARNESS_GEMV_KQ_PART_ROT=row the leftover's part is (m + cb + round ncb) mod 4
-    (kernels/gemv_kq.cu), which cycles through the 4 parts over a warp's rounds only for an odd
-    group count ncb: ops.kv9_odd_groups drops one group from an even count when the rows still fit
-    in as many rounds, and changes nothing otherwise or under the other settings."""
+    """Under the row key (GGUF_HARNESS_GEMV_KQ_PART_ROT "" or row, the default) the leftover's part
+    is (m + cb + round ncb) mod 4 (kernels/gemv_kq.cu), which cycles through the 4 parts over a
+    warp's rounds only for an odd group count ncb: ops.kv9_odd_groups drops one group from an even
+    count when the rows still fit in as many rounds, and changes nothing otherwise or under the
+    other settings."""
+    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "")
+    assert ops.kv9_odd_groups(66, 5120, 16) == 65  # the default is the row key
     monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "row")
     assert ops.kv9_odd_groups(66, 5120, 16) == 65  # 320 row groups: 5 rounds either way
     assert ops.kv9_odd_groups(65, 5120, 16) == 65  # already odd
     assert ops.kv9_odd_groups(64, 1024, 16) == 64  # 64 row groups: 1 round, 63 groups would need 2
     assert ops.kv9_odd_groups(2, 5120, 16) == 2    # too few to drop one
-    for key in ("", "1", "0"):
+    for key in ("round", "1", "0"):
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", key)
         assert ops.kv9_odd_groups(66, 5120, 16) == 66
     for groups in range(3, 80):  # the property the kernel needs, wherever a group could go
@@ -1118,7 +1120,8 @@ def test_gemv_routes_csplit(monkeypatch):
     assert _gemv_node("store", [Q4_K], 5120, 10240, ptr).kernel.name == "gemvkq_store_q4_k"
     monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "1")
     n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)
-    assert n.kernel.name == "gemvkq_add_q4_k_c4" and n.grid == (4 * 62,)  # 6 rounds of 62 clusters
+    # 6 rounds of 62 clusters; the row key (the default) makes it 61 (6 rounds still: kv9_odd_groups)
+    assert n.kernel.name == "gemvkq_add_q4_k_c4" and n.grid == (4 * 61,)
     monkeypatch.setattr(ops, "GEMV_KQ_SPLIT", "2")
     n = _gemv_node("store", [Q4_K], 4096, 40000, ptr)  # 19 rounds of 132 clusters of 2 > KQ_CS_MAXR
     assert n.kernel.name == "gemvkq_store_q4_k_s2" and "KQ_CSPLIT=1" not in n.defines
@@ -1159,14 +1162,15 @@ def test_gemv_routes_gsplit(monkeypatch):
         monkeypatch.setattr(ops, knob, v)
     ptr = lambda i: 1 << 20 + i
     n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)  # the 27B's ffn_down: split 4
-    assert n.kernel.name == "gemvkq_add_q4_k_c4" and n.grid == (4 * 66,) and n.block == (512,)
+    # 66 groups (every block slot); the row key (the default) takes 65: 5 rounds either way (kv9_odd_groups)
+    assert n.kernel.name == "gemvkq_add_q4_k_c4" and n.grid == (4 * 65,) and n.block == (512,)
     assert n.defines == ops.kv9_csplit_defines(ops.kv9_defines(), 4) and n.defines[-2:] == ("KQ_CSPLIT=1", "KQ_GSPLIT=1")
     n = _gemv_node("store", [Q4_K], 5120, 64, ptr)  # 4 row groups of 16 warps: 4 groups of 2 blocks
     assert n.kernel.name == "gemvkq_store_q4_k_c2" and n.grid == (2 * 4,) and "KQ_GSPLIT=1" in n.defines
     # "4": groups of 4 in global memory, 2-part nodes as hardware clusters (their occupancy query)
     monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "4")
     n = _gemv_node("add", [Q4_K], 17408, 5120, ptr)
-    assert n.kernel.name == "gemvkq_add_q4_k_c4" and n.grid == (4 * 66,) and "KQ_GSPLIT=1" in n.defines
+    assert n.kernel.name == "gemvkq_add_q4_k_c4" and n.grid == (4 * 65,) and "KQ_GSPLIT=1" in n.defines
     n = _gemv_node("add", [Q4_K], 6144, 5120, ptr)  # the 27B's ssm_out: split 2
     assert n.kernel.name == "gemvkq_add_q4_k_c2" and "KQ_GSPLIT=1" not in n.defines and n.grid == (2 * 132,)
     monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", "1")

@@ -838,13 +838,14 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot,
     segments of different row counts. A node of more than KQ_CS_MAXR rounds falls back to the
     S-split kernel, and a normed node is never taken. All of that with GGUF_HARNESS_GEMV_KQ_PART_ROT=0
     (`rot`). By default (gemv_kq.cu kq_row_part) the 4-part _c4 kernels hand a row's leftover groups
-    of 4 super-blocks to a part that changes with the round, which the _s4 kernels do not: then
+    of 4 super-blocks to a part that changes with the row group, which the _s4 kernels do not: then
     the two add other partial sums, so at S = 4 a node with leftovers is held to the oracle rule
     only (K = 17408: one leftover group of 17; K = 2816: all 3 groups leftovers, the last partial;
     K = 512: one partial group; 2000 rows: later rounds, where the leftover moves to other parts);
-    a node without (K = 4096: 4 groups) and every S = 2 node keep the bitwise check. (Session 20 ran
-    the rotation on the H200 in both kernels, then bitwise equal: 2 cases passed; this form has not
-    run.)"""
+    a node without (K = 4096: 4 groups) and every S = 2 node keep the bitwise check. (Session 21 on
+    the H200, under session 20's round key: the 4 cases with the rotation passed; the 2 with rot 0
+    failed on the define check, which then wrongly asked the _s4 build for KQ_PART_ROT=0, since
+    fixed: only the cluster builds take it.)"""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
@@ -884,7 +885,8 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot,
                 assert n.grid[0] % S == 0 or cs == "0", n.grid
                 assert ("KQ_CSPLIT=1" in n.defines) == (cs == "1"), n.defines
                 assert ("KQ_GSPLIT=1" in n.defines) == (cs == "1" and gsplit == "1"), n.defines
-                assert ("KQ_PART_ROT=0" in n.defines) == (rot == "0"), n.defines
+                # (only the 4-part cluster builds take the define: kv9_csplit_defines)
+                assert ("KQ_PART_ROT=0" in n.defines) == (rot == "0" and cs == "1"), n.defines
                 n.launch()
             got[cs] = (ya.get(), yb.get(), acc.get())
             ya.fill(np.nan)  # a relaunch that stored nothing (a group count left unreset) must show
@@ -919,7 +921,8 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot,
 
 @pytest.mark.gpu
 def test_part_rot_row_key_does_not_depend_on_the_grid(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_PART_ROT=row (kernels/gemv_kq.cu KQ_PART_ROT=2) keys a row's leftover
+    """The row key (GGUF_HARNESS_GEMV_KQ_PART_ROT "" or row, kernels/gemv_kq.cu KQ_PART_ROT=2, the
+    default since session 21; session 21 ran this test with =row, the same build) keys a row's leftover
     groups on its row group rather than on the warp's round, so the same 4-part node run as groups
     in global memory (GGUF_HARNESS_GEMV_KQ_GSPLIT=1: every block slot) and as hardware clusters
     (GSPLIT=0: as many clusters as are co-resident), two different group counts, must give the same
@@ -931,7 +934,7 @@ def test_part_rot_row_key_does_not_depend_on_the_grid(monkeypatch):
     if eops.GEMV_IMPL != "q16":
         pytest.skip("q16 kernels")
     _v9_default_routes(monkeypatch, eops)
-    monkeypatch.setattr(eops, "GEMV_KQ_PART_ROT", "row")
+    monkeypatch.setattr(eops, "GEMV_KQ_PART_ROT", "")
     monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", "4")
     rng = np.random.default_rng(61)
     keep, compared = [], 0
@@ -945,7 +948,8 @@ def test_part_rot_row_key_does_not_depend_on_the_grid(monkeypatch):
             monkeypatch.setattr(eops, "GEMV_KQ_GSPLIT", gsplit)
             out = nan_poisoned(cp, rows)
             n = eops.gemv("d", "store", [eops.Seg(dev, out)], cp.asarray(x), K)
-            assert n.kernel.name.endswith("_c4") and "KQ_PART_ROT=2" in n.defines, (n.kernel.name, n.defines)
+            assert n.kernel.name.endswith("_c4") and not any(d.startswith("KQ_PART_ROT") for d in n.defines), \
+                (n.kernel.name, n.defines)
             assert ("KQ_GSPLIT=1" in n.defines) == (gsplit == "1"), n.defines
             n.launch()
             got[gsplit], grids[gsplit] = out.get(), n.grid[0] // 4

@@ -51,9 +51,10 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_P=
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"))]  # the cluster kernels without clusters
 # session 19: session 18's fence in every thread of a group block (GGUF_HARNESS_GEMV_KQ_GS_FENCE=0)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_GS_FENCE=0"))]
-# session 20: the group build without the leftover rotation (GGUF_HARNESS_GEMV_KQ_PART_ROT=0; on by default)
+# session 20: the group build without the leftover rotation (GGUF_HARNESS_GEMV_KQ_PART_ROT=0; on by default,
+# keyed by the row group since session 21) ... and keyed by the warp's round (=round, session 20's default)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PART_ROT=0")),
-            ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PART_ROT=2"))]  # ... and keyed by the row group (=row)
+            ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PART_ROT=1"))]
 # session 17: the next node's prefetch (ops GGUF_HARNESS_GEMV_KQ_XPF; its static_assert holds the
 # table to ops.table_dtype(xpf=True)'s 200 bytes), in the default and the queue build
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XPF=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_XPF=1"))]

@@ -233,8 +233,8 @@ KV9_CSPLIT_TYPES = ("q4_k", "q5_k")
 # them to finish adds and stores, so every block slot is used. "4" or unset (the default since
 # session 19): groups of 4 only, groups of 2 as hardware clusters; "1": every cluster-split node
 # (session 18's default); "0": hardware clusters (__cluster_dims__) for all. Bitwise equal outputs
-# either way, but with the leftover rotation (KQ_PART_ROT) the 4-part nodes' bits follow the
-# grid's group count, which differs between the two. Measured (H200, session 19, same machine start): "4" against "1" the step 6311.1
+# either way, but under the round key of the leftover rotation (KQ_PART_ROT=1) the 4-part nodes'
+# bits follow the grid's group count, which differs between the two (the default row key's do not). Measured (H200, session 19, same machine start): "4" against "1" the step 6311.1
 # against 6333.1 / 6343.5 us, ssm_out and attn_output -7.1 % each, the rest the same.
 # Measured (H200, session 18, 27B c = 2048, `harness bench nodes`, same machine start, two
 # pairs): with GGUF_HARNESS_GEMV_KQ_CSPLIT=1 the step 6345.2 / 6343.0 (clusters of 2, the old
@@ -385,14 +385,15 @@ def kv9_gsplit(cs: int) -> bool:
     return GEMV_KQ_GSPLIT == "1" or (GEMV_KQ_GSPLIT in ("", "4") and cs == 4)
 
 
-# KQ_PART_ROT (kernels/gemv_kq.cu kq_row_part): "1" or "" (the default since session 20) the 4-part
-# group / cluster kernels hand a row's leftover groups of 4 super-blocks (K / 1024 mod 4) to part
-# (m + round) mod 4 instead of part m, so the blocks of a [5120x17408] node read 4.25 groups per row
-# each rather than 5 in part 0 (the 27B's ffn_down Q4_K -2.2 to -2.6 %); "0": part m (session 19's
-# sums, the _s4 kernels' bit for bit, and independent of the grid; kv9_csplit_defines); "row" (A/B,
-# KQ_PART_ROT=2, not yet measured): keyed by the row group instead of the round, so the _c4 kernels'
-# sums do not depend on the grid, with an odd group count where that costs no round (gemv,
-# kv9_odd_groups; where the count stays even it rotates less than the round key).
+# KQ_PART_ROT (kernels/gemv_kq.cu kq_row_part): the 4-part group / cluster kernels hand a row's
+# leftover groups of 4 super-blocks (K / 1024 mod 4) to part (m + key) mod 4 instead of part m, so
+# the blocks of a [5120x17408] node read 4.25 groups per row each rather than 5 in part 0 (the
+# 27B's ffn_down Q4_K -2.2 to -2.6 %, session 20). "" or "row" (KQ_PART_ROT=2, the default since
+# session 21): keyed by the row group, so the _c4 kernels' sums do not depend on the grid, with an
+# odd group count where that costs no round (gemv, kv9_odd_groups; where the count stays even it
+# rotates less); as fast as the round key (session 21: step and ffn_down SAME). "round" or "1"
+# (KQ_PART_ROT=1, session 20's default): keyed by the warp's round (sums depend on the grid's group
+# count). "0": part m (session 19's sums, the _s4 kernels' bit for bit; kv9_csplit_defines).
 GEMV_KQ_PART_ROT = os.environ.get("GGUF_HARNESS_GEMV_KQ_PART_ROT", "")
 
 # KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1" or "" (the
@@ -406,31 +407,31 @@ def kv9_csplit_defines(defines: tuple[str, ...], cs: int) -> tuple[str, ...]:
     (kv9_defines() + ...) without KQ_WMAJ (the cluster kernels deal row groups block-major), plus
     KQ_CSPLIT=1, and KQ_GSPLIT=1 when kv9_gsplit(cs) (with KQ_GS_FENCE=0 when
     GGUF_HARNESS_GEMV_KQ_GS_FENCE is 0; the kernel's default is 1), and KQ_PART_ROT=0 when
-    GGUF_HARNESS_GEMV_KQ_PART_ROT is 0 and KQ_PART_ROT=2 when it is "row", for cs == 4 only (the
-    kernel's default is 1; only the 4-part kernels read it, so other builds stay the default's and
-    compile once). ValueError on a _GS_FENCE other than "", 0 or 1 and as kv9_part_rot."""
+    GGUF_HARNESS_GEMV_KQ_PART_ROT is 0 and KQ_PART_ROT=1 when it is "round" or 1, for cs == 4 only
+    (the kernel's default is 2, the row key; only the 4-part kernels read it, so other builds stay
+    the default's and compile once). ValueError on a _GS_FENCE other than "", 0 or 1 and as kv9_part_rot."""
     _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)
     rot = kv9_part_rot()
     gs = kv9_gsplit(cs)
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
             + (("KQ_GSPLIT=1",) if gs else ()) + (("KQ_GS_FENCE=0",) if gs and GEMV_KQ_GS_FENCE == "0" else ())
-            + ((f"KQ_PART_ROT={rot}",) if rot != 1 and cs == 4 else ()))  # (only the 4-part kernels read it)
+            + ((f"KQ_PART_ROT={rot}",) if rot != 2 and cs == 4 else ()))  # (only the 4-part kernels read it)
 
 
 def kv9_part_rot() -> int:
-    """The KQ_PART_ROT value of GGUF_HARNESS_GEMV_KQ_PART_ROT: "" or "1" -> 1 (the kernel's
-    default: the leftover groups rotated by round), "0" -> 0 (off), "row" -> 2 (rotated by row
-    group). ValueError on another value."""
-    rot = {"": 1, "1": 1, "0": 0, "row": 2}.get(GEMV_KQ_PART_ROT)
+    """The KQ_PART_ROT value of GGUF_HARNESS_GEMV_KQ_PART_ROT: "" or "row" -> 2 (the kernel's
+    default: the leftover groups rotated by row group), "round" or "1" -> 1 (by the warp's round),
+    "0" -> 0 (off). ValueError on another value."""
+    rot = {"": 2, "row": 2, "round": 1, "1": 1, "0": 0}.get(GEMV_KQ_PART_ROT)
     if rot is None:
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PART_ROT={GEMV_KQ_PART_ROT!r}: expected 0, 1 or row")
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PART_ROT={GEMV_KQ_PART_ROT!r}: expected row, round, 1 or 0")
     return rot
 
 
 def kv9_odd_groups(groups: int, rows: int, nw: int) -> int:
-    """The group count of a 4-part cluster node under GGUF_HARNESS_GEMV_KQ_PART_ROT=row: `groups`
-    less one when it is even and one fewer group still covers the rows in as many rounds of nw
-    rows per group (kernels/gemv_kq.cu kq_row_part: a warp's row groups cb + round ncb take the
+    """The group count of a 4-part cluster node under the row key (GGUF_HARNESS_GEMV_KQ_PART_ROT
+    "" or row, the default): `groups` less one when it is even and one fewer group still covers
+    the rows in as many rounds of nw rows per group (kernels/gemv_kq.cu kq_row_part: a warp's row groups cb + round ncb take the
     leftover in part (m + cb + round ncb) mod 4, which cycles through every part only for odd ncb);
     otherwise `groups`. When the count stays even (one group fewer would cost a round), the row key
     rotates less than the round key: ncb = 0 mod 4 not at all (each warp's leftover always in one
@@ -851,7 +852,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
                 clusters = min(-(-rows // nw), resident, KQ_GS_MAXCB)
             else:
                 clusters = min(-(-rows // nw), module.max_active_clusters(ck, cs, nw * 32, smem))
-            if cs == 4:  # GGUF_HARNESS_GEMV_KQ_PART_ROT=row: an odd count where it costs no round
+            if cs == 4:  # the row key (the default): an odd count where it costs no round
                 clusters = kv9_odd_groups(clusters, rows, nw)
             if clusters > 0 and -(-rows // (nw * clusters)) <= KQ_CS_MAXR:
                 kdefs, k = cdefs, ck

@@ -215,31 +215,35 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 }
 
 // A part's share of one row (kq_body's plain store/add path): part wpart of NP takes super-blocks
-// grp + 4 wpart + 4 NP k (kq_row's sb0, st). With KQ_PART_ROT (the default since session 20; called
-// by the 4-part group / cluster kernels only, kq_body's CS == 4, xstage.cuh kKqPartRot): the ng =
+// grp + 4 wpart + 4 NP k (kq_row's sb0, st). With KQ_PART_ROT (since session 20; called by the
+// 4-part group / cluster kernels only, kq_body's CS == 4, xstage.cuh kKqPartRot): the ng =
 // ceil(nsb / 4) groups of 4 super-blocks are F = ng / NP full sweeps, which every part takes as
 // before, and L = ng mod NP leftover groups, of which leftover m goes to part (m + key) mod NP
-// instead of always to part m; key = round, the warp's row loop count, the same in every part of a
-// row group (first and step depend on the group and the warp only), so each leftover is computed
-// exactly once per row, and stage_xq stages the leftovers in every part. Why: at K = 17408 (17
-// groups), part 0 read 5 groups of every row and parts 1..3 read 4, so the part-0 blocks, which
-// run without a barrier with their partners until the final count, did 5 / 4.25 = 1.18x the mean
-// work. Measured (H200, session 20, the 27B at c = 2048, bench nodes, four same-start pairs of
-// this form): ffn_down Q4_K x48 -2.2 to -2.6 % (FASTER), Q5_K x16 -1.2 to -1.7 % (within noise).
+// instead of always to part m; the key is the same in every part of a row group, so each leftover
+// is computed exactly once per row, and stage_xq stages the leftovers in every part. Why: at K =
+// 17408 (17 groups), part 0 read 5 groups of every row and parts 1..3 read 4, so the part-0 blocks,
+// which run without a barrier with their partners until the final count, did 5 / 4.25 = 1.18x the
+// mean work. The key:
+// - KQ_PART_ROT=2 (the default since session 21): the row group base / rpb = cb + round ncb
+//   (block-major rows: base = rpb cb + R g + round step, step = rpb ncb), a function of the row and
+//   the block's warps only, so the _c4 sums do not depend on the grid (the routing itself, the
+//   split and the _s4 fallback past KQ_CS_MAXR, still can); a warp's rows cycle through all 4 parts
+//   only when the group count ncb is odd, which ops.gemv makes it when that costs no round
+//   (ops.kv9_odd_groups). Measured (H200, session 21, bench nodes of the 27B at c = 2048, same
+//   start): step 6168.9 us against the round key's 6162.2 / 6162.0 (SAME), ffn_down Q4_K x48
+//   959.54 against 959.59 / 959.50 us.
+// - KQ_PART_ROT=1 (session 20's default, ops GGUF_HARNESS_GEMV_KQ_PART_ROT=round): key = round, the
+//   warp's row loop count. Measured (session 20, four same-start pairs against no rotation):
+//   ffn_down Q4_K x48 -2.2 to -2.6 % (FASTER), Q5_K x16 -1.2 to -1.7 % (within noise). Since the
+//   round of a row is (row - first) / step, which part adds a leftover depends on the grid's group
+//   count (occupancy x SMs): another SM count, a MIG slice or a build with other register use may
+//   round differently.
+// - KQ_PART_ROT=0: part m always (session 19's sums, the _s4 kernels' bit for bit).
 // Not in the S-split kernels (one block, a barrier per round: the round still waits for the part
 // with the leftover): there, rotating cost 6-9 % ([5120x17408] IQ3_S and Q6_K at S 4, [1024x5120]
-// Q6_K at S 2; kernel table, same start); not at 2 parts (the 27B's are K = 6144 nodes, L = 0).
-// Values: the _c4 kernels add other partial sums than the _s4 ones (equal within the oracle
-// rule, not bit for bit; KQ_PART_ROT=0 restores that), and since the round of a row is (row -
-// first) / step, which part adds a leftover depends on the grid's group count (occupancy x SMs,
-// ops.gemv): on one GPU and build the outputs are reproducible, but another SM count, a MIG slice
-// or a build with other register use may round differently. KQ_PART_ROT=2 (A/B, ops
-// GGUF_HARNESS_GEMV_KQ_PART_ROT=row; not yet measured) keys the rotation on the row group base /
-// rpb = cb + round ncb instead of the round (block-major rows: base = rpb cb + R g + round step,
-// step = rpb ncb), a function of the row and the block's warps only, so the _c4 sums do not depend
-// on the grid (the routing itself, the split and the _s4 fallback past KQ_CS_MAXR, still can); a warp's
-// rows then cycle through all 4 parts only when the group count ncb is odd, which ops.gemv makes
-// it when that costs no round.
+// Q6_K at S 2; kernel table, session 20); not at 2 parts (the 27B's are K = 6144 nodes, L = 0).
+// Values: with a key the _c4 kernels add other partial sums than the _s4 ones (equal within the
+// oracle rule, not bit for bit).
 template <class Q, int NP>
 __device__ __forceinline__ float kq_row_part(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int grp,
                                              int wpart, int key, int i) {

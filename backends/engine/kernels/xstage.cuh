@@ -26,7 +26,7 @@
 // L = ng mod cs leftover groups F cs .. ng - 1 (F = ng / cs full sweeps), since which part computes
 // them changes from row to row: its F groups part + cs k, then the L leftovers.
 #ifndef KQ_PART_ROT
-#define KQ_PART_ROT 1
+#define KQ_PART_ROT 2  // keyed by the row group (the default since session 21; gemv_kq.cu kq_row_part)
 #endif
 static_assert(KQ_PART_ROT >= 0 && KQ_PART_ROT <= 2, "KQ_PART_ROT: 0 off, 1 keyed by the round, 2 by the row group");
 template <int CS> constexpr bool kKqPartRot = KQ_PART_ROT && CS == 4;  // one rule for stage_xq and kq_body
