@@ -97,7 +97,8 @@ GEMV_KQ_IQ3S = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S", "1")
 # A/B of where those rows read the IQ3_S grid: "" the kernel's default (16 copies in shared
 # memory since session 20: the 27B's IQ3_S gate/up -13 %), or N = 0 (the global table), 1, 2, 4, 8,
 # 16 shared-memory copies, 32 (64 KiB at the start of the dynamic shared memory, before x;
-# kv9_iq3s_dyn_bytes; not yet run): gemv_kq.cu built
+# kv9_iq3s_dyn_bytes; session 21: the 27B's IQ3_S gate/up -1.4 to -1.5 %, not made the default for
+# 64 KiB of shared memory per block): gemv_kq.cu built
 # with -DKQ_IQ3S_GRID=N (its own NVRTC compile and CuPy cache entry; kv9_iq3s_defines).
 GEMV_KQ_IQ3S_GRID = os.environ.get("GGUF_HARNESS_GEMV_KQ_IQ3S_GRID", "")
 KQ_IQ3S_GRIDS = ("0", "1", "2", "4", "8", "16", "32")  # 32: dynamic shared memory (kv9_iq3s_dyn_bytes)

@@ -97,7 +97,8 @@ static_assert(kIq3sCopies == 0 || kIq3sCopies == 1 || kIq3sCopies == 2 || kIq3sC
               "KQ_IQ3S_GRID: 0 (global table) or 1, 2, 4, 8, 16 (static) or 32 (dynamic) shared-memory copies");
 constexpr int kIq3sLg = kIq3sCopies <= 1 ? 0 : kIq3sCopies == 2 ? 1 : kIq3sCopies == 4 ? 2 : kIq3sCopies == 8 ? 3
                         : kIq3sCopies == 16 ? 4 : 5;
-// KQ_IQ3S_GRID=32 (A/B, ops GGUF_HARNESS_GEMV_KQ_IQ3S_GRID=32; not yet run): one copy per lane, so
+// KQ_IQ3S_GRID=32 (A/B, ops GGUF_HARNESS_GEMV_KQ_IQ3S_GRID=32; measured in session 21: the 27B's
+// IQ3_S gate/up -1.4 to -1.5 % against 16 copies, so the lookups no longer bind): one copy per lane, so
 // a lookup is one wavefront whatever the indices (16 copies: up to 2, the lanes L and L + 16 of one
 // bank). 64 KiB, over the 48 KiB a static array may take, so the copies sit at the start of the
 // dynamic shared memory (a constant base, as the static array's: no add per lookup) and the IQ3_S
