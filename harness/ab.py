@@ -52,6 +52,7 @@ from pathlib import Path
 from . import metrics
 from .bench_e2e import rep_rates
 from .errors import ConfigError
+from .gpu_state import short_note
 from .jsonread import as_dict, as_list
 from .results import SCHEMA, read_json
 
@@ -301,7 +302,8 @@ def perf_rows(a: dict, b: dict, threshold: float) -> tuple[list[PerfRow], list[C
     perf, checks = [], []
     for key in list(rows_a) + [k for k in rows_b if k not in rows_a]:
         ra, rb = rows_a.get(key), rows_b.get(key)
-        note = "missing in B" if rb is None else "not in A" if ra is None else ""
+        note = ("missing in B" if rb is None else "not in A" if ra is None
+                else short_note(ra.get("gpu_state"), rb.get("gpu_state")))  # a GPU that slowed
         if rb is None and key in errs_b:
             note = "crashed in B"
             checks.append(CheckRow("bench", key[0], None, key[1], "ok", "error", "failed", True,

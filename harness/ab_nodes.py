@@ -31,6 +31,7 @@ from collections import defaultdict
 from .ab_kernels import KernelCheck, KernelPerf, KernelsAB, _finite
 from .bench_nodes import SCHEMA as NODES_SCHEMA
 from .bench_nodes import split_name
+from .gpu_state import ab_notes
 
 NO_SPREAD = "no spread recorded: threshold only"
 
@@ -118,6 +119,8 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
     for k in sorted(set(sw_a) | set(sw_b)):
         if sw_a.get(k) != sw_b.get(k):
             notes.append(f"engine switch {k}: {sw_a.get(k, '(unset)')} -> {sw_b.get(k, '(unset)')}")
+    # a GPU that slowed its clocks in one run (harness/gpu_state.py) explains a step change
+    notes += ab_notes("step", na.get("gpu_state"), nb.get("gpu_state"))
     noise = None
     sa, sb = spread(na.get("step_samples_us")), spread(nb.get("step_samples_us"))
     if sa is not None and sb is not None:

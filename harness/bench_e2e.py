@@ -12,7 +12,9 @@ ratios are reported per context. Throughput is only meaningful next to a passing
 verification of the same backend, so it is only run after one, into the same result.
 A backend with the "memory" capability (the engine) adds its planned vs measured device
 memory after the bench to the row (row["memory"], MEMORY_KEYS of its info()), and the switch
-values it ran with where its info() gives them (row["switches_effective"]).
+values it ran with where its info() gives them (row["switches_effective"]). Every row records
+the GPU's clocks, power and clock-event (slowdown) reasons sampled while it was timed
+(row["gpu_state"], harness/gpu_state.py), which `harness ab` notes when they differ.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dataclasses import replace
 
 from .config import ModelRef, RunConfig
 from .errors import HarnessError
+from .gpu_state import GpuStateSampler, describe
 
 # the engine's info() fields recorded per bench row (backends/engine/backend.py info())
 MEMORY_KEYS = ("token_embd", "planned_bytes", "plan_free_bytes", "vram_limit", "bytes_resident",
@@ -58,14 +61,18 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
                 before = mem_used() if mem_used else None
                 b = create(name)
                 b.load(model, replace(base, n_ctx=n_ctx))
-                r = _drop_warmup(b.bench(list(prompt_ids), n_decode, reps + 1), reps)
+                with GpuStateSampler(period_s=0.1) as gpu:  # clocks / slowdown while timed
+                    r = _drop_warmup(b.bench(list(prompt_ids), n_decode, reps + 1), reps)
                 row = _row(name, n_ctx, r, len(prompt_ids), n_decode, step_bytes, copy_gbs)
+                row["gpu_state"] = gpu.summary()
                 if mem_used:
                     row["gpu_mem_used_bytes"] = mem_used() - before
                 row.update(_memory(b))
                 rows.append(row)
                 log(f"{name} c={n_ctx}: decode {row['decode_tok_s']:.1f} tok/s "
                     f"({row['ms_per_token']:.3f} ms/token), prefill {row['prefill_tok_s']:.0f} tok/s")
+                if row["gpu_state"].get("available"):
+                    log(f"  GPU while timed: {describe(row['gpu_state'])}")
             except (HarnessError, OSError, RuntimeError, ValueError) as e:
                 errors.append({"backend": name, "n_ctx": n_ctx, "error": f"{type(e).__name__}: {e}"})
                 log(f"{name} c={n_ctx} failed: {type(e).__name__}: {e}")

@@ -108,14 +108,19 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
         raise ConfigError(f"node timing methods {bad or methods}: expected some of {', '.join(METHODS)}")
     if len(prompt_ids) + steps + 1 > n_ctx:
         raise ConfigError(f"n_ctx {n_ctx} too small for {len(prompt_ids)} prompt tokens + {steps} steps")
+    from .gpu_state import GpuStateSampler, describe
     with loaded_engine(model, n_ctx) as e:
-        # the engine's own throughput loop: prompt, then `steps` chained step-graph replays
-        decode_s = e.bench(prompt_ids, steps, 3)["decode_s"]
+        # the engine's own throughput loop: prompt, then `steps` chained step-graph replays,
+        # with the GPU's clocks, power and slowdown reasons sampled while it runs
+        with GpuStateSampler() as gpu:
+            decode_s = e.bench(prompt_ids, steps, 3)["decode_s"]
         step_us = 1e6 * statistics.median(decode_s) / steps
         log(f"step graph: {step_us:.1f} us/token ({steps} chained replays, median of 3)")
+        log(f"GPU while timed: {describe(gpu.summary(raw=False))}")
         out = {"schema": SCHEMA, "n_ctx": n_ctx, "n_prompt": len(prompt_ids), "step_us": step_us,
                # each replay sample's us per step: the spread harness ab (ab_nodes.py) judges by
                "step_samples_us": [1e6 * s / steps for s in decode_s],
+               "gpu_state": gpu.summary(),  # harness/gpu_state.py: clocks / slowdown while timed
                "engine": e.info(), "methods": {}}
         e.reset()
         e.prefill(prompt_ids)

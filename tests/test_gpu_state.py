@@ -1,0 +1,208 @@
+"""harness/gpu_state.py: GPU clocks / power / clock-event reasons sampled while a region is
+timed (NVML through nvidia-ml-py), on a scripted fake NVML, on the real pynvml (its constants;
+no NVML library on a CPU machine), and as notes in `harness ab` of both result kinds."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from harness import ab, ab_nodes, gpu_state
+from tests.test_ab import bench_row, result
+from tests.test_ab_nodes import BASE, _doc
+
+
+class FakeNVML:
+    """The pynvml calls GpuStateSampler makes, answering from a script: each reading takes
+    the next (sm MHz, mem MHz, power mW, temp C, reason mask) of `readings`, the last repeated."""
+    NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU = 1, 2, 0
+    # nvml.h's clock-event reason bits (as pynvml names them)
+    nvmlClocksEventReasonGpuIdle = 0x1
+    nvmlClocksEventReasonSwPowerCap = 0x4
+    nvmlClocksEventReasonHwSlowdown = 0x8
+    nvmlClocksEventReasonSwThermalSlowdown = 0x20
+
+    def __init__(self, readings, fail_init=None, by_index_only=True):
+        self.readings, self.i, self.fail_init = list(readings), 0, fail_init
+        self.inits = self.shutdowns = 0
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise self.fail_init
+        self.inits += 1
+
+    def nvmlShutdown(self):
+        self.shutdowns += 1
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return ("dev", i)
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus):
+        return ("bus", bus)
+
+    def _now(self):
+        return self.readings[min(self.i, len(self.readings) - 1)]
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return self._now()[0] if kind == self.NVML_CLOCK_SM else self._now()[1]
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return self._now()[2]
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h):
+        return 700_000
+
+    def nvmlDeviceGetTemperature(self, h, kind):
+        return self._now()[3]
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        mask = self._now()[4]
+        self.i += 1  # the last query of a reading: the next reading takes the next line
+        return mask
+
+
+def test_reason_names_decode_the_mask_in_a_fixed_order():
+    n = FakeNVML([])
+    assert gpu_state.reason_names(0x4 | 0x1, n) == ["GpuIdle", "SwPowerCap"]
+    assert gpu_state.reason_names(0x8 | 0x20 | 0x4, n) == ["SwPowerCap", "HwSlowdown", "SwThermalSlowdown"]
+    assert gpu_state.reason_names(0x1000, n) == []  # a bit this module does not name
+    assert gpu_state.reason_names(0, n) == []
+
+
+def test_every_reason_name_is_a_pynvml_constant():
+    """ALL_REASONS are looked up by name in pynvml (nvmlClocksEventReason<Name> or the older
+    nvmlClocksThrottleReason<Name>): a misspelt name would silently never be reported."""
+    pynvml = pytest.importorskip("pynvml")
+    bits = {}
+    for name in gpu_state.ALL_REASONS:
+        bit = getattr(pynvml, "nvmlClocksEventReason" + name, None) or \
+            getattr(pynvml, "nvmlClocksThrottleReason" + name, None)
+        assert bit, name
+        bits[name] = bit
+    assert len(set(bits.values())) == len(bits)  # distinct bits
+    assert gpu_state.reason_names(bits["SwPowerCap"] | bits["HwThermalSlowdown"], pynvml) == \
+        ["SwPowerCap", "HwThermalSlowdown"]
+    assert set(gpu_state.SLOWDOWN_REASONS) <= set(gpu_state.ALL_REASONS)
+
+
+def test_sampler_records_clocks_power_and_slowdowns():
+    fake = FakeNVML([(1980, 3201, 400_000, 50, 0x0), (1980, 3201, 650_000, 60, 0x0),
+                     (1755, 3201, 699_000, 71, 0x4), (1740, 3201, 700_000, 72, 0x4 | 0x20)])
+    with gpu_state.GpuStateSampler(period_s=0.005, nvml=fake) as s:
+        time.sleep(0.1)
+    st = s.summary()
+    assert fake.inits == 1 and fake.shutdowns == 1
+    assert st["available"] and st["n"] >= 4 and "why" not in st
+    assert st["sm_mhz"][0] == 1740 and st["sm_mhz"][2] == 1980 and st["mem_mhz"] == [3201, 3201, 3201]
+    assert st["power_w"][2] == 700.0 and st["power_limit_w"] == 700.0 and st["temp_c"][0] == 50
+    # every reading from the third on carries SwPowerCap; the fourth on also SwThermalSlowdown
+    assert st["slowdown"] == st["n"] - 2 == st["reasons"]["SwPowerCap"]
+    assert st["reasons"]["SwThermalSlowdown"] == st["n"] - 3
+    ts = [x["t"] for x in st["samples"]]
+    assert ts == sorted(ts) and len(ts) == st["n"]
+    line = gpu_state.describe(st)
+    assert "SM 1740-1980 MHz" in line and "memory 3201 MHz" in line and "of 700" in line
+    assert f"slowdown in {st['n'] - 2} of {st['n']} samples" in line and "SwPowerCap" in line
+
+
+def test_sampler_without_nvml_times_anyway_and_says_why():
+    fake = FakeNVML([], fail_init=RuntimeError("NVML Shared Library Not Found"))
+    with gpu_state.GpuStateSampler(nvml=fake) as s:
+        pass
+    st = s.summary()
+    assert st["available"] is False and "NVML Shared Library Not Found" in st["why"]
+    assert "samples" not in st and s.sample() is None
+    assert gpu_state.describe(st).startswith("no GPU state (RuntimeError")
+    assert gpu_state.describe(None) == "no GPU state"
+    with pytest.raises(ValueError):
+        gpu_state.GpuStateSampler(period_s=0)
+
+
+def test_sampler_keeps_the_readings_it_had_when_a_query_fails():
+    class Flaky(FakeNVML):
+        def nvmlDeviceGetPowerUsage(self, h):
+            if self.i >= 2:
+                raise RuntimeError("GPU is lost")
+            return super().nvmlDeviceGetPowerUsage(h)
+    fake = Flaky([(1980, 3201, 500_000, 50, 0)])
+    with gpu_state.GpuStateSampler(period_s=0.005, nvml=fake) as s:
+        time.sleep(0.05)
+    st = s.summary()
+    assert st["available"] and st["n"] == 2 and "GPU is lost" in st["why"]
+
+
+def test_real_pynvml_on_this_machine():
+    """With the installed nvidia-ml-py: on a machine without NVML the sampler records why and
+    nothing else; with a GPU, readings with plausible clocks."""
+    pytest.importorskip("pynvml")
+    with gpu_state.GpuStateSampler(period_s=0.01) as s:
+        time.sleep(0.05)
+    st = s.summary()
+    if not st["available"]:
+        assert st["why"]
+    else:
+        assert st["n"] >= 2 and st["sm_mhz"][2] > 0 and st["mem_mhz"][2] > 0
+
+
+def _state(sm, slow=0, n=10, reasons=None):
+    return {"available": True, "n": n, "sm_mhz": [sm, sm, sm], "mem_mhz": [3201, 3201, 3201],
+            "power_w": [600.0, 650.0, 700.0], "power_limit_w": 700.0, "temp_c": [60, 65, 70],
+            "reasons": reasons if reasons is not None else ({"SwPowerCap": slow} if slow else {}),
+            "slowdown": slow}
+
+
+def test_ab_notes_say_which_side_slowed_and_by_how_much_clocks_moved():
+    assert gpu_state.ab_notes("step", _state(1980), _state(1980)) == []
+    assert gpu_state.ab_notes("step", _state(1980), _state(1970)) == []  # within 1 %
+    notes = gpu_state.ab_notes("step", _state(1980), _state(1755, slow=7))
+    assert any(n.startswith("step B: ") and "SwPowerCap 7" in n for n in notes)
+    assert "step: median SM clock 1980 -> 1755 MHz" in notes
+    assert gpu_state.ab_notes("step", None, _state(1755)) == []  # one side unrecorded: nothing to compare
+    short = gpu_state.short_note(_state(1755, slow=7), _state(1980))
+    assert short == "GPU: A slowed in 7/10 samples (SwPowerCap); median SM clock 1755 -> 1980 MHz"
+    assert gpu_state.short_note(None, None) == ""
+
+
+def test_harness_ab_nodes_notes_a_throttled_run():
+    a = _doc(BASE, 500.0, [499.0, 500.0, 501.0])
+    b = copy.deepcopy(a)
+    a["nodes"]["gpu_state"], b["nodes"]["gpu_state"] = _state(1980), _state(1755, slow=9)
+    res = ab_nodes.compare_nodes(a, b)
+    assert any("step B:" in n and "slowdown in 9 of 10" in n for n in res.notes)
+    assert "step: median SM clock 1980 -> 1755 MHz" in res.notes
+    b["nodes"]["gpu_state"] = _state(1980)
+    assert not ab_nodes.compare_nodes(a, b).notes
+
+
+def test_harness_ab_bench_row_note_names_a_throttled_run():
+    a, b = result([1.0, 1.0, 1.0]), result([1.1, 1.1, 1.1])
+    a["bench"]["rows"][0]["gpu_state"] = _state(1980)
+    b["bench"]["rows"][0]["gpu_state"] = _state(1700, slow=5)
+    res = ab.compare(a, b)
+    row = next(p for p in res.perf if p.metric == "decode_tok_s")
+    assert row.verdict == "SLOWER" and row.note.startswith("GPU: B slowed in 5/10 samples (SwPowerCap)")
+    # rows without GPU state (results from before this module) keep an empty note
+    assert next(p for p in ab.compare(result([1.0] * 3), result([1.0] * 3)).perf).note == ""
+    assert bench_row("engine", 512, [1.0])["backend"] == "engine"
+
+
+def test_bench_e2e_rows_carry_the_gpu_state_of_their_timed_region(monkeypatch):
+    """bench_e2e wraps each backend's timed bench in a GpuStateSampler: with (fake) NVML the
+    row records readings and logs them; a backend that fails records no row."""
+    from harness import bench_e2e as be
+    from harness.config import ModelRef, RunConfig
+    from tests.test_bench_e2e import Fake
+
+    fake = FakeNVML([(1980, 3201, 500_000, 55, 0)])
+    monkeypatch.setattr(be, "GpuStateSampler",
+                        lambda period_s: gpu_state.GpuStateSampler(period_s=period_s, nvml=fake))
+    lines = []
+    out = be.bench_e2e(ModelRef("m", "m.gguf"), 1_000_000, ["engine"], [512], list(range(70)),
+                       RunConfig(), lambda name: Fake("engine", 0.1, 0.1), n_decode=128, reps=3,
+                       log=lines.append)
+    (row,) = out["rows"]
+    st = row["gpu_state"]
+    assert st["available"] and st["n"] >= 2 and st["sm_mhz"] == [1980, 1980, 1980]
+    assert any(line.startswith("  GPU while timed: SM 1980 MHz") for line in lines)
+    assert fake.shutdowns == 1
