@@ -206,3 +206,19 @@ def test_bench_e2e_rows_carry_the_gpu_state_of_their_timed_region(monkeypatch):
     assert st["available"] and st["n"] >= 2 and st["sm_mhz"] == [1980, 1980, 1980]
     assert any(line.startswith("  GPU while timed: SM 1980 MHz") for line in lines)
     assert fake.shutdowns == 1
+
+
+def test_html_report_lists_each_bench_rows_gpu_state_escaped():
+    """The run report's "GPU while timed" section: one line per bench row with a GPU state;
+    text from the result is escaped (a hostile `why` cannot inject markup); none without."""
+    from reports.html import gpu_states, render_html
+    res = result([1.0, 1.0, 1.0])
+    assert gpu_states(res) == []
+    res["bench"]["rows"][0]["gpu_state"] = _state(1755, slow=3)
+    res["bench"]["rows"].append(dict(bench_row("llamacpp", 512, [2.0, 2.0, 2.0]),
+                                     gpu_state={"available": False, "why": "<script>x</script>"}))
+    (g1, g2) = gpu_states(res)
+    assert g1["label"] == "engine c=512" and "slowdown in 3 of 10 samples (SwPowerCap 3)" in g1["text"]
+    html = render_html(res)
+    assert 'id="gpu-state"' in html and "slowdown in 3 of 10" in html
+    assert "<script>x</script>" not in html and "&lt;script&gt;" in html
