@@ -23,8 +23,11 @@ def render_nodes_html(result: dict) -> str:
     for name, m in res["methods"].items():
         png = node_plots.stacked_layers(*layer_matrix(m["nodes"]), f"per-layer node time ({name})")
         plots[name] = data_uri(png) if png else None
+    from harness.gpu_state import describe
+    gpu = res.get("gpu_state") if isinstance(res.get("gpu_state"), dict) else None
     return _env().get_template(TEMPLATE).render(
         model=result["model"], res=res, created=result.get("created", ""), plots=plots,
+        gpu_line=describe(gpu) if gpu else None,  # clocks / slowdowns while the step was timed
         machine_text=json.dumps(result.get("machine", {}), indent=1, sort_keys=True))
 
 

@@ -65,6 +65,13 @@ def test_nodes_html_escapes_and_embeds_plot():
     assert "<script>alert(1)</script>" not in html and "&lt;script&gt;" in html
     assert "data:image/png;base64," in html
     assert "blk.1.qkv" in html and "50.0" in html
+    assert "GPU while the step was timed" not in html  # a result without GPU state (before session 21)
+    res["gpu_state"] = {"available": True, "n": 4, "sm_mhz": [1755, 1900, 1980], "mem_mhz": [3201] * 3,
+                        "power_w": [500.0, 600.0, 700.0], "power_limit_w": 700.0, "temp_c": [60, 65, 70],
+                        "reasons": {"SwPowerCap": 2}, "slowdown": 2}
+    html = render_nodes_html({"created": "now", "machine": {}, "model": {"name": "m", "sha256": "ab"}, "nodes": res})
+    assert "GPU while the step was timed: SM 1755-1980 MHz (median 1900)" in html
+    assert "slowdown in 2 of 4 samples (SwPowerCap 2)" in html
 
 
 @pytest.mark.parametrize("argv,says", [(["--method", "wall"], "--method"),
