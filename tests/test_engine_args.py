@@ -1206,3 +1206,47 @@ def test_gemv_routes_gsplit(monkeypatch):
         monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_GSPLIT"):
             ops.kv9_defines()
+
+
+def test_xrep_switch_replicates_x_and_refuses_unreplicated_nodes(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_XREP=N (kernels/gemv_kq.cu kq_xrep, a diagnostic): KQ_XREP=N in every
+    v9 build; ops.xrep_input lays out N copies of x, xrep_stride(K) floats apart (the kernel's
+    kq_xrep_stride), zero padded; a v9 node whose x is shorter than that is refused (the engine's
+    producers write one copy); unset or 1 changes nothing; bad values are refused; results record
+    it."""
+    _fake_module(monkeypatch)
+    for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"),
+                    ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_WIDE_MIN_ROWS", "")):
+        monkeypatch.setattr(ops, knob, v)
+    x = np.arange(1, 5001, dtype=np.float32)
+    for off in ("", "1"):
+        monkeypatch.setattr(ops, "GEMV_KQ_XREP", off)
+        assert ops.kv9_xrep() == 1 and not any(d.startswith("KQ_XREP") for d in ops.kv9_defines())
+        assert ops.xrep_input(x) is not None and np.array_equal(ops.xrep_input(x), x)
+    monkeypatch.setattr(ops, "GEMV_KQ_XREP", "8")
+    assert "KQ_XREP=8" in ops.kv9_defines()
+    assert ops.xrep_stride(5000) == 5056 and ops.xrep_stride(5120) == 5120 and ops.xrep_stride(1) == 64
+    rep = ops.xrep_input(x)
+    assert rep.dtype == np.float32 and rep.size == 8 * 5056
+    copies = rep.reshape(8, 5056)
+    assert all(np.array_equal(c[:5000], x) for c in copies) and not copies[:, 5000:].any()
+    Q4_K, K, rows = 12, 5120, 64
+    from backends.engine.arena import DeviceTensor
+    from backends.engine.formats import FORMATS
+    f = FORMATS[Q4_K]
+    rb = K // f.block_size * f.type_size
+    seg = ops.Seg(DeviceTensor("w", 1 << 20, Q4_K, (K, rows), rb, rb * rows), NS(size=rows, data=NS(ptr=4096)))
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_XREP=8"):
+        ops.gemv("n", "store", [seg], NS(size=K), K)  # one copy, as the engine's producers write
+    n = ops.gemv("n", "store", [seg], NS(size=8 * K), K)
+    assert n.kernel.name.startswith("gemvkq_") and "KQ_XREP=8" in n.defines
+    for bad in ("0", "65", "x", " 2"):
+        monkeypatch.setattr(ops, "GEMV_KQ_XREP", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_XREP"):
+            ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_XREP" in machine.ENGINE_SWITCHES
+    src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
+    assert "constexpr int kq_xrep_stride(int K) { return (K + 63) & ~63; }" in src
+    assert all(((k + 63) & ~63) == ops.xrep_stride(k) for k in (1, 63, 64, 65, 2816, 17408))
+    assert src.count("stage_xq<") == src.count("(KQ_XSRC(x, K), norm") == 2  # every staging reads a copy
+    assert "#define KQ_XSRC(x, K) kq_xrep(x, K)" in src and "#define KQ_XSRC(x, K) (x)" in src
