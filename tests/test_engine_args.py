@@ -890,6 +890,8 @@ def test_part_rot_switch(monkeypatch):
     assert "constexpr bool kKqPartRot = KQ_PART_ROT && CS == 4;" in xs
     assert "constexpr bool rot = kKqPartRot<CS>;" in xs
     assert "kq_row_sel<Q, nparts, kKqPartRot<CS>>" in (kdir / "gemv_kq.cu").read_text()
+    # the key: the row group under 2 (the default), the warp's round under 1
+    assert "KQ_PART_ROT == 2 ? base / rpb : round)" in (kdir / "gemv_kq.cu").read_text()
 
 
 def test_part_rot_row_key_takes_an_odd_group_count(monkeypatch):
@@ -899,19 +901,23 @@ def test_part_rot_row_key_takes_an_odd_group_count(monkeypatch):
     count when the rows still fit in as many rounds, and changes nothing otherwise or under the
     other settings."""
     monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "")
-    assert ops.kv9_odd_groups(66, 5120, 16) == 65  # the default is the row key
+    assert ops.kv9_odd_groups(66, 5120, 16, 17408) == 65  # "" is the row key
+    assert ops.kv9_odd_groups(66, 5120, 16, 2816) == 65  # 11 super-blocks: 3 groups, all leftovers
+    assert ops.kv9_odd_groups(66, 5120, 16, 1024) == 65  # 1 group: a leftover too
+    for K in (16384, 8192, 4096):  # 16, 8, 4 groups: no leftover, nothing to rotate, the full count
+        assert ops.kv9_odd_groups(66, 5120, 16, K) == 66, K
     monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "row")
-    assert ops.kv9_odd_groups(66, 5120, 16) == 65  # 320 row groups: 5 rounds either way
-    assert ops.kv9_odd_groups(65, 5120, 16) == 65  # already odd
-    assert ops.kv9_odd_groups(64, 1024, 16) == 64  # 64 row groups: 1 round, 63 groups would need 2
-    assert ops.kv9_odd_groups(2, 5120, 16) == 2    # too few to drop one
+    assert ops.kv9_odd_groups(66, 5120, 16, 17408) == 65  # 320 row groups: 5 rounds either way
+    assert ops.kv9_odd_groups(65, 5120, 16, 17408) == 65  # already odd
+    assert ops.kv9_odd_groups(64, 1024, 16, 17408) == 64  # 64 row groups: 1 round, 63 groups would need 2
+    assert ops.kv9_odd_groups(2, 5120, 16, 17408) == 2    # too few to drop one
     for key in ("round", "1", "0"):
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", key)
-        assert ops.kv9_odd_groups(66, 5120, 16) == 66
+        assert ops.kv9_odd_groups(66, 5120, 16, 17408) == 66
     for groups in range(3, 80):  # the property the kernel needs, wherever a group could go
         monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "row")
         for rows in (1000, 5120, 9001):
-            got = ops.kv9_odd_groups(groups, rows, 16)
+            got = ops.kv9_odd_groups(groups, rows, 16, 17408)
             assert got in (groups, groups - 1)
             assert -(-rows // (16 * got)) == -(-rows // (16 * groups))
             assert got % 2 or -(-rows // (16 * (groups - 1))) > -(-rows // (16 * groups))

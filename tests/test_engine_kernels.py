@@ -823,7 +823,7 @@ def test_wide_nodes_match_the_default(kq, monkeypatch):
 
 
 @pytest.mark.parametrize("split,gsplit,rot", [("2", "0", ""), ("2", "1", ""), ("4", "0", "0"), ("4", "1", "0"),
-                                              ("4", "0", ""), ("4", "1", "")])
+                                              ("4", "0", ""), ("4", "1", ""), ("4", "0", "round"), ("4", "1", "round")])
 def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_CSPLIT=1 (kernels/gemv_kq.cu KQ_CSPLIT): the parts of a row group in the
     blocks of a thread-block cluster compute the partial sums the _s<S> kernel's warps compute and
@@ -836,8 +836,9 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot,
     = 17408 (17 groups of 4 super-blocks: parts of unequal size), K = 2816 (a partial group), K =
     512 at S = 4 (parts without a super-block), row counts above one round of clusters, two
     segments of different row counts. A node of more than KQ_CS_MAXR rounds falls back to the
-    S-split kernel, and a normed node is never taken. All of that with GGUF_HARNESS_GEMV_KQ_PART_ROT=0
-    (`rot`). By default (gemv_kq.cu kq_row_part) the 4-part _c4 kernels hand a row's leftover groups
+    S-split kernel, and a normed node is never taken. All of that with GGUF_HARNESS_GEMV_KQ_PART_ROT=0,
+    the default row key ("") and session 20's round key (`rot`; the two "round" cases were added
+    after session 21's runs and have not run). By default (gemv_kq.cu kq_row_part) the 4-part _c4 kernels hand a row's leftover groups
     of 4 super-blocks to a part that changes with the row group, which the _s4 kernels do not: then
     the two add other partial sums, so at S = 4 a node with leftovers is held to the oracle rule
     only (K = 17408: one leftover group of 17; K = 2816: all 3 groups leftovers, the last partial;
@@ -885,8 +886,11 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot,
                 assert n.grid[0] % S == 0 or cs == "0", n.grid
                 assert ("KQ_CSPLIT=1" in n.defines) == (cs == "1"), n.defines
                 assert ("KQ_GSPLIT=1" in n.defines) == (cs == "1" and gsplit == "1"), n.defines
-                # (only the 4-part cluster builds take the define: kv9_csplit_defines)
-                assert ("KQ_PART_ROT=0" in n.defines) == (rot == "0" and cs == "1"), n.defines
+                # (only the 4-part cluster builds take the define: kv9_csplit_defines; the row key,
+                # "" or row, is the kernel's default)
+                want_rot = [{"0": "KQ_PART_ROT=0", "round": "KQ_PART_ROT=1"}[rot]] \
+                    if cs == "1" and S == 4 and rot in ("0", "round") else []
+                assert [d for d in n.defines if d.startswith("KQ_PART_ROT")] == want_rot, n.defines
                 n.launch()
             got[cs] = (ya.get(), yb.get(), acc.get())
             ya.fill(np.nan)  # a relaunch that stored nothing (a group count left unreset) must show
@@ -922,7 +926,8 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot,
 @pytest.mark.gpu
 def test_part_rot_row_key_does_not_depend_on_the_grid(monkeypatch):
     """The row key (GGUF_HARNESS_GEMV_KQ_PART_ROT "" or row, kernels/gemv_kq.cu KQ_PART_ROT=2, the
-    default since session 21; session 21 ran this test with =row, the same build) keys a row's leftover
+    default since session 21; session 21 ran this test with =row and then with the default, the
+    same build, passing both times) keys a row's leftover
     groups on its row group rather than on the warp's round, so the same 4-part node run as groups
     in global memory (GGUF_HARNESS_GEMV_KQ_GSPLIT=1: every block slot) and as hardware clusters
     (GSPLIT=0: as many clusters as are co-resident), two different group counts, must give the same

@@ -431,7 +431,7 @@ def kv9_gsplit(cs: int) -> bool:
 # rotates less); as fast as the round key (session 21: step and ffn_down SAME). "round" or "1"
 # (KQ_PART_ROT=1, session 20's default): keyed by the warp's round (sums depend on the grid's group
 # count). "0": part m (session 19's sums, the _s4 kernels' bit for bit; kv9_csplit_defines).
-GEMV_KQ_PART_ROT = os.environ.get("GGUF_HARNESS_GEMV_KQ_PART_ROT", "")
+GEMV_KQ_PART_ROT = os.environ.get("GGUF_HARNESS_GEMV_KQ_PART_ROT", "row")  # (results record "row")
 
 # KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1" or "" (the
 # default since session 19): one fence by thread 0 after the barrier (the cooperative-groups
@@ -465,15 +465,17 @@ def kv9_part_rot() -> int:
     return rot
 
 
-def kv9_odd_groups(groups: int, rows: int, nw: int) -> int:
-    """The group count of a 4-part cluster node under the row key (GGUF_HARNESS_GEMV_KQ_PART_ROT
-    "" or row, the default): `groups` less one when it is even and one fewer group still covers
-    the rows in as many rounds of nw rows per group (kernels/gemv_kq.cu kq_row_part: a warp's row groups cb + round ncb take the
-    leftover in part (m + cb + round ncb) mod 4, which cycles through every part only for odd ncb);
-    otherwise `groups`. When the count stays even (one group fewer would cost a round), the row key
-    rotates less than the round key: ncb = 0 mod 4 not at all (each warp's leftover always in one
-    part), 2 mod 4 over 2 of the 4 parts; a node of one round is not rotated by either key."""
-    if kv9_part_rot() != 2 or groups % 2 or groups < 3:
+def kv9_odd_groups(groups: int, rows: int, nw: int, K: int) -> int:
+    """The group count of a 4-part cluster node of K columns under the row key
+    (GGUF_HARNESS_GEMV_KQ_PART_ROT "" or row, the default): `groups` less one when it is even,
+    the rows have leftover groups of 4 super-blocks (ceil(K / 256) / 4 groups, not a multiple of
+    4), and one fewer group still covers the rows in as many rounds of nw rows per group
+    (kernels/gemv_kq.cu kq_row_part: a warp's row groups cb + round ncb take the leftover in part
+    (m + cb + round ncb) mod 4, which cycles through every part only for odd ncb); otherwise
+    `groups`. When the count stays even (one group fewer would cost a round), the row key rotates
+    less than the round key: ncb = 0 mod 4 not at all (each warp's leftover always in one part),
+    2 mod 4 over 2 of the 4 parts; a node of one round is not rotated by either key."""
+    if kv9_part_rot() != 2 or groups % 2 or groups < 3 or not (-(-K // 256) + 3) // 4 % 4:
         return groups
     return groups - 1 if -(-rows // (nw * (groups - 1))) == -(-rows // (nw * groups)) else groups
 
@@ -896,7 +898,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             else:
                 clusters = min(-(-rows // nw), module.max_active_clusters(ck, cs, nw * 32, smem))
             if cs == 4:  # the row key (the default): an odd count where it costs no round
-                clusters = kv9_odd_groups(clusters, rows, nw)
+                clusters = kv9_odd_groups(clusters, rows, nw, K)
             if clusters > 0 and -(-rows // (nw * clusters)) <= KQ_CS_MAXR:
                 kdefs, k = cdefs, ck
                 cs_grid = clusters * cs
