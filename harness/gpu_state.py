@@ -8,8 +8,9 @@ later samples slower. A result that records the SM / memory clocks and NVML's cl
 that lowered its clocks (power cap, thermal slowdown).
 
 `GpuStateSampler` polls the GPU from a daemon thread every `period_s` while the timed code runs
-on the caller's thread (pynvml calls go through ctypes, which releases the GIL; each poll is a
-few NVML queries, far below the decode loop's cost). Without NVML (a CPU machine, no
+on the caller's thread (pynvml calls go through ctypes, which releases the GIL; each poll is six
+NVML queries; its cost to the timed region has not been measured: a bench nodes A/B with the
+sampler's period raised would show it). Without NVML (a CPU machine, no
 nvidia-ml-py, no driver) it records why and nothing else: timing never fails for its sake.
 
 NVML calls (nvml.h, NVIDIA Management Library reference): nvmlDeviceGetClockInfo (MHz),
@@ -19,6 +20,7 @@ nvmlDeviceGetCurrentClocksThrottleReasons).
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -58,6 +60,9 @@ class GpuStateSampler:
             raise ValueError(f"GPU state period {period_s} s: expected > 0")
         self.period_s, self.device = period_s, device
         self._nvml, self._handle, self.why = nvml, None, None
+        self.device_id: str | None = None  # which GPU was sampled ("pci <bus id>" or "nvml index <i>")
+        self._failed: set[str] = set()
+        self._old_reasons = False
         self._samples: list[dict] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,12 +84,17 @@ class GpuStateSampler:
             self._close()
 
     def _device_handle(self):
-        try:  # NVML and CUDA may number devices apart (CUDA_VISIBLE_DEVICES): match the bus id
+        """NVML's handle of CUDA device `device`: by its PCI bus id (NVML and CUDA may number
+        devices apart under CUDA_VISIBLE_DEVICES), by NVML index only when CuPy cannot say the
+        bus id (no CuPy, no CUDA device); an NVML error on a bus id CuPy gave propagates."""
+        try:
             import cupy as cp
             bus = cp.cuda.Device(self.device).pci_bus_id
-            return self._nvml.nvmlDeviceGetHandleByPciBusId(bus)
-        except Exception:  # no CuPy or no CUDA device through it: NVML's own numbering
+        except Exception:
+            self.device_id = f"nvml index {self.device}"
             return self._nvml.nvmlDeviceGetHandleByIndex(self.device)
+        self.device_id = f"pci {bus}"
+        return self._nvml.nvmlDeviceGetHandleByPciBusId(bus)
 
     def _close(self) -> None:
         if self._nvml is not None:
@@ -94,25 +104,49 @@ class GpuStateSampler:
                 pass
         self._nvml, self._handle = None, None
 
+    def _field(self, key: str, call):
+        """call() or None, keeping the first failure per field in why (one query the driver
+        lacks, e.g. power on some boards, leaves the others' readings)."""
+        try:
+            return call()
+        except Exception as e:
+            if key not in self._failed:
+                self._failed.add(key)
+                self.why = f"{key}: {type(e).__name__}: {e}"
+            return None
+
+    def _reasons_mask(self) -> int:
+        """The clock-event reason mask: nvmlDeviceGetCurrentClocksEventReasons, else (a driver
+        before it: NVMLError_FunctionNotFound, or an older pynvml) the ThrottleReasons name."""
+        n, h = self._nvml, self._handle
+        new = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        if new is not None and not self._old_reasons:
+            try:
+                return int(new(h))
+            except Exception as e:
+                if "FunctionNotFound" not in type(e).__name__:
+                    raise
+                self._old_reasons = True
+        return int(n.nvmlDeviceGetCurrentClocksThrottleReasons(h))
+
     def sample(self) -> dict | None:
         """One reading: t (s since __enter__), sm_mhz, mem_mhz, power_w, power_limit_w, temp_c,
-        reasons (names); None without NVML or when a query fails (the failure is kept in why)."""
+        reasons (names); a field whose query failed is None (the first failure per field is kept
+        in why); None without NVML."""
         if self._handle is None:
             return None
         n, h = self._nvml, self._handle
-        try:
-            ev = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) \
-                or n.nvmlDeviceGetCurrentClocksThrottleReasons
-            return {"t": round(time.perf_counter() - self._t0, 4),
-                    "sm_mhz": n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM),
-                    "mem_mhz": n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM),
-                    "power_w": n.nvmlDeviceGetPowerUsage(h) / 1000.0,
-                    "power_limit_w": n.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,
-                    "temp_c": n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU),
-                    "reasons": reason_names(int(ev(h)), n)}
-        except Exception as e:
-            self.why = f"{type(e).__name__}: {e}"
-            return None
+        out = {"t": round(time.perf_counter() - self._t0, 4),
+               "sm_mhz": self._field("sm_mhz", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
+               "mem_mhz": self._field("mem_mhz", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM))}
+        power = self._field("power_w", lambda: n.nvmlDeviceGetPowerUsage(h))
+        limit = self._field("power_limit_w", lambda: n.nvmlDeviceGetEnforcedPowerLimit(h))
+        out["power_w"] = None if power is None else power / 1000.0
+        out["power_limit_w"] = None if limit is None else limit / 1000.0
+        out["temp_c"] = self._field("temp_c", lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU))
+        mask = self._field("reasons", self._reasons_mask)
+        out["reasons"] = None if mask is None else reason_names(mask, n)
+        return out
 
     def _keep(self, s: dict | None) -> None:
         if s is not None and len(self._samples) < MAX_SAMPLES:
@@ -127,14 +161,20 @@ class GpuStateSampler:
         self._open()
         self._keep(self.sample())
         if self._handle is not None:
-            self._thread = threading.Thread(target=self._loop, name="gpu-state", daemon=True)
-            self._thread.start()
+            try:
+                self._thread = threading.Thread(target=self._loop, name="gpu-state", daemon=True)
+                self._thread.start()
+            except RuntimeError as e:  # no thread: the two end readings only
+                self._thread, self.why = None, f"RuntimeError: {e}"
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if self._thread.is_alive():  # stuck inside an NVML call: leave NVML to it
+                self.why = "the sampling thread did not stop within 5 s (an NVML call hung)"
+                return
         self._keep(self.sample())
         self._close()
 
@@ -142,6 +182,8 @@ class GpuStateSampler:
         """summarize(samples) plus "why" when NVML was missing or failed, and the raw samples
         (bounded by MAX_SAMPLES) when `raw`."""
         out = summarize(self._samples)
+        if self.device_id:
+            out["device"] = self.device_id
         if self.why:
             out["why"] = self.why
         if raw and self._samples:
@@ -152,30 +194,59 @@ class GpuStateSampler:
 def summarize(samples: list[dict]) -> dict:
     """{"schema", "available", "n", "sm_mhz": [min, median, max], "mem_mhz": [...],
     "power_w": [...], "power_limit_w": max, "temp_c": [...], "reasons": {name: samples with it},
-    "slowdown": samples with any SLOWDOWN_REASONS} of sample dicts; available False for none."""
+    "slowdown": samples with any SLOWDOWN_REASONS} of sample dicts; available False for none. The
+    clock ranges leave out samples NVML called GpuIdle (e.g. the first, before the work starts)
+    unless every sample is."""
     import statistics
     if not samples:
         return {"schema": SCHEMA, "available": False}
+    busy = [s for s in samples if "GpuIdle" not in (s.get("reasons") or ())] or samples
 
-    def rng(key):
-        v = [s[key] for s in samples if s.get(key) is not None]
+    def rng(key, of=samples):
+        v = [s[key] for s in of if s.get(key) is not None]
         return [min(v), statistics.median(v), max(v)] if v else None
 
     reasons: dict[str, int] = {}
     for s in samples:
         for r in s.get("reasons") or ():
             reasons[r] = reasons.get(r, 0) + 1
-    return {"schema": SCHEMA, "available": True, "n": len(samples), "sm_mhz": rng("sm_mhz"),
-            "mem_mhz": rng("mem_mhz"), "power_w": rng("power_w"),
+    return {"schema": SCHEMA, "available": True, "n": len(samples), "sm_mhz": rng("sm_mhz", busy),
+            "mem_mhz": rng("mem_mhz", busy), "power_w": rng("power_w"),
             "power_limit_w": max((s.get("power_limit_w") or 0) for s in samples) or None,
             "temp_c": rng("temp_c"), "reasons": reasons,
             "slowdown": sum(1 for s in samples if set(s.get("reasons") or ()) & set(SLOWDOWN_REASONS))}
 
 
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def clean(state) -> dict | None:
+    """A result's gpu_state as summarize() shapes it, or None when absent; a malformed one (a file
+    edited or from another tool) keeps only its well-formed fields, so readers never raise:
+    available True needs "n"; ranges are 3 finite numbers; reasons a {str: int} dict."""
+    if not isinstance(state, dict):
+        return None
+    if state.get("available") is not True:
+        why = state.get("why")
+        return {"available": False, **({"why": why} if isinstance(why, str) else {})}
+    out = {"available": True, "n": state["n"] if _num(state.get("n")) else 0}
+    for key in ("sm_mhz", "mem_mhz", "power_w", "temp_c"):
+        v = state.get(key)
+        out[key] = list(v) if isinstance(v, list) and len(v) == 3 and all(map(_num, v)) else None
+    out["power_limit_w"] = state.get("power_limit_w") if _num(state.get("power_limit_w")) else None
+    r = state.get("reasons")
+    out["reasons"] = {k: c for k, c in r.items() if isinstance(k, str) and _num(c)} if isinstance(r, dict) else {}
+    out["slowdown"] = state["slowdown"] if _num(state.get("slowdown")) else 0
+    return out
+
+
 def describe(state: dict | None) -> str:
     """One line for tables and A/B notes, e.g. "SM 1755-1980 MHz (median 1980), memory 3201 MHz,
-    power <= 690 W of 700, 71 C; slowdown in 12 of 40 samples (SwPowerCap 12)"; "no GPU state"
-    (with why) when none was recorded."""
+    power <= 690 W of 700, 71 C; slowdown in 12 of 40 samples (SwPowerCap 12)": the clocks' range
+    and median, the highest power and temperature; "no GPU state" (with why) when none was
+    recorded."""
+    state = clean(state)
     if not state or not state.get("available"):
         why = (state or {}).get("why")
         return "no GPU state" + (f" ({why})" if why else "")
@@ -185,46 +256,63 @@ def describe(state: dict | None) -> str:
         return f"{lo:.0f} {unit}" if lo == hi else f"{lo:.0f}-{hi:.0f} {unit} (median {med:.0f})"
 
     parts = []
-    if state.get("sm_mhz"):
+    if state["sm_mhz"]:
         parts.append("SM " + span(state["sm_mhz"], "MHz"))
-    if state.get("mem_mhz"):
+    if state["mem_mhz"]:
         parts.append("memory " + span(state["mem_mhz"], "MHz"))
-    if state.get("power_w"):
-        lim = state.get("power_limit_w")
+    if state["power_w"]:
+        lim = state["power_limit_w"]
         parts.append(f"power <= {state['power_w'][2]:.0f} W" + (f" of {lim:.0f}" if lim else ""))
-    if state.get("temp_c"):
+    if state["temp_c"]:
         parts.append(f"{state['temp_c'][2]:.0f} C")
-    slow = state.get("slowdown") or 0
-    tail = (f"slowdown in {slow} of {state.get('n')} samples ("
-            + ", ".join(f"{r} {c}" for r, c in state.get("reasons", {}).items() if r in SLOWDOWN_REASONS)
+    slow = state["slowdown"]
+    tail = (f"slowdown in {slow} of {state['n']} samples ("
+            + ", ".join(f"{r} {c}" for r, c in state["reasons"].items() if r in SLOWDOWN_REASONS)
             + ")") if slow else "no slowdown reason"
     return ", ".join(parts) + "; " + tail
 
 
+def _clock_notes(a: dict, b: dict) -> list[str]:
+    """ "median <what> clock A -> B MHz" where the medians differ by more than 1 %."""
+    out = []
+    for key, what in (("sm_mhz", "SM clock"), ("mem_mhz", "memory clock")):
+        if a[key] and b[key]:
+            ma, mb = a[key][1], b[key][1]
+            if ma and abs(mb - ma) > 0.01 * ma:
+                out.append(f"median {what} {ma:.0f} -> {mb:.0f} MHz")
+    return out
+
+
 def ab_notes(label: str, a: dict | None, b: dict | None) -> list[str]:
     """Notes for an A/B of two timed regions: either side slowed by a SLOWDOWN_REASONS reason,
-    or median SM / memory clocks more than 1 % apart (then a time difference may be the GPU's,
-    not the build's). Empty when neither recorded GPU state or nothing differs."""
+    median SM / memory clocks more than 1 % apart (then a time difference may be the GPU's, not
+    the build's), or GPU state recorded on one side only (so no note is not "same clocks"). Empty
+    when neither side recorded any or nothing differs."""
+    a, b = clean(a), clean(b)
     notes = []
     for side, s in (("A", a), ("B", b)):
-        if s and s.get("available") and s.get("slowdown"):
+        if s and s["available"] and s["slowdown"]:
             notes.append(f"{label} {side}: {describe(s)}")
-    if a and b and a.get("available") and b.get("available"):
-        for key, what in (("sm_mhz", "SM clock"), ("mem_mhz", "memory clock")):
-            if a.get(key) and b.get(key):
-                ma, mb = a[key][1], b[key][1]
-                if ma and abs(mb - ma) > 0.01 * ma:
-                    notes.append(f"{label}: median {what} {ma:.0f} -> {mb:.0f} MHz")
+    ha, hb = bool(a and a["available"]), bool(b and b["available"])
+    if ha and hb:
+        notes += [f"{label}: {n}" for n in _clock_notes(a, b)]
+    elif ha != hb:
+        notes.append(f"{label}: GPU state only in {'A' if ha else 'B'} (clocks not compared)")
     return notes
 
 
 def short_note(a: dict | None, b: dict | None) -> str:
     """ab_notes in a few words for a table cell, e.g. "GPU: B slowed in 12/40 samples (SwPowerCap);
     median SM clock 1980 -> 1755 MHz"; "" when nothing to say."""
+    a, b = clean(a), clean(b)
     parts = []
     for side, s in (("A", a), ("B", b)):
-        if s and s.get("available") and s.get("slowdown"):
-            why = ", ".join(r for r in s.get("reasons", {}) if r in SLOWDOWN_REASONS)
-            parts.append(f"{side} slowed in {s['slowdown']}/{s.get('n')} samples ({why})")
-    parts += [n.split(": ", 1)[1] for n in ab_notes("", a, b) if n.startswith(": ")]
+        if s and s["available"] and s["slowdown"]:
+            why = ", ".join(r for r in s["reasons"] if r in SLOWDOWN_REASONS)
+            parts.append(f"{side} slowed in {s['slowdown']}/{s['n']} samples ({why})")
+    ha, hb = bool(a and a["available"]), bool(b and b["available"])
+    if ha and hb:
+        parts += _clock_notes(a, b)
+    elif ha != hb:
+        parts.append(f"state only in {'A' if ha else 'B'}")
     return ("GPU: " + "; ".join(parts)) if parts else ""

@@ -1253,6 +1253,7 @@ def test_xrep_switch_replicates_x_and_refuses_unreplicated_nodes(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_XREP" in machine.ENGINE_SWITCHES
     src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
     assert "constexpr int kq_xrep_stride(int K) { return (K + 63) & ~63; }" in src
+    assert "return x + (size_t)(blockIdx.x % KQ_XREP) * (size_t)kq_xrep_stride(K);" in src  # kq_xrep uses it
     assert all(((k + 63) & ~63) == ops.xrep_stride(k) for k in (1, 63, 64, 65, 2816, 17408))
     assert src.count("stage_xq<") == src.count("(KQ_XSRC(x, K), norm") == 2  # every staging reads a copy
     assert "#define KQ_XSRC(x, K) kq_xrep(x, K)" in src and "#define KQ_XSRC(x, K) (x)" in src

@@ -1271,7 +1271,8 @@ def test_xrep_build_is_bitwise_equal_to_the_default(monkeypatch):
     from one of 8 copies (ops.xrep_input), so the outputs must be the default build's bit for bit,
     each within the oracle rule, at both staging call sites: the wide one-row kernel (kq_body),
     the queue kernel (kq_dq_body, GGUF_HARNESS_GEMV_KQ_DQ=all) and a 4-part group node (kq_body at
-    CS 4, blocks of a group reading different copies). Written in session 21, not yet run."""
+    CS 4, blocks of a group reading different copies); and with copies 1..7 NaN, NaN reaches the
+    outputs (the copies are read, not copy 0 alone). Written in session 21, not yet run."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
@@ -1299,3 +1300,14 @@ def test_xrep_build_is_bitwise_equal_to_the_default(monkeypatch):
             got[n] = out.get()
             _check_rows(got[n].astype(np.float64), w, x, f"{name} [{rows}x{K}] DQ={dq or '-'} XREP={n or '-'}")
         assert np.array_equal(got[""], got["8"]), f"{name} [{rows}x{K}] DQ={dq or '-'}: XREP changed the outputs"
+        # the copies are really read: NaN in copies 1..7 reaches the rows of the blocks reading them
+        # (a _c4 row's 4 parts come from 4 blocks, never all on copy 0: every row NaN there)
+        poisoned = eops.xrep_input(x).reshape(8, -1)
+        poisoned[1:] = np.nan
+        out = nan_poisoned(cp, rows)
+        out.fill(0)
+        node = eops.gemv("s", "store", [eops.Seg(dev, out)], cp.asarray(poisoned.reshape(-1)), K)
+        node.launch()
+        y = out.get()
+        assert np.isnan(y).any(), f"{name} [{rows}x{K}] DQ={dq or '-'}: no block read copies 1..7"
+        assert want == "_c4" or np.isfinite(y).any(), f"{name} [{rows}x{K}]: no block read copy 0"

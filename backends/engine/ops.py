@@ -324,7 +324,8 @@ GEMV_KQ_CONV = os.environ.get("GGUF_HARNESS_GEMV_KQ_CONV", "0")
 # 2..64 copies of x, block b staging from copy b mod N, so fewer blocks ask the same L2 lines at
 # once. The engine's producers write one copy, so only callers that pass x replicated
 # (xrep_input; harness/kernel_case.py: the kernel table and kernel_trace) can run it: gemv refuses
-# a node whose x is shorter than N copies. "" or "1": off. Bitwise equal outputs (the same x).
+# a node whose x is shorter than N copies. "" or "1": off. Bitwise equal outputs by construction
+# (the same x; GPU test test_xrep_build_is_bitwise_equal_to_the_default not run yet).
 GEMV_KQ_XREP = os.environ.get("GGUF_HARNESS_GEMV_KQ_XREP", "")
 
 
