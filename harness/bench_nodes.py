@@ -115,12 +115,13 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
         with GpuStateSampler() as gpu:
             decode_s = e.bench(prompt_ids, steps, 3)["decode_s"]
         step_us = 1e6 * statistics.median(decode_s) / steps
+        state = gpu.summary()  # harness/gpu_state.py: clocks / slowdown while timed
         log(f"step graph: {step_us:.1f} us/token ({steps} chained replays, median of 3)")
-        log(f"GPU while timed: {describe(gpu.summary(raw=False))}")
+        log(f"GPU while timed: {describe(state)}")
         out = {"schema": SCHEMA, "n_ctx": n_ctx, "n_prompt": len(prompt_ids), "step_us": step_us,
                # each replay sample's us per step: the spread harness ab (ab_nodes.py) judges by
                "step_samples_us": [1e6 * s / steps for s in decode_s],
-               "gpu_state": gpu.summary(),  # harness/gpu_state.py: clocks / slowdown while timed
+               "gpu_state": state,
                "engine": e.info(), "methods": {}}
         e.reset()
         e.prefill(prompt_ids)

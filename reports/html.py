@@ -62,10 +62,10 @@ def gpu_states(result: dict) -> list[dict]:
     """[{"label": "<backend> c=<n_ctx>", "text": harness.gpu_state.describe(...)}] of the bench
     rows that recorded a GPU state (results from before session 21 have none: [])."""
     from harness.gpu_state import describe
-    bench = result.get("bench") if isinstance(result.get("bench"), dict) else {}
-    rows = bench.get("rows") if isinstance(bench.get("rows"), list) else []
+    from harness.jsonread import as_dict, as_list
     return [{"label": f"{r.get('backend')} c={r.get('n_ctx')}", "text": describe(r["gpu_state"])}
-            for r in rows if isinstance(r, dict) and isinstance(r.get("gpu_state"), dict)]
+            for r in as_list(as_dict(result.get("bench")).get("rows"))
+            if isinstance(r, dict) and isinstance(r.get("gpu_state"), dict)]
 
 
 def render_report(result: dict, out_path: Path) -> Path:
