@@ -272,15 +272,21 @@ def describe(state: dict | None) -> str:
     return ", ".join(parts) + "; " + tail
 
 
-def _clock_notes(a: dict, b: dict) -> list[str]:
-    """ "median <what> clock A -> B MHz" where the medians differ by more than 1 %."""
-    out = []
-    for key, what in (("sm_mhz", "SM clock"), ("mem_mhz", "memory clock")):
-        if a[key] and b[key]:
-            ma, mb = a[key][1], b[key][1]
-            if ma and abs(mb - ma) > 0.01 * ma:
-                out.append(f"median {what} {ma:.0f} -> {mb:.0f} MHz")
-    return out
+def _compare(a, b) -> tuple[list[tuple[str, dict]], list[str], str | None]:
+    """What ab_notes and short_note say of two gpu_state records: the (side, state) pairs slowed
+    by a SLOWDOWN_REASONS reason; "median <what> clock A -> B MHz" where the medians differ by
+    more than 1 %; and the side that alone has GPU state (None when both or neither have)."""
+    a, b = clean(a), clean(b)
+    slowed = [(side, s) for side, s in (("A", a), ("B", b)) if s and s["available"] and s["slowdown"]]
+    ha, hb = bool(a and a["available"]), bool(b and b["available"])
+    clocks = []
+    if ha and hb:
+        for key, what in (("sm_mhz", "SM clock"), ("mem_mhz", "memory clock")):
+            if a[key] and b[key]:
+                ma, mb = a[key][1], b[key][1]
+                if ma and abs(mb - ma) > 0.01 * ma:
+                    clocks.append(f"median {what} {ma:.0f} -> {mb:.0f} MHz")
+    return slowed, clocks, (("A" if ha else "B") if ha != hb else None)
 
 
 def ab_notes(label: str, a: dict | None, b: dict | None) -> list[str]:
@@ -288,31 +294,16 @@ def ab_notes(label: str, a: dict | None, b: dict | None) -> list[str]:
     median SM / memory clocks more than 1 % apart (then a time difference may be the GPU's, not
     the build's), or GPU state recorded on one side only (so no note is not "same clocks"). Empty
     when neither side recorded any or nothing differs."""
-    a, b = clean(a), clean(b)
-    notes = []
-    for side, s in (("A", a), ("B", b)):
-        if s and s["available"] and s["slowdown"]:
-            notes.append(f"{label} {side}: {describe(s)}")
-    ha, hb = bool(a and a["available"]), bool(b and b["available"])
-    if ha and hb:
-        notes += [f"{label}: {n}" for n in _clock_notes(a, b)]
-    elif ha != hb:
-        notes.append(f"{label}: GPU state only in {'A' if ha else 'B'} (clocks not compared)")
-    return notes
+    slowed, clocks, only = _compare(a, b)
+    return ([f"{label} {side}: {describe(s)}" for side, s in slowed] + [f"{label}: {c}" for c in clocks]
+            + ([f"{label}: GPU state only in {only} (clocks not compared)"] if only else []))
 
 
 def short_note(a: dict | None, b: dict | None) -> str:
     """ab_notes in a few words for a table cell, e.g. "GPU: B slowed in 12/40 samples (SwPowerCap);
     median SM clock 1980 -> 1755 MHz"; "" when nothing to say."""
-    a, b = clean(a), clean(b)
-    parts = []
-    for side, s in (("A", a), ("B", b)):
-        if s and s["available"] and s["slowdown"]:
-            why = ", ".join(r for r in s["reasons"] if r in SLOWDOWN_REASONS)
-            parts.append(f"{side} slowed in {s['slowdown']}/{s['n']} samples ({why})")
-    ha, hb = bool(a and a["available"]), bool(b and b["available"])
-    if ha and hb:
-        parts += _clock_notes(a, b)
-    elif ha != hb:
-        parts.append(f"state only in {'A' if ha else 'B'}")
+    slowed, clocks, only = _compare(a, b)
+    parts = [f"{side} slowed in {s['slowdown']}/{s['n']} samples ("
+             + ", ".join(r for r in s["reasons"] if r in SLOWDOWN_REASONS) + ")" for side, s in slowed]
+    parts += clocks + ([f"state only in {only}"] if only else [])
     return ("GPU: " + "; ".join(parts)) if parts else ""
