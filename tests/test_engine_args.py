@@ -326,43 +326,6 @@ def test_v9_split_names_and_choice():
     assert ops.kv9_split(5120, 6144, 1, lambda s: 264 if s == 1 else 132) == 1
 
 
-def test_rot_cost_switch_gives_k6144_nodes_four_parts(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_ROT_COST=1 (ops.kv9_rot4, kv9_split): a node whose 4-part kernel is the
-    rotated group kernel (a Q4_K / Q5_K store or add without a norm or F32 rows) may take 4 parts
-    from 24 super-blocks per row, costed at the rotation's average of ng / 4 groups per part.
-    Hand-derived for [5120 x 6144] at 264 slots: S 1: 320 blocks, 2 passes x 6 groups = 12; S 2:
-    640 blocks, 3 x 3 = 9; S 4: 1280 blocks, 5 passes x 6 / 4 = 7.5 -> 4 (without the switch S 4
-    is no candidate: 24 < 32 -> 2). [5120 x 17408]: 5 x 17 / 4 = 21.25 (25 at the ceil) -> 4 either
-    way; [5120 x 5120] (20 super-blocks) stays below 24 -> 2."""
-    from backends.engine import ops
-    slots = lambda s: 264
-    assert ops.kv9_split_cost(5120, 6144, 1, 4, 264, rot4=True) == 7.5
-    assert ops.kv9_split_cost(5120, 17408, 1, 4, 264, rot4=True) == 21.25
-    assert ops.kv9_split_cost(5120, 6144, 1, 2, 264, rot4=True) == 9  # rot4 changes only S = 4
-    assert ops.kv9_split(5120, 6144, 1, slots, rot4=True) == 4
-    assert ops.kv9_split(5120, 6144, 1, slots, rot4=False) == 2
-    assert ops.kv9_split(5120, 17408, 1, slots, rot4=True) == 4
-    assert ops.kv9_split(5120, 5120, 1, slots, rot4=True) == 2
-    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "row")
-    monkeypatch.setattr(ops, "GEMV_KQ_ROT_COST", "")
-    assert not ops.kv9_rot4("add", [13], 6144, False, 5120, False)  # off by default
-    monkeypatch.setattr(ops, "GEMV_KQ_ROT_COST", "1")
-    assert ops.kv9_rot4("add", [13], 6144, False, 5120, False)        # ssm_out / attn_output
-    assert ops.kv9_rot4("store", [12], 6144, False, 5120, False)
-    assert not ops.kv9_rot4("store", [13], 6144, False, 5120, True)   # normed: never a cluster split
-    assert not ops.kv9_rot4("store", [13, 0], 6144, False, 5120, False)  # F32 rows beside
-    assert not ops.kv9_rot4("add", [14], 6144, False, 5120, False)    # Q6_K: not a cluster-split type
-    assert not ops.kv9_rot4("swiglu", [23, 23], 5120, False, 17408, False)
-    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "0")                  # no rotation: the ceil rule
-    assert not ops.kv9_rot4("add", [13], 6144, False, 5120, False)
-    monkeypatch.setattr(ops, "GEMV_KQ_PART_ROT", "row")
-    monkeypatch.setattr(ops, "GEMV_KQ_ROT_COST", "2")
-    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_ROT_COST"):
-        ops.kv9_rot4("add", [13], 6144, False, 5120, False)
-    from harness import machine
-    assert "GGUF_HARNESS_GEMV_KQ_ROT_COST" in machine.ENGINE_SWITCHES
-
-
 def test_v9_unroll_build_defines(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_UNROLL / _KQ2_UNROLL select the gemv_kq.cu build (-DKQ_UNROLL=N,
     -DKQ2_UNROLL=M; the kernel's defaults 2 and 1 when unset); a non-integer or out-of-range

@@ -924,46 +924,6 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot,
 
 
 @pytest.mark.gpu
-def test_rot_cost_routes_k6144_add_nodes_to_four_part_groups(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_ROT_COST=1 (ops.kv9_rot4): the 27B's ssm_out / attn_output shape
-    [5120 x 6144] Q5_K (and Q4_K), an add node without a norm, runs the rotated 4-part group
-    kernel (_c4: 6 groups of 4 super-blocks, 2 of them leftovers) instead of the 2-part cluster
-    (_c2) of the default rule, with an odd group count, and its outputs (NaN-poisoned before,
-    also a relaunch) pass the oracle rule; with the switch off the same node takes _c2."""
-    cp = cupy_or_skip()
-    from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
-    monkeypatch.setattr(eops, "GEMV_KQ_PART_ROT", "row")
-    rng = np.random.default_rng(22)
-    keep = []
-    for name in ("Q5_K", "Q4_K"):
-        t = TYPES[name]
-        raw, w = _matrix(t, 5120, 6144, seed=61)
-        dev = device_tensor(cp, "w", raw, t, (6144, 5120), keep)
-        x = (rng.normal(size=6144) * 0.7).astype(np.float32)
-        base = rng.normal(size=5120).astype(np.float32)
-        for sw, want in (("", "_c2"), ("1", "_c4")):
-            monkeypatch.setattr(eops, "GEMV_KQ_ROT_COST", sw)
-            acc = cp.asarray(base)
-            n = eops.gemv("o", "add", [eops.Seg(dev, acc)], cp.asarray(x), 6144)
-            assert n.kernel.name.endswith(want), (name, sw, n.kernel.name)
-            if want == "_c4":
-                assert "KQ_GSPLIT=1" in n.defines and (n.grid[0] // 4) % 2 == 1, (n.grid, n.defines)
-            n.launch()
-            _check_rows(acc.get().astype(np.float64) - base, w, x, f"{name} [5120x6144] add ROT_COST={sw!r}")
-            ys = nan_poisoned(cp, 5120)
-            s = eops.gemv("s", "store", [eops.Seg(dev, ys)], cp.asarray(x), 6144)
-            assert s.kernel.name.endswith(want), (name, sw, s.kernel.name)
-            s.launch()
-            first = ys.get()
-            _check_rows(first.astype(np.float64), w, x, f"{name} [5120x6144] store ROT_COST={sw!r}")
-            ys.fill(np.nan)
-            s.launch()
-            assert np.array_equal(first, ys.get()), f"{name} ROT_COST={sw!r}: store changed on relaunch"
-
-
-@pytest.mark.gpu
 def test_part_rot_row_key_does_not_depend_on_the_grid(monkeypatch):
     """The row key (GGUF_HARNESS_GEMV_KQ_PART_ROT "" or row, kernels/gemv_kq.cu KQ_PART_ROT=2, the
     default since session 21; session 21 ran this test with =row and then with the default, the

@@ -433,12 +433,6 @@ def kv9_gsplit(cs: int) -> bool:
 # (KQ_PART_ROT=1, session 20's default): keyed by the warp's round (sums depend on the grid's group
 # count). "0": part m (session 19's sums, the _s4 kernels' bit for bit; kv9_csplit_defines).
 GEMV_KQ_PART_ROT = os.environ.get("GGUF_HARNESS_GEMV_KQ_PART_ROT", "row")  # (results record "row")
-# The split choice for the rotated 4-part group kernels (kv9_rot4, kv9_split): "" (default) the
-# session-8 rule (each part >= 2 rounds of 4 super-blocks, parts costed at the ceil); "1" lets a
-# node that would run the rotated _c4 kernel take 4 parts from 24 super-blocks per row, costed at
-# the rotation's average (the 27B's ssm_out / attn_output [5120x6144]: 4 parts instead of 2). A/B,
-# written in session 22 (docs/perf-notes.md).
-GEMV_KQ_ROT_COST = os.environ.get("GGUF_HARNESS_GEMV_KQ_ROT_COST", "")
 
 # KQ_GS_FENCE (kernels/gemv_kq.cu): how a KQ_GSPLIT block publishes its parts; "1" or "" (the
 # default since session 19): one fence by thread 0 after the barrier (the cooperative-groups
@@ -470,19 +464,6 @@ def kv9_part_rot() -> int:
     if rot is None:
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PART_ROT={GEMV_KQ_PART_ROT!r}: expected row, round, 1 or 0")
     return rot
-
-
-def kv9_rot4(mode: str, types, K: int, l4: bool, rows: int | None, normed: bool) -> bool:
-    """Whether kv9_split may cost a node's 4-part split as the rotated group kernel
-    (GGUF_HARNESS_GEMV_KQ_ROT_COST=1): the switch is on, the leftover rotation is (kv9_part_rot
-    not 0) and the node's S = 4 kernel would be replaced by a cluster-split one (kv9_csplit: an
-    8-lane store/add node of one row per warp, Q4_K or Q5_K, without a norm or F32 rows).
-    ValueError on a switch value other than "", 0 or 1."""
-    _switch01("GGUF_HARNESS_GEMV_KQ_ROT_COST", GEMV_KQ_ROT_COST)
-    if GEMV_KQ_ROT_COST != "1" or kv9_part_rot() == 0:
-        return False
-    k4 = kv9_kernel(mode, list(types), K, l4, 4, rows)
-    return k4 is not None and kv9_csplit(k4, mode, 4, normed, f32_rows=0 in types) is not None
 
 
 def kv9_odd_groups(groups: int, rows: int, nw: int, K: int) -> int:
@@ -748,39 +729,29 @@ def kv9_iq3s_dyn_bytes(type_ids) -> int:
     return 512 * 32 * 4 if kv9_iq3s_defines(type_ids) == ("KQ_IQ3S_GRID=32",) else 0
 
 
-def kv9_split_cost(rows: int, K: int, rows_per_warp: int, split: int, block_slots: int,
-                   rot4: bool = False) -> float:
+def kv9_split_cost(rows: int, K: int, rows_per_warp: int, split: int, block_slots: int) -> int:
     """Relative time of a v9 node (kernels/gemv_kq.cu) with `split` warps per row group, in
     super-blocks one warp reads: grid-stride passes x super-blocks per warp and pass. A pass
     covers block_slots resident blocks (blocks per SM x SMs) of kv9_warps() / split row groups;
     a row group reads 4 super-blocks per row and round (R = rows_per_warp rows), split over
     `split` warps. Why: a [5120 x K] node with one row per warp is 1.2 passes of 264 blocks of 16
     warps, so 2, with the second at 21 % of the machine (Q6_K [5120x17408] 46.0 us against
-    gemv.cu's 39.9, session 8); a memory-bound kernel's tail pass costs about a full one.
-    rot4 (split 4 only): the node would run the 4-part group kernel with the leftover rotation
-    (kv9_rot4), whose parts read ng / 4 groups of 4 super-blocks per row on average (ng =
-    ceil(K / 1024)) instead of the ceil a part without rotation reads: a fraction, in groups."""
+    gemv.cu's 39.9, session 8); a memory-bound kernel's tail pass costs about a full one."""
     rpb = rows_per_warp * (kv9_warps() // split)
     blocks = -(-rows // rpb)
     passes = -(-blocks // max(1, min(blocks, block_slots)))
-    if rot4 and split == 4:
-        return passes * rows_per_warp * (-(-(K // 256) // 4)) / 4
     return passes * rows_per_warp * -(-(K // 256) // (4 * split))
 
 
-def kv9_split(rows: int, K: int, rows_per_warp: int, block_slots, rot4: bool = False) -> int:
+def kv9_split(rows: int, K: int, rows_per_warp: int, block_slots) -> int:
     """S of a v9 node: the least kv9_split_cost over the S in KV9_SPLITS that leave each part at
     least 2 rounds (K / 256 >= 8 S; S = 1 always), ties to the smaller S (no barrier).
     block_slots: S -> resident blocks of that kernel (registers differ per S). The 2-round rule
     is measured (session 8, cold back to back): [1024x5120] Q6_K took 4.56 us at S 2 and 5.05 at
     S 4, where the cost model says 3 against 2 units; a part of one round pays the barrier and
-    the combine with no second round's loads to hide them. rot4 (kv9_rot4: the node's S = 4
-    kernel is the rotated 4-part group kernel): S = 4 from K / 256 >= 24 (1.5 groups per part on
-    average) and costed with the rotation's average (kv9_split_cost), so the 27B's [5120x6144]
-    ssm_out / attn_output nodes take 4 parts (5 rounds of 65 groups) instead of 2 (3 rounds, the
-    last 42 % full)."""
-    ok = [s for s in KV9_SPLITS if s == 1 or K // 256 >= 8 * s or (rot4 and s == 4 and K // 256 >= 24)]
-    return min(ok, key=lambda s: (kv9_split_cost(rows, K, rows_per_warp, s, block_slots(s), rot4), s))
+    the combine with no second round's loads to hide them."""
+    ok = [s for s in KV9_SPLITS if s == 1 or K // 256 >= 8 * s]
+    return min(ok, key=lambda s: (kv9_split_cost(rows, K, rows_per_warp, s, block_slots(s)), s))
 
 
 def kv9_rows_per_warp(kernel_name: str) -> int:
@@ -902,7 +873,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             module.allow_smem(kk, smem)
             return module.blocks_per_sm(kk, kv9_warps() * 32, smem) * module.sm_count()
         if GEMV_KQ_SPLIT == "auto":
-            split = kv9_split(rows, K, v9_rows, slots, kv9_rot4(mode, types, K, l4, rows, norm is not None))
+            split = kv9_split(rows, K, v9_rows, slots)
         elif GEMV_KQ_SPLIT in [str(sp) for sp in KV9_SPLITS]:
             split = int(GEMV_KQ_SPLIT)
         else:
