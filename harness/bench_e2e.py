@@ -14,7 +14,11 @@ A backend with the "memory" capability (the engine) adds its planned vs measured
 memory after the bench to the row (row["memory"], MEMORY_KEYS of its info()), and the switch
 values it ran with where its info() gives them (row["switches_effective"]). Every row records
 the GPU's clocks, power and clock-event (slowdown) reasons sampled while it was timed
-(row["gpu_state"], harness/gpu_state.py), which `harness ab` notes when they differ.
+(row["gpu_state"], harness/gpu_state.py), which `harness ab` notes when they differ, and the
+decode's energy per token from the board's energy counter over the decode windows the backend
+reports (row["decode_j_per_token"], row["decode_power_w"]; decode_energy): session 22 found the
+engine's decode drawing ~690 W of the H200's 700 against ~420 W for a plain copy at full HBM speed,
+so on a power-capped GPU J/token limits tok/s.
 """
 from __future__ import annotations
 
@@ -61,10 +65,11 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
                 before = mem_used() if mem_used else None
                 b = create(name)
                 b.load(model, replace(base, n_ctx=n_ctx))
-                with GpuStateSampler(period_s=0.1) as gpu:  # clocks / slowdown while timed
+                with GpuStateSampler(period_s=0.05) as gpu:  # clocks / slowdown / energy while timed
                     r = _drop_warmup(b.bench(list(prompt_ids), n_decode, reps + 1), reps)
                 row = _row(name, n_ctx, r, len(prompt_ids), n_decode, step_bytes, copy_gbs)
                 row["gpu_state"] = gpu.summary()
+                row.update(decode_energy(r.get("decode_window"), gpu.energy_j, n_decode))
                 if mem_used:
                     row["gpu_mem_used_bytes"] = mem_used() - before
                 row.update(_memory(b))
@@ -73,6 +78,9 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
                     f"({row['ms_per_token']:.3f} ms/token), prefill {row['prefill_tok_s']:.0f} tok/s")
                 if row["gpu_state"].get("available"):
                     log(f"  GPU while timed: {describe(row['gpu_state'])}")
+                if "decode_j_per_token" in row:
+                    log(f"  decode energy: {row['decode_j_per_token']:.2f} J/token "
+                        f"({row['decode_power_w']:.0f} W, NVML energy counter)")
             except (HarnessError, OSError, RuntimeError, ValueError) as e:
                 errors.append({"backend": name, "n_ctx": n_ctx, "error": f"{type(e).__name__}: {e}"})
                 log(f"{name} c={n_ctx} failed: {type(e).__name__}: {e}")
@@ -84,6 +92,28 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
                         pass
     return {"rows": rows, "errors": errors, "ratios": _ratios(rows), "copy_gb_s": copy_gbs,
             "n_decode": n_decode, "reps": reps}
+
+
+def decode_energy(windows, energy_j, n_decode: int) -> dict:
+    """{"decode_j_per_token": J, "decode_power_w": W} of a bench row: the median over its
+    repetitions of the GPU energy in each decode window ([start, end] in time.monotonic() s, as
+    the backends' bench() returns them; energy_j(a, b): harness/gpu_state.py window_energy_j)
+    divided by n_decode tokens, and by the window's seconds. {} when a backend gives no windows,
+    a window is malformed, or any window's energy is unknown (no NVML, no energy counter, a
+    window the sampler did not cover): a partial median would mix repetitions."""
+    if not isinstance(windows, list) or not windows or not n_decode > 0:
+        return {}
+    per_token, watts = [], []
+    for w in windows:
+        if not (isinstance(w, (list, tuple)) and len(w) == 2
+                and all(isinstance(t, (int, float)) and math.isfinite(t) for t in w) and w[1] > w[0]):
+            return {}
+        e = energy_j(w[0], w[1])
+        if e is None or not math.isfinite(e) or e < 0:
+            return {}
+        per_token.append(e / n_decode)
+        watts.append(e / (w[1] - w[0]))
+    return {"decode_j_per_token": statistics.median(per_token), "decode_power_w": statistics.median(watts)}
 
 
 def _memory(backend) -> dict:

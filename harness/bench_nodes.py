@@ -108,20 +108,27 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
         raise ConfigError(f"node timing methods {bad or methods}: expected some of {', '.join(METHODS)}")
     if len(prompt_ids) + steps + 1 > n_ctx:
         raise ConfigError(f"n_ctx {n_ctx} too small for {len(prompt_ids)} prompt tokens + {steps} steps")
+    from .bench_e2e import decode_energy
     from .gpu_state import GpuStateSampler, describe
     with loaded_engine(model, n_ctx) as e:
         # the engine's own throughput loop: prompt, then `steps` chained step-graph replays,
         # with the GPU's clocks, power and slowdown reasons sampled while it runs
         with GpuStateSampler() as gpu:
-            decode_s = e.bench(prompt_ids, steps, 3)["decode_s"]
+            timed = e.bench(prompt_ids, steps, 3)
+        decode_s = timed["decode_s"]
         step_us = 1e6 * statistics.median(decode_s) / steps
         state = gpu.summary()  # harness/gpu_state.py: clocks / slowdown while timed
+        # the step's energy from the board's energy counter over the replays' windows (bench_e2e)
+        energy = decode_energy(timed.get("decode_window"), gpu.energy_j, steps)
         log(f"step graph: {step_us:.1f} us/token ({steps} chained replays, median of 3)")
         log(f"GPU while timed: {describe(state)}")
+        if energy:
+            log(f"step energy: {energy['decode_j_per_token']:.3f} J ({energy['decode_power_w']:.0f} W, NVML energy counter)")
         out = {"schema": SCHEMA, "n_ctx": n_ctx, "n_prompt": len(prompt_ids), "step_us": step_us,
                # each replay sample's us per step: the spread harness ab (ab_nodes.py) judges by
                "step_samples_us": [1e6 * s / steps for s in decode_s],
                "gpu_state": state,
+               **({"step_j": energy["decode_j_per_token"], "step_power_w": energy["decode_power_w"]} if energy else {}),
                "engine": e.info(), "methods": {}}
         e.reset()
         e.prefill(prompt_ids)

@@ -8,7 +8,7 @@ later samples slower. A result that records the SM / memory clocks and NVML's cl
 that lowered its clocks (power cap, thermal slowdown).
 
 `GpuStateSampler` polls the GPU from a daemon thread every `period_s` while the timed code runs
-on the caller's thread (pynvml calls go through ctypes, which releases the GIL; each poll is six
+on the caller's thread (pynvml calls go through ctypes, which releases the GIL; each poll is seven
 NVML queries; its cost to the timed region has not been measured: a bench nodes A/B with the
 sampler's period raised would show it). Without NVML (a CPU machine, no
 nvidia-ml-py, no driver) it records why and nothing else: timing never fails for its sake.
@@ -16,7 +16,9 @@ nvidia-ml-py, no driver) it records why and nothing else: timing never fails for
 NVML calls (nvml.h, NVIDIA Management Library reference): nvmlDeviceGetClockInfo (MHz),
 nvmlDeviceGetPowerUsage (mW), nvmlDeviceGetEnforcedPowerLimit (mW), nvmlDeviceGetTemperature
 (C), nvmlDeviceGetCurrentClocksEventReasons (bit mask; the older name is
-nvmlDeviceGetCurrentClocksThrottleReasons).
+nvmlDeviceGetCurrentClocksThrottleReasons), nvmlDeviceGetTotalEnergyConsumption (mJ since the
+driver loaded). window_energy_j turns the last into the energy of a time window, e.g. a bench
+row's decode repetitions (harness/bench_e2e.py: J per token).
 """
 from __future__ import annotations
 
@@ -130,13 +132,14 @@ class GpuStateSampler:
         return int(n.nvmlDeviceGetCurrentClocksThrottleReasons(h))
 
     def sample(self) -> dict | None:
-        """One reading: t (s since __enter__), sm_mhz, mem_mhz, power_w, power_limit_w, temp_c,
-        reasons (names); a field whose query failed is None (the first failure per field is kept
+        """One reading: t (s since __enter__), mono (time.monotonic(), s: the clock other
+        processes' timestamps can be matched against), sm_mhz, mem_mhz, power_w, power_limit_w,
+        temp_c, reasons (names), energy_mj (the energy counter); a field whose query failed is None (the first failure per field is kept
         in why); None without NVML."""
         if self._handle is None:
             return None
         n, h = self._nvml, self._handle
-        out = {"t": round(time.perf_counter() - self._t0, 4),
+        out = {"t": round(time.perf_counter() - self._t0, 4), "mono": time.monotonic(),
                "sm_mhz": self._field("sm_mhz", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
                "mem_mhz": self._field("mem_mhz", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM))}
         power = self._field("power_w", lambda: n.nvmlDeviceGetPowerUsage(h))
@@ -146,7 +149,15 @@ class GpuStateSampler:
         out["temp_c"] = self._field("temp_c", lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU))
         mask = self._field("reasons", self._reasons_mask)
         out["reasons"] = None if mask is None else reason_names(mask, n)
+        # the board's energy counter (mJ since the driver loaded; Volta and later): exact energy
+        # between two readings, where power_w is NVML's averaged reading (it lags ~1 s on the H200)
+        out["energy_mj"] = self._field("energy_mj", lambda: n.nvmlDeviceGetTotalEnergyConsumption(h))
         return out
+
+    def energy_j(self, a: float, b: float) -> float | None:
+        """Joules the GPU used between time.monotonic() instants a < b (window_energy_j over
+        this sampler's readings so far)."""
+        return window_energy_j(self._samples, a, b)
 
     def _keep(self, s: dict | None) -> None:
         if s is not None and len(self._samples) < MAX_SAMPLES:
@@ -189,6 +200,28 @@ class GpuStateSampler:
         if raw and self._samples:
             out["samples"] = list(self._samples)
         return out
+
+
+def window_energy_j(samples: list[dict], a: float, b: float) -> float | None:
+    """Energy [J] between time.monotonic() instants a < b from the readings' energy counter
+    ("energy_mj" at "mono", NVML nvmlDeviceGetTotalEnergyConsumption), the counter linearly
+    interpolated between the two readings around each end. None when a reading before a and
+    one after b are missing (the window was not sampled around), the counter was not read, or
+    it went backwards (a driver reload resets it). Error: the counter's own resolution plus the
+    power change inside the sampling period at each end (at 50 ms and a 0.8 s window, ~1 %)."""
+    pts = sorted((s["mono"], s["energy_mj"]) for s in samples
+                 if isinstance(s, dict) and _num(s.get("mono")) and _num(s.get("energy_mj")))
+    if not (b > a) or len(pts) < 2 or pts[0][0] > a or pts[-1][0] < b:
+        return None
+    if any(e1 < e0 for (_, e0), (_, e1) in zip(pts, pts[1:])):
+        return None
+
+    def at(t):  # the counter at t, between the readings around it
+        for (t0, e0), (t1, e1) in zip(pts, pts[1:]):
+            if t0 <= t <= t1:
+                return e0 if t1 == t0 else e0 + (e1 - e0) * (t - t0) / (t1 - t0)
+        return None  # (not reached: a and b lie inside the readings)
+    return (at(b) - at(a)) / 1000.0
 
 
 def summarize(samples: list[dict]) -> dict:

@@ -6,6 +6,7 @@ every value: model names, metadata, chat templates and token texts are untrusted
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -60,10 +61,17 @@ def render_html(result: dict) -> str:
 
 def gpu_states(result: dict) -> list[dict]:
     """[{"label": "<backend> c=<n_ctx>", "text": harness.gpu_state.describe(...)}] of the bench
-    rows that recorded a GPU state (results from before session 21 have none: [])."""
+    rows that recorded a GPU state (results from before session 21 have none: []), the text
+    followed by the decode's energy per token and power where the row has them (bench_e2e
+    decode_energy; from session 22)."""
     from harness.gpu_state import describe
     from harness.jsonread import as_dict, as_list
-    return [{"label": f"{r.get('backend')} c={r.get('n_ctx')}", "text": describe(r["gpu_state"])}
+
+    def energy(r):
+        j, w = r.get("decode_j_per_token"), r.get("decode_power_w")
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (j, w))
+        return f"; decode {j:.2f} J/token at {w:.0f} W (energy counter)" if ok else ""
+    return [{"label": f"{r.get('backend')} c={r.get('n_ctx')}", "text": describe(r["gpu_state"]) + energy(r)}
             for r in as_list(as_dict(result.get("bench")).get("rows"))
             if isinstance(r, dict) and isinstance(r.get("gpu_state"), dict)]
 

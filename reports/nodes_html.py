@@ -4,6 +4,7 @@ method. Jinja2 autoescaping is on (model names are untrusted), plots are data UR
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from harness.bench_nodes import layer_matrix
@@ -27,8 +28,16 @@ def render_nodes_html(result: dict) -> str:
     gpu = res.get("gpu_state") if isinstance(res.get("gpu_state"), dict) else None
     return _env().get_template(TEMPLATE).render(
         model=result["model"], res=res, created=result.get("created", ""), plots=plots,
-        gpu_line=describe(gpu) if gpu else None,  # clocks / slowdowns while the step was timed
+        gpu_line=(describe(gpu) + _step_energy(res)) if gpu else None,  # clocks / slowdowns / energy while timed
         machine_text=json.dumps(result.get("machine", {}), indent=1, sort_keys=True))
+
+
+def _step_energy(res: dict) -> str:
+    """"; step <J> J at <W> W (energy counter)" from the result's step_j / step_power_w
+    (harness/bench_nodes.py, from session 22), or "" when absent or malformed."""
+    j, w = res.get("step_j"), res.get("step_power_w")
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (j, w))
+    return f"; step {j:.3f} J at {w:.0f} W (energy counter)" if ok else ""
 
 
 def render_nodes_report(result: dict, out_path: Path) -> Path:

@@ -65,8 +65,11 @@ class FakeNVML:
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h):
         mask = self._now()[4]
-        self.i += 1  # the last query of a reading: the next reading takes the next line
+        self.i += 1  # the last query of a reading but the energy's: the next reading takes the next line
         return mask
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        return 100_000 * self.i  # mJ: 100 J more at every reading
 
 
 def test_reason_names_decode_the_mask_in_a_fixed_order():
@@ -376,3 +379,172 @@ def test_run_nodes_records_the_gpu_state_of_the_step_it_timed(monkeypatch):
     st = out["gpu_state"]
     assert st["available"] and st["n"] >= 2 and st["slowdown"] == st["n"] and out["step_us"] == 1000.0
     assert any(line.startswith("GPU while timed: SM 1980 MHz") for line in lines)
+
+
+def test_sampler_stamps_readings_on_the_monotonic_clock_with_the_energy_counter():
+    """Each reading carries time.monotonic() (the clock backends stamp their decode windows
+    with) and the energy counter; energy_j reads the window between two instants from them."""
+    fake = FakeNVML([(1980, 3201, 500_000, 55, 0)])
+    before = time.monotonic()
+    with gpu_state.GpuStateSampler(period_s=0.01, nvml=fake) as s:
+        time.sleep(0.05)
+    after = time.monotonic()
+    samples = s.summary()["samples"]
+    monos = [x["mono"] for x in samples]
+    assert monos == sorted(monos) and before <= monos[0] and monos[-1] <= after
+    energies = [x["energy_mj"] for x in samples]
+    assert energies == sorted(energies) and energies[-1] > energies[0]
+    assert s.energy_j(monos[0], monos[-1]) == pytest.approx((energies[-1] - energies[0]) / 1000)
+    assert s.energy_j(before - 1, monos[-1]) is None  # not sampled around the start
+
+
+def test_window_energy_interpolates_the_counter_and_refuses_what_it_cannot_know():
+    """window_energy_j: the counter (mJ) linearly interpolated at both ends of the window; None
+    for a window outside the readings, a reversed window, a counter that went backwards (driver
+    reload) or was never read; malformed readings are skipped."""
+    # 400 W from t = 10 to 11 s, then 600 W to 12 s (counter in mJ)
+    samples = [{"mono": 10.0, "energy_mj": 0}, {"mono": 11.0, "energy_mj": 400_000},
+               {"mono": 12.0, "energy_mj": 1_000_000}]
+    w = gpu_state.window_energy_j
+    assert w(samples, 10.0, 12.0) == pytest.approx(1000.0)
+    assert w(samples, 10.5, 11.5) == pytest.approx(200.0 + 300.0)  # half a second at each power
+    assert w(samples, 11.25, 11.75) == pytest.approx(300.0)
+    assert w(list(reversed(samples)), 10.5, 11.5) == pytest.approx(500.0)  # order of readings
+    assert w(samples, 9.9, 11.0) is None and w(samples, 11.0, 12.1) is None
+    assert w(samples, 11.5, 11.5) is None and w(samples, 11.5, 10.5) is None
+    assert w(samples[:1], 10.0, 10.0) is None
+    backwards = samples + [{"mono": 13.0, "energy_mj": 5}]
+    assert w(backwards, 10.5, 11.5) is None
+    unread = [dict(x, energy_mj=None) for x in samples]
+    assert w(unread, 10.5, 11.5) is None
+    junk = samples + [{"mono": "x", "energy_mj": 1}, {"mono": float("nan"), "energy_mj": 1}, "junk",
+                      {"mono": 10.7, "energy_mj": True}]
+    assert w(junk, 10.5, 11.5) == pytest.approx(500.0)
+
+
+def test_decode_energy_is_the_median_over_complete_windows_only():
+    """bench_e2e.decode_energy: J per token and W from each repetition's decode window (median);
+    nothing when a window is missing, malformed or unknown to the sampler (a partial median would
+    mix repetitions)."""
+    from harness.bench_e2e import decode_energy
+    joules = {(0.0, 1.0): 600.0, (2.0, 3.0): 700.0, (4.0, 4.5): 400.0}
+    got = decode_energy([[0.0, 1.0], [2.0, 3.0], [4.0, 4.5]], lambda a, b: joules.get((a, b)), 100)
+    assert got["decode_j_per_token"] == pytest.approx(6.0) and got["decode_power_w"] == pytest.approx(700.0)
+    assert decode_energy(None, lambda a, b: 1.0, 100) == {}
+    assert decode_energy([], lambda a, b: 1.0, 100) == {}
+    assert decode_energy([[0.0, 1.0], [5.0, 6.0]], lambda a, b: joules.get((a, b)), 100) == {}
+    assert decode_energy([[1.0, 0.0]], lambda a, b: 1.0, 100) == {}
+    assert decode_energy([[0.0, float("inf")]], lambda a, b: 1.0, 100) == {}
+    assert decode_energy([[0.0, 1.0, 2.0]], lambda a, b: 1.0, 100) == {}
+    assert decode_energy([[0.0, 1.0]], lambda a, b: -5.0, 100) == {}
+    assert decode_energy([[0.0, 1.0]], lambda a, b: 1.0, 0) == {}
+
+
+def test_bench_e2e_rows_carry_the_decode_energy_per_token(monkeypatch):
+    """A backend that reports its decode windows gets J/token and W in its row (energy counter
+    of a fake NVML that counts 10 W of power) and a log line; the warm-up window is dropped
+    with the warm-up repetition; a backend without windows gets neither."""
+    from harness import bench_e2e as be
+    from harness.config import ModelRef, RunConfig
+
+    class Clocked:
+        def __init__(self, windows):
+            self.windows = windows
+
+        def load(self, model, cfg):
+            pass
+
+        def bench(self, prompt, n_decode, reps):
+            out = {"prefill_s": [], "decode_s": [], **({"decode_window": []} if self.windows else {})}
+            for _ in range(reps):
+                a = time.monotonic()
+                time.sleep(0.03)
+                b = time.monotonic()
+                out["prefill_s"].append(0.001)
+                out["decode_s"].append(b - a)
+                if self.windows:
+                    out["decode_window"].append([a, b])
+            return out
+
+        def capabilities(self):
+            return set()
+
+        def close(self):
+            pass
+
+    class Watts(FakeNVML):  # the counter follows the clock: 10 W
+        def nvmlDeviceGetTotalEnergyConsumption(self, h):
+            return int(10_000 * time.monotonic())
+
+    monkeypatch.setattr(be, "GpuStateSampler",
+                        lambda period_s: gpu_state.GpuStateSampler(period_s=0.005, nvml=Watts([(1980, 3201, 10_000, 40, 0)])))
+    lines = []
+    out = be.bench_e2e(ModelRef("m", "m.gguf"), 1, ["engine", "llamacpp"], [512], [1, 2], RunConfig(),
+                       lambda name: Clocked(name == "engine"), n_decode=10, reps=2, log=lines.append)
+    rows = {r["backend"]: r for r in out["rows"]}
+    eng = rows["engine"]
+    assert len(eng["raw"]["decode_window"]) == 2
+    assert eng["decode_power_w"] == pytest.approx(10.0, rel=0.05)
+    assert eng["decode_j_per_token"] == pytest.approx(10.0 * 0.03 / 10, rel=0.2)
+    assert any(line.startswith("  decode energy: ") and "J/token" in line for line in lines)
+    assert "decode_j_per_token" not in rows["llamacpp"] and "decode_power_w" not in rows["llamacpp"]
+
+
+def test_html_report_gives_the_decode_energy_beside_the_gpu_state():
+    from reports.html import gpu_states, render_html
+    res = result([1.0, 1.0, 1.0])
+    res["bench"]["rows"][0]["gpu_state"] = _state(1980)
+    res["bench"]["rows"][0].update(decode_j_per_token=4.2345, decode_power_w=688.4)
+    res["bench"]["rows"].append(dict(bench_row("llamacpp", 512, [2.0, 2.0, 2.0]), gpu_state=_state(1980),
+                                     decode_j_per_token="<b>", decode_power_w=None))
+    (g1, g2) = gpu_states(res)
+    assert g1["text"].endswith("; decode 4.23 J/token at 688 W (energy counter)")
+    assert "J/token" not in g2["text"]
+    assert "decode 4.23 J/token at 688 W" in render_html(res)
+
+
+def test_run_nodes_records_the_step_energy_when_the_engine_gives_its_windows(monkeypatch):
+    """run_nodes: the engine's bench windows turn the energy counter into J per step and W
+    (bench_e2e.decode_energy), logged and shown in the nodes report; without windows neither."""
+    import contextlib
+
+    from harness import bench_nodes
+    from reports.nodes_html import _step_energy
+
+    class Windowed:
+        def bench(self, ids, steps, reps):
+            out = {"decode_s": [], "decode_window": []}
+            for _ in range(reps):
+                a = time.monotonic()
+                time.sleep(0.02)
+                b = time.monotonic()
+                out["decode_s"].append(b - a)
+                out["decode_window"].append([a, b])
+            return out
+
+        def info(self):
+            return {"nodes_per_step": 1, "bytes_per_step": 1}
+
+        def reset(self):
+            pass
+
+        def prefill(self, ids):
+            pass
+
+        def node_times(self, tok, method):
+            return [{"name": "blk.0.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 900.0, "bytes": 1000}]
+
+    class Watts(FakeNVML):  # 500 W
+        def nvmlDeviceGetTotalEnergyConsumption(self, h):
+            return int(500_000 * time.monotonic())
+
+    monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(Windowed()))
+    real = gpu_state.GpuStateSampler
+    monkeypatch.setattr(gpu_state, "GpuStateSampler",
+                        lambda **kw: real(period_s=0.004, nvml=Watts([(1980, 3201, 500_000, 55, 0)])))
+    lines = []
+    out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append)
+    assert out["step_power_w"] == pytest.approx(500.0, rel=0.05)
+    assert out["step_j"] == pytest.approx(500.0 * out["step_us"] * 1e-6, rel=0.1)
+    assert any(line.startswith("step energy: ") for line in lines)
+    assert _step_energy(out).startswith("; step ") and _step_energy({"step_j": "x", "step_power_w": 1.0}) == ""

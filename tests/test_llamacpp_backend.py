@@ -186,6 +186,22 @@ def test_timings_count_what_was_fed(llm, prompt_ids):
     assert "timings" in llm.capabilities()
 
 
+def test_bench_reports_each_decode_window_on_the_monotonic_clock(llm, prompt_ids):
+    """bench() (in the child process) returns per repetition the decode loop's [start, end] in
+    time.monotonic() seconds, the clock the parent's GPU-state sampler stamps its readings with
+    (CLOCK_MONOTONIC is system-wide on Linux): inside the call, in order, each as long as its
+    decode_s (both read around the same loop)."""
+    import time
+    before = time.monotonic()
+    r = llm.bench(prompt_ids[:5], 3, 2)
+    after = time.monotonic()
+    assert len(r["decode_window"]) == len(r["decode_s"]) == len(r["prefill_s"]) == 2
+    (a0, b0), (a1, b1) = r["decode_window"]
+    assert before < a0 < b0 < a1 < b1 < after
+    for (a, b), d in zip(r["decode_window"], r["decode_s"]):
+        assert abs((b - a) - d) < 2e-3, (a, b, d)
+
+
 def test_run_config_maps_onto_llama_cpp_params():
     """Enum values from llama.h / ggml.h: GGML_TYPE_F32 0, F16 1, Q8_0 8;
     LLAMA_FLASH_ATTN_TYPE_DISABLED 0, ENABLED 1."""

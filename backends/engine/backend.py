@@ -166,14 +166,17 @@ class EngineBackend:
         graph replay per token, host writes the token id and position before each), then
         n_decode chained decode steps: replays of the full step graph back to back, each
         feeding its own device-side argmax to the next (no host work between steps).
-        Returns {"prefill_s": [reps], "decode_s": [reps], "decode_sync_s": [reps]};
-        decode_sync_s repeats the decode with a host synchronisation and a read of the
-        token id after every step (what a serving loop pays)."""
+        Returns {"prefill_s": [reps], "decode_s": [reps], "decode_sync_s": [reps],
+        "decode_window": [reps x [start, end]]}; decode_sync_s repeats the decode with a host
+        synchronisation and a read of the token id after every step (what a serving loop pays);
+        decode_window is when the chained decode ran on the GPU, in time.monotonic() seconds
+        (its end read as the host sees the last event complete, its start that less decode_s),
+        for the energy counter (harness/gpu_state.py window_energy_j)."""
         import cupy as cp
         prompt = [int(t) for t in prompt]
         if len(prompt) + n_decode > self.n_ctx:
             raise ConfigError(f"bench needs {len(prompt) + n_decode} positions > n_ctx {self.n_ctx}")
-        out = {"prefill_s": [], "decode_s": [], "decode_sync_s": []}
+        out = {"prefill_s": [], "decode_s": [], "decode_sync_s": [], "decode_window": []}
         ev = [cp.cuda.Event() for _ in range(3)]
         for _ in range(reps):
             self.reset()
@@ -186,8 +189,10 @@ class EngineBackend:
                 self.step_exec.replay()   # state[0..1] advanced on the device (finish_step)
             ev[2].record(self.stream)
             ev[2].synchronize()
+            end = time.monotonic()
             out["prefill_s"].append(cp.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3)
             out["decode_s"].append(cp.cuda.get_elapsed_time(ev[1], ev[2]) / 1e3)
+            out["decode_window"].append([end - out["decode_s"][-1], end])
             self.pos = len(prompt)
             self.bufs.state.set(np.array([prompt[-1], self.pos - 1, 0, 0], np.int32), stream=self.stream)
             self.step_exec.replay()

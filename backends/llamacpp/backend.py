@@ -127,23 +127,28 @@ class LlamaCppBackend:
         """Throughput like llama-bench: per repetition, empty the cache, prefill `prompt` in
         one call, then n_decode single-token llama_decode calls (tokens cycled from the
         prompt, logits not read, as llama-bench's tg does), synchronising after each.
-        Returns {"prefill_s": [reps], "decode_s": [reps]} (host clock around synchronised
-        work; the whole loop runs inside this process, no IPC in the timed region)."""
+        Returns {"prefill_s": [reps], "decode_s": [reps], "decode_window": [reps x [start,
+        end]]} (host clock around synchronised work; the whole loop runs inside this process, no
+        IPC in the timed region); decode_window: the decode loop's ends in time.monotonic()
+        seconds (system-wide, so the parent's GPU-state sampler can match them: harness/gpu_state.py
+        window_energy_j)."""
         ids = self._checked(prompt)
         if self.pos + ids.size + n_decode > self._cfg.n_ctx:
             raise ConfigError(f"bench needs {ids.size + n_decode} positions > n_ctx {self._cfg.n_ctx}")
-        out = {"prefill_s": [], "decode_s": []}
+        out = {"prefill_s": [], "decode_s": [], "decode_window": []}
         for _ in range(reps):
             self.reset()
             t0 = time.perf_counter()
             self._feed(ids)
             llama_cpp.llama_synchronize(self._ctx)
-            t1 = time.perf_counter()
+            t1, m1 = time.perf_counter(), time.monotonic()
             for i in range(n_decode):
                 self._decode(ids[i % ids.size: i % ids.size + 1], logits_last=True)
                 llama_cpp.llama_synchronize(self._ctx)
+            t2, m2 = time.perf_counter(), time.monotonic()
             out["prefill_s"].append(t1 - t0)
-            out["decode_s"].append(time.perf_counter() - t1)
+            out["decode_s"].append(t2 - t1)
+            out["decode_window"].append([m1, m2])
         self.reset()
         return out
 
