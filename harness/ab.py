@@ -311,8 +311,21 @@ def perf_rows(a: dict, b: dict, threshold: float) -> tuple[list[PerfRow], list[C
         for metric in PERF_METRICS:
             stats = perf_stats(rate_samples(ra or {}, metric), rate_samples(rb or {}, metric),
                                threshold)
-            perf.append(PerfRow(metric, key[0], key[1], **stats, note=note))
+            extra = energy_note(ra, rb) if metric == "decode_tok_s" else ""
+            perf.append(PerfRow(metric, key[0], key[1], **stats,
+                                note="; ".join(n for n in (note, extra) if n)))
     return perf, checks
+
+
+def energy_note(ra, rb) -> str:
+    """"J/token A -> B (+x.x %)" when both bench rows carry the decode's energy per token
+    (harness/bench_e2e.py decode_energy, from session 22), else "": information beside the
+    speed verdict, not a verdict (one median per row, no spread to judge by)."""
+    vals = [r.get("decode_j_per_token") if isinstance(r, dict) else None for r in (ra, rb)]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in vals):
+        return ""
+    ja, jb = vals
+    return f"J/token {ja:.3g} -> {jb:.3g} ({100 * (jb / ja - 1):+.1f} %)"
 
 
 # ---- correctness ------------------------------------------------------------------------

@@ -548,3 +548,18 @@ def test_run_nodes_records_the_step_energy_when_the_engine_gives_its_windows(mon
     assert out["step_j"] == pytest.approx(500.0 * out["step_us"] * 1e-6, rel=0.1)
     assert any(line.startswith("step energy: ") for line in lines)
     assert _step_energy(out).startswith("; step ") and _step_energy({"step_j": "x", "step_power_w": 1.0}) == ""
+
+
+def test_harness_ab_notes_the_decode_energy_change_beside_the_decode_verdict():
+    """ab.perf_rows: the decode_tok_s row's note gives J/token of A and B when both rows have it
+    (information, not a verdict); nothing for prefill or when one side lacks it or is junk."""
+    a, b = result([1.0] * 3), result([1.0] * 3)
+    a["bench"]["rows"][0]["decode_j_per_token"] = 4.0
+    b["bench"]["rows"][0]["decode_j_per_token"] = 3.8
+    perf = ab.compare(a, b).perf
+    dec = next(p for p in perf if p.metric == "decode_tok_s")
+    pre = next(p for p in perf if p.metric == "prefill_tok_s")
+    assert dec.note == "J/token 4 -> 3.8 (-5.0 %)" and "J/token" not in pre.note
+    b["bench"]["rows"][0]["decode_j_per_token"] = "<junk>"
+    assert next(p for p in ab.compare(a, b).perf if p.metric == "decode_tok_s").note == ""
+    assert ab.energy_note({"decode_j_per_token": 0.0}, {"decode_j_per_token": 1.0}) == ""
