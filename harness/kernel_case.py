@@ -55,7 +55,7 @@ class GemvCase:
         self.roof_bytes = pad16(shape.bytes()["total"])
         self.buf = cp.zeros(copies * self.stride + _up(self.roof_bytes), dtype=cp.uint8)
         self._upload()
-        self.xd = cp.asarray(ops.xrep_input(self.x))  # (GGUF_HARNESS_GEMV_KQ_XREP: N copies)
+        self.xd = cp.asarray(self.x)
         self.out = cp.full(shape.rows, np.nan, dtype=cp.float32)
         self.roof_out = cp.zeros(1, dtype=cp.uint32)
         self.nodes = [self._node(i) for i in range(copies)]

@@ -67,7 +67,7 @@ def _v9_default_routes(monkeypatch, eops):
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     for knob in ("GEMV_KQ_SPLIT", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_P2", "GEMV_KQ_P2_MIN_ROWS", "GEMV_KQ_CSPLIT",
                  "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_BW", "GEMV_KQ_WMAJ",
-                 "GEMV_KQ_GSPLIT", "GEMV_KQ_GS_FENCE", "GEMV_KQ_PART_ROT", "GEMV_KQ_XREP"):
+                 "GEMV_KQ_GSPLIT", "GEMV_KQ_GS_FENCE", "GEMV_KQ_PART_ROT"):
         monkeypatch.setattr(eops, knob, {"GEMV_KQ_SPLIT": "auto", "GEMV_KQ_P2": "q6_k", "GEMV_KQ_P2_MIN_ROWS": "2048",
                                          "GEMV_KQ_CSPLIT": "1"}.get(knob, ""))
 
@@ -1263,51 +1263,3 @@ def _build_is_bitwise_equal(knob, values, define, define_when, cases, monkeypatc
                 for what, u, v in zip(("store", "swiglu", "ssm_in", "ssm_in F32", "add"), a, b):
                     if normed or what in ("swiglu", "add"):
                         assert np.array_equal(u, v), f"{name} [{rows}x{K}] split={split} x #{i}: {what} differs"
-
-
-@pytest.mark.gpu
-def test_xrep_build_is_bitwise_equal_to_the_default(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_XREP=8 (kernels/gemv_kq.cu kq_xrep, a diagnostic): every block stages x
-    from one of 8 copies (ops.xrep_input), so the outputs must be the default build's bit for bit,
-    each within the oracle rule, at both staging call sites: the wide one-row kernel (kq_body),
-    the queue kernel (kq_dq_body, GGUF_HARNESS_GEMV_KQ_DQ=all) and a 4-part group node (kq_body at
-    CS 4, blocks of a group reading different copies); and with copies 1..7 NaN, NaN reaches the
-    outputs (the copies are read, not copy 0 alone). Written in session 21, not yet run."""
-    cp = cupy_or_skip()
-    from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
-    _v9_default_routes(monkeypatch, eops)
-    rng = np.random.default_rng(71)
-    keep = []
-    for name, K, rows, dq, want in (("Q4_K", 5120, 10240, "", "gemvkq_store_q4_k"),
-                                    ("Q4_K", 5120, 10240, "all", "gemvkq_store_q4_k"),
-                                    ("Q4_K", 17408, 5120, "", "_c4")):
-        t = TYPES[name]
-        raw, w = _matrix(t, rows, K, seed=rows + K + len(dq))
-        dev = device_tensor(cp, "w", raw, t, (K, rows), keep)
-        x = (rng.normal(size=K) * 0.7).astype(np.float32)
-        monkeypatch.setattr(eops, "GEMV_KQ_DQ", dq)
-        got = {}
-        for n in ("", "8"):
-            monkeypatch.setattr(eops, "GEMV_KQ_XREP", n)
-            out = nan_poisoned(cp, rows)
-            node = eops.gemv("s", "store", [eops.Seg(dev, out)], cp.asarray(eops.xrep_input(x)), K)
-            assert want in node.kernel.name and ("KQ_XREP=8" in node.defines) == (n == "8"), \
-                (node.kernel.name, node.defines)
-            assert ("KQ_DQ=1" in node.defines) == (dq == "all"), node.defines
-            node.launch()
-            got[n] = out.get()
-            _check_rows(got[n].astype(np.float64), w, x, f"{name} [{rows}x{K}] DQ={dq or '-'} XREP={n or '-'}")
-        assert np.array_equal(got[""], got["8"]), f"{name} [{rows}x{K}] DQ={dq or '-'}: XREP changed the outputs"
-        # the copies are really read: NaN in copies 1..7 reaches the rows of the blocks reading them
-        # (a _c4 row's 4 parts come from 4 blocks, never all on copy 0: every row NaN there)
-        poisoned = eops.xrep_input(x).reshape(8, -1)
-        poisoned[1:] = np.nan
-        out = nan_poisoned(cp, rows)
-        out.fill(0)
-        node = eops.gemv("s", "store", [eops.Seg(dev, out)], cp.asarray(poisoned.reshape(-1)), K)
-        node.launch()
-        y = out.get()
-        assert np.isnan(y).any(), f"{name} [{rows}x{K}] DQ={dq or '-'}: no block read copies 1..7"
-        assert want == "_c4" or np.isfinite(y).any(), f"{name} [{rows}x{K}]: no block read copy 0"

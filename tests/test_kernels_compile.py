@@ -55,9 +55,6 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_GS_FENC
 # keyed by the row group since session 21) ... and keyed by the warp's round (=round, session 20's default)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PART_ROT=0")),
             ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PART_ROT=1"))]
-# session 21: x staged from one of 8 copies (ops GGUF_HARNESS_GEMV_KQ_XREP, a diagnostic), in the default and
-# the group build
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XREP=8")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_XREP=8"))]
 # session 17: the next node's prefetch (ops GGUF_HARNESS_GEMV_KQ_XPF; its static_assert holds the
 # table to ops.table_dtype(xpf=True)'s 200 bytes), in the default and the queue build
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XPF=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_XPF=1"))]

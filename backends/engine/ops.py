@@ -320,43 +320,6 @@ def kv9_xpf_bytes() -> int:
 # step +5.1 %, ssm_in +33 %); "0" or unset: off. Bitwise equal outputs and states (GPU test passed).
 GEMV_KQ_CONV = os.environ.get("GGUF_HARNESS_GEMV_KQ_CONV", "0")
 
-# KQ_XREP (kernels/gemv_kq.cu kq_xrep; a diagnostic A/B, written in session 21, not yet run): N =
-# 2..64 copies of x, block b staging from copy b mod N, so fewer blocks ask the same L2 lines at
-# once. The engine's producers write one copy, so only callers that pass x replicated
-# (xrep_input; harness/kernel_case.py: the kernel table and kernel_trace) can run it: gemv refuses
-# a node whose x is shorter than N copies. "" or "1": off. Bitwise equal outputs by construction
-# (the same x; GPU test test_xrep_build_is_bitwise_equal_to_the_default not run yet).
-GEMV_KQ_XREP = os.environ.get("GGUF_HARNESS_GEMV_KQ_XREP", "")
-
-
-def kv9_xrep() -> int:
-    """Copies of x the v9 kernels stage from (GGUF_HARNESS_GEMV_KQ_XREP; 1 = off). ValueError
-    unless "", or an integer 1..64."""
-    v = GEMV_KQ_XREP
-    if v == "":
-        return 1
-    if not (v.isascii() and v.isdigit()) or not 1 <= int(v) <= 64:
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_XREP={v!r}: expected copies 1..64")
-    return int(v)
-
-
-def xrep_stride(K: int) -> int:
-    """Floats between two copies of x under KQ_XREP (kernels/gemv_kq.cu kq_xrep_stride: K rounded
-    up to 64, so each copy starts on a 256-byte boundary)."""
-    return (K + 63) // 64 * 64
-
-
-def xrep_input(x: np.ndarray, copies: int | None = None) -> np.ndarray:
-    """x (float32 [K]) as kv9_xrep() (or `copies`) copies, xrep_stride(K) floats apart, zero
-    padded: float32 [copies * xrep_stride(K)]; x itself for one copy."""
-    n = kv9_xrep() if copies is None else copies
-    x = np.asarray(x, dtype=np.float32).reshape(-1)
-    if n == 1:
-        return x
-    out = np.zeros((n, xrep_stride(x.size)), dtype=np.float32)
-    out[:, :x.size] = x
-    return out.reshape(-1)
-
 
 GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
 GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
@@ -501,7 +464,7 @@ def kv9_defines() -> tuple[str, ...]:
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
     KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1,
-    GEMV_KQ_CONV=1 -> KQ_CONV=1, GEMV_KQ_XREP=N -> KQ_XREP=N (kv9_xrep), then
+    GEMV_KQ_CONV=1 -> KQ_CONV=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
     both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
@@ -556,8 +519,6 @@ def kv9_defines() -> tuple[str, ...]:
     _switch01("GGUF_HARNESS_GEMV_KQ_CONV", GEMV_KQ_CONV)
     if GEMV_KQ_CONV == "1":  # every v9 build with the conv fields (only ssm_in nodes set them)
         out.append("KQ_CONV=1")
-    if kv9_xrep() > 1:  # GGUF_HARNESS_GEMV_KQ_XREP: x staged from one of N copies (callers replicate x)
-        out.append(f"KQ_XREP={kv9_xrep()}")
     kv9_part_rot()  # refuse a bad GGUF_HARNESS_GEMV_KQ_PART_ROT early (a define of the cluster build only)
     return tuple(out) + iq4_xil_defines()
 
@@ -861,10 +822,6 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         smem = gemv_smem(K, impl) + kv9_iq3s_dyn_bytes(types)  # (GGUF_HARNESS_GEMV_KQ_IQ3S_GRID=32: the copies first)
         v9_rows = kv9_rows_per_warp(kname)
         kdefs = kv9_defines() + kv9_iq3s_defines(types)
-        if kv9_xrep() > 1 and x.size < kv9_xrep() * xrep_stride(K):
-            raise ValueError(f"{name}: GGUF_HARNESS_GEMV_KQ_XREP={kv9_xrep()} stages x from {kv9_xrep()} "
-                             f"copies ({kv9_xrep() * xrep_stride(K)} floats, ops.xrep_input), got {x.size}: "
-                             "a kernel-table / kernel_trace switch, not one the engine's nodes can run")
 
         def v9k(sp: int):  # the kernel of split sp (its name: kv9_kernel)
             return module.kernel_in("gemv_kq.cu", kv9_kernel(mode, types, K, l4, sp, rows), kdefs)

@@ -560,31 +560,6 @@ __device__ __forceinline__ void conv_prefetch(const SegTable& t) {
 #define KQ_CONV_PREFETCH(t)
 #endif
 
-// KQ_XREP (a diagnostic A/B, ops GGUF_HARNESS_GEMV_KQ_XREP; written in session 21, not yet run):
-// block b stages x from copy b mod KQ_XREP of KQ_XREP identical copies, kq_xrep_stride(K) floats
-// apart, which the caller wrote (harness/kernel_case.py GemvCase; the engine's producers write one
-// copy, so ops.gemv refuses an engine node without the copies). Why: staging x costs 2.1-2.2 us at
-// K = 5120 with 264 blocks, 1.6-1.7 us with 128-132 (session 15 trace), on the critical path of
-// every GEMV node; if that difference is every block asking the same ~160 lines of L2 at the same
-// moment (slice contention, not latency), reading from 8 copies should bring the 264-block figure
-// near the 132-block one. Values: the same x, so outputs bitwise the default's. The norm weights
-// are not replicated (the kernel table's rows have none).
-#ifndef KQ_XREP
-#define KQ_XREP 1
-#endif
-static_assert(KQ_XREP >= 1 && KQ_XREP <= 64, "KQ_XREP: 1 (off) .. 64 copies of x");
-__host__ __device__ constexpr int kq_xrep_stride(int K) { return (K + 63) & ~63; }  // floats: 256-byte aligned copies
-__device__ __forceinline__ const float* kq_xrep(const float* x, int K) {
-    return x + (size_t)(blockIdx.x % KQ_XREP) * (size_t)kq_xrep_stride(K);
-}
-// (a macro, so that a build without it compiles the same tokens as before: an inlined x + 0 had
-// renamed two PTX registers in 5 of the default build's 111 entries)
-#if KQ_XREP > 1
-#define KQ_XSRC(x, K) kq_xrep(x, K)
-#else
-#define KQ_XSRC(x, K) (x)
-#endif
-
 #ifndef KQ_DQ
 // KQ_DQ=1 (ops GGUF_HARNESS_GEMV_KQ_DQ, the wide nodes' build since session 17; 32-warp blocks):
 // the split-1 8-lane rows (one row per warp) of a block are handed out by a counter in shared
@@ -669,7 +644,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     pdl_wait();
     KQ_MARK(1);
     pdl_trigger();
-    const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL, 1>(KQ_XSRC(x, K), norm, eps, K, xq, xs, xd, scratch, 0);
+    const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL, 1>(x, norm, eps, K, xq, xs, xd, scratch, 0);
     KQ_MARK(2);
     const XS xa = xs_addr(xq, xs, xd);
     const int grp = Q::grp(lane), i = Q::idx(lane);
@@ -792,7 +767,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     pdl_trigger();
     // barriers inside; IQ4_XS rows of an IQ4_XIL build take x with interleaved halves (kwide_iq4.cuh)
     // CS > 1: only the part's super-blocks (no norm: ops.kv9_csplit)
-    const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL, CS>(KQ_XSRC(x, K), norm, eps, K, xq, xs, xd, scratch, wpart);
+    const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL, CS>(x, norm, eps, K, xq, xs, xd, scratch, wpart);
     KQ_MARK(2);
     if constexpr (CS > 1 && !KQ_GSPLIT) cluster_wait();  // every block of the cluster has started: DSMEM stores allowed
     const XS xa = xs_addr(xq, xs, xd);
