@@ -65,7 +65,7 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
                 before = mem_used() if mem_used else None
                 b = create(name)
                 b.load(model, replace(base, n_ctx=n_ctx))
-                with GpuStateSampler(period_s=0.05) as gpu:  # clocks / slowdown / energy while timed
+                with GpuStateSampler(period_s=0.02) as gpu:  # clocks / slowdown / energy while timed (20 ms: window_energy_j)
                     r = _drop_warmup(b.bench(list(prompt_ids), n_decode, reps + 1), reps)
                 row = _row(name, n_ctx, r, len(prompt_ids), n_decode, step_bytes, copy_gbs)
                 row["gpu_state"] = gpu.summary()

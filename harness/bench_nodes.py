@@ -113,7 +113,7 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
     with loaded_engine(model, n_ctx) as e:
         # the engine's own throughput loop: prompt, then `steps` chained step-graph replays,
         # with the GPU's clocks, power and slowdown reasons sampled while it runs
-        with GpuStateSampler() as gpu:
+        with GpuStateSampler(period_s=0.02) as gpu:  # 20 ms: the energy windows (gpu_state.window_energy_j)
             timed = e.bench(prompt_ids, steps, 3)
         decode_s = timed["decode_s"]
         step_us = 1e6 * statistics.median(decode_s) / steps

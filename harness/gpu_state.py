@@ -156,7 +156,7 @@ class GpuStateSampler:
 
     def energy_j(self, a: float, b: float) -> float | None:
         """Joules the GPU used between time.monotonic() instants a < b (window_energy_j over
-        this sampler's readings so far)."""
+        this sampler's readings so far; None when it cannot say)."""
         return window_energy_j(self._samples, a, b)
 
     def _keep(self, s: dict | None) -> None:
@@ -203,25 +203,33 @@ class GpuStateSampler:
 
 
 def window_energy_j(samples: list[dict], a: float, b: float) -> float | None:
-    """Energy [J] between time.monotonic() instants a < b from the readings' energy counter
-    ("energy_mj" at "mono", NVML nvmlDeviceGetTotalEnergyConsumption), the counter linearly
-    interpolated between the two readings around each end. None when a reading before a and
-    one after b are missing (the window was not sampled around), the counter was not read, or
-    it went backwards (a driver reload resets it). Error: the counter's own resolution plus the
-    power change inside the sampling period at each end (at 50 ms and a 0.8 s window, ~1 %)."""
+    """Energy [J] used between time.monotonic() instants a < b: the mean power over the
+    window (the least-squares slope of the energy counter's updates seen inside it) times b - a.
+    The counter ("energy_mj" at
+    "mono", NVML nvmlDeviceGetTotalEnergyConsumption) advances in steps (every ~100 ms on the
+    H200, measured in session 22: at 50 ms sampling every other reading repeats the last), so a
+    reading holds the energy at the counter's last update, somewhere after the reading before
+    it: an update is placed at the middle of the two readings' times. Using only updates
+    inside [a, b] keeps the power of the work before and after the window (a prefill, an idle
+    gap) out. None when fewer than two updates fall inside the window, they span less than half
+    of it, the counter was never read or went backwards (a driver reload resets it), or a >= b.
+    Error: each update's time is known to half a sampling period; the slope over all of them
+    (not the two ends) averages that down (session 22, 50 ms sampling, 0.79 s windows of the
+    27B engine's decode: 676-700 W by the slope, 680-726 W by the two ends; 20 ms sampling is
+    what bench_e2e and bench_nodes use) plus the power's own change inside the window."""
     pts = sorted((s["mono"], s["energy_mj"]) for s in samples
                  if isinstance(s, dict) and _num(s.get("mono")) and _num(s.get("energy_mj")))
-    if not (b > a) or len(pts) < 2 or pts[0][0] > a or pts[-1][0] < b:
+    if not (b > a) or any(e1 < e0 for (_, e0), (_, e1) in zip(pts, pts[1:])):
         return None
-    if any(e1 < e0 for (_, e0), (_, e1) in zip(pts, pts[1:])):
+    updates = [((t0 + t1) / 2, e1) for (t0, e0), (t1, e1) in zip(pts, pts[1:]) if e1 != e0]
+    inside = [(t, e) for t, e in updates if a <= t <= b]
+    if len(inside) < 2 or inside[-1][0] - inside[0][0] < (b - a) / 2:
         return None
-
-    def at(t):  # the counter at t, between the readings around it
-        for (t0, e0), (t1, e1) in zip(pts, pts[1:]):
-            if t0 <= t <= t1:
-                return e0 if t1 == t0 else e0 + (e1 - e0) * (t - t0) / (t1 - t0)
-        return None  # (not reached: a and b lie inside the readings)
-    return (at(b) - at(a)) / 1000.0
+    n = len(inside)
+    tm = sum(t for t, _ in inside) / n
+    em = sum(e for _, e in inside) / n
+    slope_mj_s = (sum((t - tm) * (e - em) for t, e in inside) / sum((t - tm) ** 2 for t, _ in inside))
+    return slope_mj_s / 1000.0 * (b - a)
 
 
 def summarize(samples: list[dict]) -> dict:

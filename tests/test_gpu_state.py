@@ -394,32 +394,47 @@ def test_sampler_stamps_readings_on_the_monotonic_clock_with_the_energy_counter(
     assert monos == sorted(monos) and before <= monos[0] and monos[-1] <= after
     energies = [x["energy_mj"] for x in samples]
     assert energies == sorted(energies) and energies[-1] > energies[0]
-    assert s.energy_j(monos[0], monos[-1]) == pytest.approx((energies[-1] - energies[0]) / 1000)
-    assert s.energy_j(before - 1, monos[-1]) is None  # not sampled around the start
+    # 100 J per reading: the mean power is 100 J over the mean time between readings
+    watts = 100.0 * (len(monos) - 1) / (monos[-1] - monos[0])
+    assert s.energy_j(monos[0], monos[-1]) == pytest.approx(watts * (monos[-1] - monos[0]), rel=0.3)
+    assert s.energy_j(before - 1, monos[-1]) is None  # the readings cover under half the window
 
 
-def test_window_energy_interpolates_the_counter_and_refuses_what_it_cannot_know():
-    """window_energy_j: the counter (mJ) linearly interpolated at both ends of the window; None
-    for a window outside the readings, a reversed window, a counter that went backwards (driver
-    reload) or was never read; malformed readings are skipped."""
-    # 400 W from t = 10 to 11 s, then 600 W to 12 s (counter in mJ)
-    samples = [{"mono": 10.0, "energy_mj": 0}, {"mono": 11.0, "energy_mj": 400_000},
-               {"mono": 12.0, "energy_mj": 1_000_000}]
+def _stepped(p_before=400.0, p_after=600.0, switch=11.0, period=0.02, every=0.1, t0=10.0, t1=12.0):
+    """Readings every `period` s of a counter that, like the H200's, advances only every `every`
+    s (to the energy used up to that update), under p_before W until `switch`, p_after after."""
+    def energy(t):  # J used since t0
+        return p_before * (min(t, switch) - t0) + p_after * max(0.0, t - switch)
+    out, t = [], t0
+    while t <= t1 + 1e-9:
+        last_update = t0 + every * int((t - t0) / every + 1e-9)
+        out.append({"mono": t, "energy_mj": round(1000 * energy(last_update))})
+        t += period
+    return out
+
+
+def test_window_energy_reads_the_mean_power_inside_the_window_from_a_stepped_counter():
+    """window_energy_j on a counter that updates every 100 ms, read every 20 ms: the power of the
+    window's own updates times its length, within the update times' uncertainty (half a
+    sampling period); the power before the window (a prefill at another power) stays out. None
+    when it cannot say: fewer than two updates inside, a span under half the window, a reversed
+    or empty window, a counter that went backwards (driver reload) or was never read; malformed
+    readings are skipped."""
     w = gpu_state.window_energy_j
-    assert w(samples, 10.0, 12.0) == pytest.approx(1000.0)
-    assert w(samples, 10.5, 11.5) == pytest.approx(200.0 + 300.0)  # half a second at each power
-    assert w(samples, 11.25, 11.75) == pytest.approx(300.0)
-    assert w(list(reversed(samples)), 10.5, 11.5) == pytest.approx(500.0)  # order of readings
-    assert w(samples, 9.9, 11.0) is None and w(samples, 11.0, 12.1) is None
-    assert w(samples, 11.5, 11.5) is None and w(samples, 11.5, 10.5) is None
-    assert w(samples[:1], 10.0, 10.0) is None
-    backwards = samples + [{"mono": 13.0, "energy_mj": 5}]
-    assert w(backwards, 10.5, 11.5) is None
-    unread = [dict(x, energy_mj=None) for x in samples]
-    assert w(unread, 10.5, 11.5) is None
+    samples = _stepped()
+    assert w(samples, 10.2, 10.8) == pytest.approx(400.0 * 0.6, rel=0.04)
+    assert w(samples, 11.2, 11.9) == pytest.approx(600.0 * 0.7, rel=0.04)
+    # starts where the power changes: the 400 W before 11.0 must not lower it
+    assert w(samples, 11.0, 11.8) == pytest.approx(600.0 * 0.8, rel=0.04)
+    assert w(list(reversed(samples)), 10.2, 10.8) == pytest.approx(240.0, rel=0.04)  # reading order
+    assert w(samples, 10.21, 10.29) is None          # no two updates inside
+    assert w(samples, 11.95, 13.0) is None            # updates span under half the window
+    assert w(samples, 10.5, 10.5) is None and w(samples, 10.8, 10.2) is None
+    assert w(samples + [{"mono": 12.5, "energy_mj": 5}], 10.2, 10.8) is None  # counter reset
+    assert w([dict(x, energy_mj=None) for x in samples], 10.2, 10.8) is None
     junk = samples + [{"mono": "x", "energy_mj": 1}, {"mono": float("nan"), "energy_mj": 1}, "junk",
-                      {"mono": 10.7, "energy_mj": True}]
-    assert w(junk, 10.5, 11.5) == pytest.approx(500.0)
+                      {"mono": 10.5, "energy_mj": True}]
+    assert w(junk, 10.2, 10.8) == pytest.approx(240.0, rel=0.04)
 
 
 def test_decode_energy_is_the_median_over_complete_windows_only():
