@@ -53,7 +53,7 @@ from . import metrics
 from .bench_e2e import rep_rates
 from .errors import ConfigError
 from .gpu_state import short_note
-from .jsonread import as_dict, as_list
+from .jsonread import as_dict, as_list, finite_pos
 from .results import SCHEMA, read_json
 
 AB_SCHEMA = "gguf-harness/ab/1"
@@ -319,13 +319,15 @@ def perf_rows(a: dict, b: dict, threshold: float) -> tuple[list[PerfRow], list[C
 
 def energy_note(ra, rb) -> str:
     """"J/token A -> B (+x.x %)" when both bench rows carry the decode's energy per token
-    (harness/bench_e2e.py decode_energy, from session 22), else "": information beside the
-    speed verdict, not a verdict (one median per row, no spread to judge by)."""
-    vals = [r.get("decode_j_per_token") if isinstance(r, dict) else None for r in (ra, rb)]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in vals):
-        return ""
-    ja, jb = vals
-    return f"J/token {ja:.3g} -> {jb:.3g} ({100 * (jb / ja - 1):+.1f} %)"
+    (harness/bench_e2e.py decode_energy, from session 22; positive finite figures only), "J/token
+    only in A|B: x" when one does, else "": information beside the speed verdict, not a verdict
+    (one median per row, no spread to judge by)."""
+    ja, jb = (finite_pos(r.get("decode_j_per_token")) if isinstance(r, dict) else None for r in (ra, rb))
+    if ja and jb:
+        return f"J/token {ja:.3g} -> {jb:.3g} ({100 * (jb / ja - 1):+.1f} %)"
+    if ja or jb:  # as the GPU-state note does when one side has none
+        return f"J/token only in {'A' if ja else 'B'}: {ja or jb:.3g}"
+    return ""
 
 
 # ---- correctness ------------------------------------------------------------------------

@@ -94,8 +94,15 @@ def bench_e2e(model: ModelRef, step_bytes: int, backends: list[str], contexts, p
             "n_decode": n_decode, "reps": reps}
 
 
+# which estimator made a row's energy figures (harness/gpu_state.py window_energy_j): results of
+# session 22's third machine start hold the first one's (the counter interpolated at the window's
+# ends; no tag), which mixed the prefill's power into the window's edges (docs/perf-notes.md)
+ENERGY_METHOD = "nvml-energy-counter-lsq/1"
+
+
 def decode_energy(windows, energy_j, n_decode: int) -> dict:
-    """{"decode_j_per_token": J, "decode_power_w": W} of a bench row: the median over its
+    """{"decode_j_per_token": J, "decode_power_w": W, "decode_energy_method": ENERGY_METHOD} of a
+    bench row: the median over its
     repetitions of the GPU energy in each decode window ([start, end] in time.monotonic() s, as
     the backends' bench() returns them; energy_j(a, b): harness/gpu_state.py window_energy_j)
     divided by n_decode tokens, and by the window's seconds. {} when a backend gives no windows,
@@ -113,7 +120,8 @@ def decode_energy(windows, energy_j, n_decode: int) -> dict:
             return {}
         per_token.append(e / n_decode)
         watts.append(e / (w[1] - w[0]))
-    return {"decode_j_per_token": statistics.median(per_token), "decode_power_w": statistics.median(watts)}
+    return {"decode_j_per_token": statistics.median(per_token), "decode_power_w": statistics.median(watts),
+            "decode_energy_method": ENERGY_METHOD}
 
 
 def _memory(backend) -> dict:

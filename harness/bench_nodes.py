@@ -128,7 +128,10 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
                # each replay sample's us per step: the spread harness ab (ab_nodes.py) judges by
                "step_samples_us": [1e6 * s / steps for s in decode_s],
                "gpu_state": state,
-               **({"step_j": energy["decode_j_per_token"], "step_power_w": energy["decode_power_w"]} if energy else {}),
+               **({"step_j": energy["decode_j_per_token"], "step_power_w": energy["decode_power_w"],
+                   "step_energy_method": energy["decode_energy_method"]} if energy else {}),
+               # the replays' windows (time.monotonic() s) beside gpu_state's samples: step_j recomputable
+               "step_windows": timed.get("decode_window"),
                "engine": e.info(), "methods": {}}
         e.reset()
         e.prefill(prompt_ids)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from .bench_e2e import rep_rates
 from .errors import ConfigError
-from .jsonread import as_dict
+from .jsonread import as_dict, json_int
 
 MAX_FILE_BYTES = 16 * 1024 * 1024
 MAX_RECORDS = 10_000
@@ -151,12 +151,12 @@ def _records(path: Path) -> list:
     try:
         text = data.decode("utf-8").strip()
         if text.startswith("["):
-            recs = json.loads(text)
+            recs = json.loads(text, parse_int=json_int)
         else:
             recs = []
             for line in text.splitlines():
                 if line.strip():
-                    recs.append(json.loads(line))
+                    recs.append(json.loads(line, parse_int=json_int))
                     if len(recs) > MAX_RECORDS:
                         break
     except (UnicodeDecodeError, ValueError, RecursionError) as e:

@@ -259,26 +259,37 @@ def summarize(samples: list[dict]) -> dict:
 
 
 def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite int or float, not a bool (an int beyond a float's range counts as not finite)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def clean(state) -> dict | None:
     """A result's gpu_state as summarize() shapes it, or None when absent; a malformed one (a file
     edited or from another tool) keeps only its well-formed fields, so readers never raise:
-    available True needs "n"; ranges are 3 finite numbers; reasons a {str: int} dict."""
+    available True needs "n"; ranges are 3 finite numbers; reasons a {str: int} dict; counts
+    (n, slowdown, each reason's) are whole numbers from 0 to n, else dropped (0 / left out)."""
     if not isinstance(state, dict):
         return None
     if state.get("available") is not True:
         why = state.get("why")
         return {"available": False, **({"why": why} if isinstance(why, str) else {})}
-    out = {"available": True, "n": state["n"] if _num(state.get("n")) else 0}
+    def count(x, most):  # a sample count: a whole number in 0..most
+        return _num(x) and x >= 0 and x == int(x) and x <= most
+    n = state.get("n")
+    out = {"available": True, "n": int(n) if count(n, MAX_SAMPLES) else 0}
     for key in ("sm_mhz", "mem_mhz", "power_w", "temp_c"):
         v = state.get(key)
         out[key] = list(v) if isinstance(v, list) and len(v) == 3 and all(map(_num, v)) else None
     out["power_limit_w"] = state.get("power_limit_w") if _num(state.get("power_limit_w")) else None
     r = state.get("reasons")
-    out["reasons"] = {k: c for k, c in r.items() if isinstance(k, str) and _num(c)} if isinstance(r, dict) else {}
-    out["slowdown"] = state["slowdown"] if _num(state.get("slowdown")) else 0
+    out["reasons"] = ({k: int(c) for k, c in r.items() if isinstance(k, str) and count(c, out["n"])}
+                      if isinstance(r, dict) else {})
+    out["slowdown"] = int(state["slowdown"]) if count(state.get("slowdown"), out["n"]) else 0
     return out
 
 

@@ -3,6 +3,9 @@ the wrong type is treated as absent instead of raising (reports must still rende
 tables must still say what they can)."""
 from __future__ import annotations
 
+import math
+import sys
+
 
 def as_dict(x) -> dict:
     """x when it is a dict, else {}."""
@@ -12,3 +15,28 @@ def as_dict(x) -> dict:
 def as_list(x) -> list:
     """x when it is a list, else []."""
     return x if isinstance(x, list) else []
+
+
+def json_int(digits: str):
+    """json.loads' parse_int: the int, or a signed infinity for one beyond a float's range. Why:
+    such an int is valid JSON, and every reader's float() of it would raise OverflowError; as an
+    infinity the readers' finiteness checks drop it like any other non-finite value. Digit
+    strings too long for int() (Python's 4300-digit limit) are infinities too."""
+    neg = digits.startswith("-")
+    if len(digits) - neg > 400:
+        return -math.inf if neg else math.inf
+    n = int(digits)
+    if abs(n) > sys.float_info.max:
+        return -math.inf if neg else math.inf
+    return n
+
+
+def finite_pos(x) -> float | None:
+    """x as float when it is an int or float (not a bool), finite and > 0, else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        f = float(x)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) and f > 0 else None

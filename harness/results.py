@@ -11,6 +11,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .jsonread import json_int
+
 SCHEMA = "gguf-harness/run/1"
 
 
@@ -83,7 +85,7 @@ def read_json(path: Path) -> dict:
     gguf-harness result of a known schema."""
     text = Path(path).read_text()
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_int=json_int)  # (an int beyond a float's range: inf)
     except RecursionError:  # valid JSON nested past the recursion limit: hostile, not a result
         raise ValueError(f"{path}: JSON nested too deeply") from None
     if not isinstance(obj, dict) or not str(obj.get("schema", "")).startswith("gguf-harness/"):

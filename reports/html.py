@@ -6,7 +6,6 @@ every value: model names, metadata, chat templates and token texts are untrusted
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -65,12 +64,11 @@ def gpu_states(result: dict) -> list[dict]:
     followed by the decode's energy per token and power where the row has them (bench_e2e
     decode_energy; from session 22)."""
     from harness.gpu_state import describe
-    from harness.jsonread import as_dict, as_list
+    from harness.jsonread import as_dict, as_list, finite_pos
 
-    def energy(r):
-        j, w = r.get("decode_j_per_token"), r.get("decode_power_w")
-        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (j, w))
-        return f"; decode {j:.2f} J/token at {w:.0f} W (energy counter)" if ok else ""
+    def energy(r):  # positive finite figures only (a hand-edited or hostile result may hold anything)
+        j, w = finite_pos(r.get("decode_j_per_token")), finite_pos(r.get("decode_power_w"))
+        return f"; decode {j:.2f} J/token at {w:.0f} W (energy counter)" if j and w else ""
     return [{"label": f"{r.get('backend')} c={r.get('n_ctx')}", "text": describe(r["gpu_state"]) + energy(r)}
             for r in as_list(as_dict(result.get("bench")).get("rows"))
             if isinstance(r, dict) and isinstance(r.get("gpu_state"), dict)]

@@ -4,7 +4,6 @@ method. Jinja2 autoescaping is on (model names are untrusted), plots are data UR
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from harness.bench_nodes import layer_matrix
@@ -34,10 +33,10 @@ def render_nodes_html(result: dict) -> str:
 
 def _step_energy(res: dict) -> str:
     """"; step <J> J at <W> W (energy counter)" from the result's step_j / step_power_w
-    (harness/bench_nodes.py, from session 22), or "" when absent or malformed."""
-    j, w = res.get("step_j"), res.get("step_power_w")
-    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (j, w))
-    return f"; step {j:.3f} J at {w:.0f} W (energy counter)" if ok else ""
+    (harness/bench_nodes.py, from session 22), or "" when absent, malformed or not positive."""
+    from harness.jsonread import finite_pos
+    j, w = finite_pos(res.get("step_j")), finite_pos(res.get("step_power_w"))
+    return f"; step {j:.3f} J at {w:.0f} W (energy counter)" if j and w else ""
 
 
 def render_nodes_report(result: dict, out_path: Path) -> Path:

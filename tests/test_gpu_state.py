@@ -445,6 +445,7 @@ def test_decode_energy_is_the_median_over_complete_windows_only():
     joules = {(0.0, 1.0): 600.0, (2.0, 3.0): 700.0, (4.0, 4.5): 400.0}
     got = decode_energy([[0.0, 1.0], [2.0, 3.0], [4.0, 4.5]], lambda a, b: joules.get((a, b)), 100)
     assert got["decode_j_per_token"] == pytest.approx(6.0) and got["decode_power_w"] == pytest.approx(700.0)
+    assert got["decode_energy_method"] == "nvml-energy-counter-lsq/1"
     assert decode_energy(None, lambda a, b: 1.0, 100) == {}
     assert decode_energy([], lambda a, b: 1.0, 100) == {}
     assert decode_energy([[0.0, 1.0], [5.0, 6.0]], lambda a, b: joules.get((a, b)), 100) == {}
@@ -515,6 +516,9 @@ def test_html_report_gives_the_decode_energy_beside_the_gpu_state():
     (g1, g2) = gpu_states(res)
     assert g1["text"].endswith("; decode 4.23 J/token at 688 W (energy counter)")
     assert "J/token" not in g2["text"]
+    for bad in (-4.0, 0.0, float("nan"), 10 ** 400, True):  # positive finite figures only
+        res["bench"]["rows"][1].update(decode_j_per_token=bad, decode_power_w=500.0)
+        assert "J/token" not in gpu_states(res)[1]["text"], bad
     assert "decode 4.23 J/token at 688 W" in render_html(res)
 
 
@@ -560,9 +564,12 @@ def test_run_nodes_records_the_step_energy_when_the_engine_gives_its_windows(mon
     lines = []
     out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append)
     assert out["step_power_w"] == pytest.approx(500.0, rel=0.05)
+    assert out["step_energy_method"] == "nvml-energy-counter-lsq/1" and len(out["step_windows"]) == 3
     assert out["step_j"] == pytest.approx(500.0 * out["step_us"] * 1e-6, rel=0.1)
     assert any(line.startswith("step energy: ") for line in lines)
     assert _step_energy(out).startswith("; step ") and _step_energy({"step_j": "x", "step_power_w": 1.0}) == ""
+    assert _step_energy({"step_j": -4.0, "step_power_w": 600.0}) == ""
+    assert _step_energy({"step_j": 4.0, "step_power_w": 10 ** 400}) == ""
 
 
 def test_harness_ab_notes_the_decode_energy_change_beside_the_decode_verdict():
@@ -576,5 +583,46 @@ def test_harness_ab_notes_the_decode_energy_change_beside_the_decode_verdict():
     pre = next(p for p in perf if p.metric == "prefill_tok_s")
     assert dec.note == "J/token 4 -> 3.8 (-5.0 %)" and "J/token" not in pre.note
     b["bench"]["rows"][0]["decode_j_per_token"] = "<junk>"
-    assert next(p for p in ab.compare(a, b).perf if p.metric == "decode_tok_s").note == ""
-    assert ab.energy_note({"decode_j_per_token": 0.0}, {"decode_j_per_token": 1.0}) == ""
+    assert next(p for p in ab.compare(a, b).perf if p.metric == "decode_tok_s").note == "J/token only in A: 4"
+    assert ab.energy_note({"decode_j_per_token": 0.0}, {"decode_j_per_token": 1.5}) == "J/token only in B: 1.5"
+    assert ab.energy_note({"decode_j_per_token": -1.0}, {"decode_j_per_token": 10 ** 400}) == ""
+    assert ab.energy_note({}, None) == ""
+
+
+def test_clean_keeps_only_whole_counts_within_the_sample_count():
+    """gpu_state.clean: n, slowdown and each reason's count must be whole numbers from 0 to n
+    (a hostile or hand-edited file gave "slowdown in -5 of -1 samples"); an int beyond a
+    float's range is not a number."""
+    st = gpu_state.clean({"available": True, "n": 10, "slowdown": 12, "reasons": {"SwPowerCap": -3, "HwSlowdown": 4,
+                                                                                 "SwThermalSlowdown": 2.5}})
+    assert st["n"] == 10 and st["slowdown"] == 0 and st["reasons"] == {"HwSlowdown": 4}
+    st = gpu_state.clean({"available": True, "n": -1, "slowdown": -5, "reasons": {"SwPowerCap": 1}})
+    assert st["n"] == 0 and st["slowdown"] == 0 and st["reasons"] == {}
+    st = gpu_state.clean({"available": True, "n": 10 ** 400, "sm_mhz": [1, 2, 10 ** 400]})
+    assert st["n"] == 0 and st["sm_mhz"] is None
+    assert "-5" not in gpu_state.describe({"available": True, "n": -1, "slowdown": -5, "reasons": {}})
+
+
+def test_results_with_ints_beyond_a_float_read_as_infinities_and_compare(tmp_path):
+    """An int too large for a float is valid JSON; results.read_json reads it as a signed
+    infinity (jsonread.json_int), so harness ab and the report treat it as any non-finite value
+    instead of raising OverflowError."""
+    import json as _json
+
+    from harness.jsonread import json_int
+    from harness.results import read_json
+    from reports.html import render_html
+    assert json_int("12") == 12 and json_int("-" + "9" * 320) == float("-inf")
+    assert json_int("9" * 5000) == float("inf") and json_int(str(10 ** 308)) == 10 ** 308
+    res = result([1.0, 1.0, 1.0])
+    res["bench"]["rows"][0].update(decode_j_per_token=1, gpu_state=_state(1980))
+    text = _json.dumps(res).replace('"decode_j_per_token": 1', '"decode_j_per_token": 1' + "0" * 400)
+    text = text.replace('"n": 10', '"n": 1' + "0" * 400)
+    path = tmp_path / "big.json"
+    path.write_text(text)
+    big = read_json(path)
+    assert big["bench"]["rows"][0]["decode_j_per_token"] == float("inf")
+    res_a = result([1.0, 1.0, 1.0])
+    note = next(p for p in ab.compare(res_a, big).perf if p.metric == "decode_tok_s").note
+    assert "J/token" not in note
+    assert "J/token at" not in render_html(big)  # (the section text names J/token)
