@@ -136,3 +136,20 @@ def test_refuses_other_architectures(tmp_path):
     from backends.engine import EngineBackend
     with pytest.raises(UnsupportedError, match="llama"):
         EngineBackend().load(ModelRef("m", p), RunConfig(n_ctx=64))
+
+
+def test_bench_reports_each_decode_window_on_the_monotonic_clock(tiny_qwen2_q):
+    """bench() returns per repetition when the chained decode ran on the GPU, in
+    time.monotonic() seconds (harness/gpu_state.py window_energy_j matches them with the energy
+    counter): inside the call, in order, each as long as its decode_s (the end read as the
+    last event completes, the start that less the CUDA-event time)."""
+    import time
+    eng = _engine(tiny_qwen2_q)
+    before = time.monotonic()
+    r = eng.bench(PROMPT, 16, 3)
+    after = time.monotonic()
+    assert len(r["decode_window"]) == len(r["decode_s"]) == 3
+    ends = [x for w in r["decode_window"] for x in w]
+    assert before < ends[0] and ends == sorted(ends) and ends[-1] < after
+    for (a, b), d in zip(r["decode_window"], r["decode_s"]):
+        assert b - a == pytest.approx(d, abs=1e-9) and d > 0

@@ -383,21 +383,28 @@ def test_run_nodes_records_the_gpu_state_of_the_step_it_timed(monkeypatch):
 
 def test_sampler_stamps_readings_on_the_monotonic_clock_with_the_energy_counter():
     """Each reading carries time.monotonic() (the clock backends stamp their decode windows
-    with) and the energy counter; energy_j reads the window between two instants from them."""
+    with) and the energy counter; energy_j is the least-squares power of the counter's updates
+    (placed between readings) times the window (computed here independently with numpy)."""
+    import numpy as np
     fake = FakeNVML([(1980, 3201, 500_000, 55, 0)])
     before = time.monotonic()
-    with gpu_state.GpuStateSampler(period_s=0.01, nvml=fake) as s:
-        time.sleep(0.05)
+    with gpu_state.GpuStateSampler(period_s=0.002, nvml=fake) as s:
+        deadline = time.monotonic() + 10
+        while len(s._samples) < 6 and time.monotonic() < deadline:  # (a loaded machine: wait for them)
+            time.sleep(0.005)
     after = time.monotonic()
-    samples = s.summary()["samples"]
+    st = s.summary()
+    samples = st["samples"]
+    assert st["period_s"] == 0.002 and len(samples) >= 6
     monos = [x["mono"] for x in samples]
     assert monos == sorted(monos) and before <= monos[0] and monos[-1] <= after
     energies = [x["energy_mj"] for x in samples]
-    assert energies == sorted(energies) and energies[-1] > energies[0]
-    # 100 J per reading: the mean power is 100 J over the mean time between readings
-    watts = 100.0 * (len(monos) - 1) / (monos[-1] - monos[0])
-    assert s.energy_j(monos[0], monos[-1]) == pytest.approx(watts * (monos[-1] - monos[0]), rel=0.3)
-    assert s.energy_j(before - 1, monos[-1]) is None  # the readings cover under half the window
+    assert energies == sorted(energies) and len(set(energies)) == len(energies)  # one update per reading here
+    mids = [(t0 + t1) / 2 for t0, t1 in zip(monos, monos[1:])]
+    slope = np.polyfit(mids, np.array(energies[1:]) / 1000.0, 1)[0]
+    a, b = mids[0], mids[-1]
+    assert s.energy_j(a, b) == pytest.approx(slope * (b - a), rel=1e-6)
+    assert s.energy_j(before - 10, after) is None  # the readings cover under half the window
 
 
 def _stepped(p_before=400.0, p_after=600.0, switch=11.0, period=0.02, every=0.1, t0=10.0, t1=12.0):
@@ -456,10 +463,31 @@ def test_decode_energy_is_the_median_over_complete_windows_only():
     assert decode_energy([[0.0, 1.0]], lambda a, b: 1.0, 0) == {}
 
 
+class _FakeSampler:
+    """GpuStateSampler's interface with a fixed power: energy_j(a, b) = watts x (b - a) inside
+    [lo, hi], None outside (a window the sampler did not cover)."""
+    def __init__(self, watts, lo=0.0, hi=100.0):
+        self.watts, self.lo, self.hi = watts, lo, hi
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def summary(self, raw=True):
+        return {"schema": gpu_state.SCHEMA, "available": True, "n": 2, "sm_mhz": [1980, 1980, 1980],
+                "mem_mhz": [3201, 3201, 3201], "power_w": [1.0, 1.0, 1.0], "power_limit_w": 700.0,
+                "temp_c": [40, 40, 40], "reasons": {}, "slowdown": 0}
+
+    def energy_j(self, a, b):
+        return self.watts * (b - a) if self.lo <= a < b <= self.hi else None
+
+
 def test_bench_e2e_rows_carry_the_decode_energy_per_token(monkeypatch):
-    """A backend that reports its decode windows gets J/token and W in its row (energy counter
-    of a fake NVML that counts 10 W of power) and a log line; the warm-up window is dropped
-    with the warm-up repetition; a backend without windows gets neither."""
+    """A backend that reports its decode windows gets J/token and W in its row (the median over
+    the repetitions, the warm-up window dropped with the warm-up repetition) and a log line; a
+    backend without windows, or with one the sampler cannot say, gets neither."""
     from harness import bench_e2e as be
     from harness.config import ModelRef, RunConfig
 
@@ -471,15 +499,9 @@ def test_bench_e2e_rows_carry_the_decode_energy_per_token(monkeypatch):
             pass
 
         def bench(self, prompt, n_decode, reps):
-            out = {"prefill_s": [], "decode_s": [], **({"decode_window": []} if self.windows else {})}
-            for _ in range(reps):
-                a = time.monotonic()
-                time.sleep(0.03)
-                b = time.monotonic()
-                out["prefill_s"].append(0.001)
-                out["decode_s"].append(b - a)
-                if self.windows:
-                    out["decode_window"].append([a, b])
+            out = {"prefill_s": [0.001] * reps, "decode_s": [0.5] * reps}
+            if self.windows is not None:
+                out["decode_window"] = self.windows
             return out
 
         def capabilities(self):
@@ -488,22 +510,21 @@ def test_bench_e2e_rows_carry_the_decode_energy_per_token(monkeypatch):
         def close(self):
             pass
 
-    class Watts(FakeNVML):  # the counter follows the clock: 10 W
-        def nvmlDeviceGetTotalEnergyConsumption(self, h):
-            return int(10_000 * time.monotonic())
-
-    monkeypatch.setattr(be, "GpuStateSampler",
-                        lambda period_s: gpu_state.GpuStateSampler(period_s=0.005, nvml=Watts([(1980, 3201, 10_000, 40, 0)])))
+    backends = {"engine": Clocked([[0.0, 5.0], [10.0, 10.5], [20.0, 20.6], [30.0, 30.4]]),
+                "llamacpp": Clocked(None), "oracle": Clocked([[0.0, 5.0], [10.0, 10.5], [20.0, 20.6], [99.0, 101.0]])}
+    monkeypatch.setattr(be, "GpuStateSampler", lambda period_s: _FakeSampler(600.0))
     lines = []
-    out = be.bench_e2e(ModelRef("m", "m.gguf"), 1, ["engine", "llamacpp"], [512], [1, 2], RunConfig(),
-                       lambda name: Clocked(name == "engine"), n_decode=10, reps=2, log=lines.append)
+    out = be.bench_e2e(ModelRef("m", "m.gguf"), 1, list(backends), [512], [1, 2], RunConfig(),
+                       backends.get, n_decode=100, reps=3, log=lines.append)
     rows = {r["backend"]: r for r in out["rows"]}
     eng = rows["engine"]
-    assert len(eng["raw"]["decode_window"]) == 2
-    assert eng["decode_power_w"] == pytest.approx(10.0, rel=0.05)
-    assert eng["decode_j_per_token"] == pytest.approx(10.0 * 0.03 / 10, rel=0.2)
-    assert any(line.startswith("  decode energy: ") and "J/token" in line for line in lines)
-    assert "decode_j_per_token" not in rows["llamacpp"] and "decode_power_w" not in rows["llamacpp"]
+    assert eng["raw"]["decode_window"] == [[10.0, 10.5], [20.0, 20.6], [30.0, 30.4]]
+    # 600 W over 0.5 / 0.6 / 0.4 s for 100 tokens: 3.0 / 3.6 / 2.4 J/token, median 3.0
+    assert eng["decode_j_per_token"] == pytest.approx(3.0) and eng["decode_power_w"] == pytest.approx(600.0)
+    assert eng["decode_energy_method"] == "nvml-energy-counter-lsq/1"
+    assert any(line == "  decode energy: 3.00 J/token (600 W, NVML energy counter)" for line in lines)
+    for name in ("llamacpp", "oracle"):  # no windows; one window outside what was sampled
+        assert not {"decode_j_per_token", "decode_power_w"} & set(rows[name]), name
 
 
 def test_html_report_gives_the_decode_energy_beside_the_gpu_state():
@@ -524,7 +545,7 @@ def test_html_report_gives_the_decode_energy_beside_the_gpu_state():
 
 def test_run_nodes_records_the_step_energy_when_the_engine_gives_its_windows(monkeypatch):
     """run_nodes: the engine's bench windows turn the energy counter into J per step and W
-    (bench_e2e.decode_energy), logged and shown in the nodes report; without windows neither."""
+    (bench_e2e.decode_energy), kept with the windows, logged and shown in the nodes report."""
     import contextlib
 
     from harness import bench_nodes
@@ -532,14 +553,7 @@ def test_run_nodes_records_the_step_energy_when_the_engine_gives_its_windows(mon
 
     class Windowed:
         def bench(self, ids, steps, reps):
-            out = {"decode_s": [], "decode_window": []}
-            for _ in range(reps):
-                a = time.monotonic()
-                time.sleep(0.02)
-                b = time.monotonic()
-                out["decode_s"].append(b - a)
-                out["decode_window"].append([a, b])
-            return out
+            return {"decode_s": [0.4, 0.4, 0.4], "decode_window": [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4]]}
 
         def info(self):
             return {"nodes_per_step": 1, "bytes_per_step": 1}
@@ -553,21 +567,16 @@ def test_run_nodes_records_the_step_energy_when_the_engine_gives_its_windows(mon
         def node_times(self, tok, method):
             return [{"name": "blk.0.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 900.0, "bytes": 1000}]
 
-    class Watts(FakeNVML):  # 500 W
-        def nvmlDeviceGetTotalEnergyConsumption(self, h):
-            return int(500_000 * time.monotonic())
-
     monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(Windowed()))
-    real = gpu_state.GpuStateSampler
-    monkeypatch.setattr(gpu_state, "GpuStateSampler",
-                        lambda **kw: real(period_s=0.004, nvml=Watts([(1980, 3201, 500_000, 55, 0)])))
+    monkeypatch.setattr(gpu_state, "GpuStateSampler", lambda **kw: _FakeSampler(500.0))
     lines = []
     out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append)
-    assert out["step_power_w"] == pytest.approx(500.0, rel=0.05)
-    assert out["step_energy_method"] == "nvml-energy-counter-lsq/1" and len(out["step_windows"]) == 3
-    assert out["step_j"] == pytest.approx(500.0 * out["step_us"] * 1e-6, rel=0.1)
-    assert any(line.startswith("step energy: ") for line in lines)
-    assert _step_energy(out).startswith("; step ") and _step_energy({"step_j": "x", "step_power_w": 1.0}) == ""
+    # 500 W x 0.4 s / 64 steps
+    assert out["step_power_w"] == pytest.approx(500.0) and out["step_j"] == pytest.approx(500.0 * 0.4 / 64)
+    assert out["step_energy_method"] == "nvml-energy-counter-lsq/1" and out["step_windows"] == [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4]]
+    assert "step energy: 3.125 J (500 W, NVML energy counter)" in lines
+    assert _step_energy(out) == "; step 3.125 J at 500 W (energy counter)"
+    assert _step_energy({"step_j": "x", "step_power_w": 1.0}) == ""
     assert _step_energy({"step_j": -4.0, "step_power_w": 600.0}) == ""
     assert _step_energy({"step_j": 4.0, "step_power_w": 10 ** 400}) == ""
 
@@ -582,6 +591,9 @@ def test_harness_ab_notes_the_decode_energy_change_beside_the_decode_verdict():
     dec = next(p for p in perf if p.metric == "decode_tok_s")
     pre = next(p for p in perf if p.metric == "prefill_tok_s")
     assert dec.note == "J/token 4 -> 3.8 (-5.0 %)" and "J/token" not in pre.note
+    b["bench"]["rows"][0]["decode_energy_method"] = "nvml-energy-counter-lsq/1"  # A untagged: the first estimator
+    dec = next(p for p in ab.compare(a, b).perf if p.metric == "decode_tok_s")
+    assert dec.note == "J/token 4 -> 3.8 not compared: estimators differ (untagged / nvml-energy-counter-lsq/1)"
     b["bench"]["rows"][0]["decode_j_per_token"] = "<junk>"
     assert next(p for p in ab.compare(a, b).perf if p.metric == "decode_tok_s").note == "J/token only in A: 4"
     assert ab.energy_note({"decode_j_per_token": 0.0}, {"decode_j_per_token": 1.5}) == "J/token only in B: 1.5"

@@ -199,7 +199,9 @@ def test_bench_reports_each_decode_window_on_the_monotonic_clock(llm, prompt_ids
     (a0, b0), (a1, b1) = r["decode_window"]
     assert before < a0 < b0 < a1 < b1 < after
     for (a, b), d in zip(r["decode_window"], r["decode_s"]):
-        assert abs((b - a) - d) < 2e-3, (a, b, d)
+        # read back to back with the perf_counter() readings of decode_s; 20 ms of slack for a
+        # preempted process on a loaded CI machine
+        assert abs((b - a) - d) < 0.02, (a, b, d)
 
 
 def test_run_config_maps_onto_llama_cpp_params():
