@@ -239,7 +239,11 @@ def test_real_pynvml_on_this_machine():
     if not st["available"]:
         assert st["why"]
     else:
-        assert st["n"] >= 2 and st["sm_mhz"][2] > 0 and st["mem_mhz"][2] > 0
+        assert st["n"] >= 2 and st["sm_mhz"][2] > 0 and st["mem_mhz"][2] > 0 and st["period_s"] == 0.01
+        # the energy counter (Volta and later: every GPU this harness targets) on the same clock
+        energies = [x["energy_mj"] for x in st["samples"]]
+        assert all(isinstance(e, int) and e > 0 for e in energies) and energies == sorted(energies)
+        assert all(isinstance(x["mono"], float) for x in st["samples"])
 
 
 def _state(sm, slow=0, n=10, reasons=None):
