@@ -317,20 +317,22 @@ def perf_rows(a: dict, b: dict, threshold: float) -> tuple[list[PerfRow], list[C
     return perf, checks
 
 
-def energy_note(ra, rb) -> str:
+def energy_note(ra, rb, key: str = "decode_j_per_token", method_key: str = "decode_energy_method",
+                unit: str = "J/token") -> str:
     """"J/token A -> B (+x.x %)" when both bench rows carry the decode's energy per token
     (harness/bench_e2e.py decode_energy, from session 22; positive finite figures only) by the
     same estimator (decode_energy_method; untagged: session 22's first), "... not compared:
     estimators differ" by different ones, "J/token only in A|B: x" when one row has it, else "":
-    information beside the speed verdict, not a verdict (one median per row, no spread)."""
-    ja, jb = (finite_pos(r.get("decode_j_per_token")) if isinstance(r, dict) else None for r in (ra, rb))
+    information beside the speed verdict, not a verdict (one median per row, no spread). key /
+    method_key / unit: the same for other energy figures (bench nodes: step_j, "J/step")."""
+    ja, jb = (finite_pos(r.get(key)) if isinstance(r, dict) else None for r in (ra, rb))
     if ja and jb:
-        ma, mb = (str(r.get("decode_energy_method") or "untagged")[:60] for r in (ra, rb))
+        ma, mb = (str(r.get(method_key) or "untagged")[:60] for r in (ra, rb))
         if ma != mb:  # another estimator moves the figure by itself (session 22: 2-6 %)
-            return f"J/token {ja:.3g} -> {jb:.3g} not compared: estimators differ ({ma} / {mb})"
-        return f"J/token {ja:.3g} -> {jb:.3g} ({100 * (jb / ja - 1):+.1f} %)"
+            return f"{unit} {ja:.3g} -> {jb:.3g} not compared: estimators differ ({ma} / {mb})"
+        return f"{unit} {ja:.3g} -> {jb:.3g} ({100 * (jb / ja - 1):+.1f} %)"
     if ja or jb:  # as the GPU-state note does when one side has none
-        return f"J/token only in {'A' if ja else 'B'}: {ja or jb:.3g}"
+        return f"{unit} only in {'A' if ja else 'B'}: {ja or jb:.3g}"
     return ""
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from .ab import energy_note
 from .ab_kernels import KernelCheck, KernelPerf, KernelsAB, _finite
 from .bench_nodes import SCHEMA as NODES_SCHEMA
 from .bench_nodes import split_name
@@ -121,6 +122,9 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
             notes.append(f"engine switch {k}: {sw_a.get(k, '(unset)')} -> {sw_b.get(k, '(unset)')}")
     # a GPU that slowed its clocks in one run (harness/gpu_state.py) explains a step change
     notes += ab_notes("step", na.get("gpu_state"), nb.get("gpu_state"))
+    # the step's energy (bench_nodes step_j, from session 22): information, not a verdict
+    if energy := energy_note(na, nb, "step_j", "step_energy_method", "step J"):
+        notes.append(energy)
     noise = None
     sa, sb = spread(na.get("step_samples_us")), spread(nb.get("step_samples_us"))
     if sa is not None and sb is not None:

@@ -642,3 +642,19 @@ def test_results_with_ints_beyond_a_float_read_as_infinities_and_compare(tmp_pat
     note = next(p for p in ab.compare(res_a, big).perf if p.metric == "decode_tok_s").note
     assert "J/token" not in note
     assert "J/token at" not in render_html(big)  # (the section text names J/token)
+
+
+def test_harness_ab_nodes_notes_the_step_energy_by_the_same_estimator():
+    """ab_nodes: a note with both runs' J per step (bench_nodes step_j) when the same estimator
+    made them, "not compared" when not, "only in" when one run has it; none without."""
+    a = _doc(BASE, 500.0, [499.0, 500.0, 501.0])
+    b = copy.deepcopy(a)
+    assert not any("step J" in n for n in ab_nodes.compare_nodes(a, b).notes)
+    method = "nvml-energy-counter-lsq/1"
+    a["nodes"].update(step_j=4.0, step_energy_method=method)
+    b["nodes"].update(step_j=4.2, step_energy_method=method)
+    assert "step J 4 -> 4.2 (+5.0 %)" in ab_nodes.compare_nodes(a, b).notes
+    b["nodes"].pop("step_energy_method")
+    assert f"step J 4 -> 4.2 not compared: estimators differ ({method} / untagged)" in ab_nodes.compare_nodes(a, b).notes
+    b["nodes"]["step_j"] = "<b>x</b>"
+    assert "step J only in A: 4" in ab_nodes.compare_nodes(a, b).notes
