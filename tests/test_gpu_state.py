@@ -351,6 +351,24 @@ def test_html_report_lists_each_bench_rows_gpu_state_escaped():
     assert "<script>x</script>" not in html and "&lt;script&gt;" in html
 
 
+class _NodesEngine:
+    """What harness/bench_nodes.run_nodes asks of a loaded engine: bench() as given, one node."""
+    def __init__(self, bench):
+        self.bench = bench
+
+    def info(self):
+        return {"nodes_per_step": 1, "bytes_per_step": 1}
+
+    def reset(self):
+        pass
+
+    def prefill(self, ids):
+        pass
+
+    def node_times(self, tok, method):
+        return [{"name": "blk.0.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 900.0, "bytes": 1000}]
+
+
 def test_run_nodes_records_the_gpu_state_of_the_step_it_timed(monkeypatch):
     """harness/bench_nodes.run_nodes wraps the step's chained replays in a GpuStateSampler and
     puts its summary in the result (a fake engine and NVML: the GPU path's own test needs a GPU)."""
@@ -358,23 +376,10 @@ def test_run_nodes_records_the_gpu_state_of_the_step_it_timed(monkeypatch):
 
     from harness import bench_nodes
 
-    class FakeEngine:
-        def bench(self, ids, steps, reps):
-            time.sleep(0.02)
-            return {"decode_s": [0.064, 0.064, 0.064]}
-
-        def info(self):
-            return {"nodes_per_step": 1, "bytes_per_step": 1}
-
-        def reset(self):
-            pass
-
-        def prefill(self, ids):
-            pass
-
-        def node_times(self, tok, method):
-            return [{"name": "blk.0.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 900.0, "bytes": 1000}]
-    monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(FakeEngine()))
+    def bench(ids, steps, reps):
+        time.sleep(0.02)
+        return {"decode_s": [0.064, 0.064, 0.064]}
+    monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(_NodesEngine(bench)))
     fake = FakeNVML([(1980, 3201, 500_000, 55, 0x4)])
     real = gpu_state.GpuStateSampler
     monkeypatch.setattr(gpu_state, "GpuStateSampler", lambda **kw: real(period_s=0.005, nvml=fake))
@@ -555,23 +560,9 @@ def test_run_nodes_records_the_step_energy_when_the_engine_gives_its_windows(mon
     from harness import bench_nodes
     from reports.nodes_html import _step_energy
 
-    class Windowed:
-        def bench(self, ids, steps, reps):
-            return {"decode_s": [0.4, 0.4, 0.4], "decode_window": [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4]]}
-
-        def info(self):
-            return {"nodes_per_step": 1, "bytes_per_step": 1}
-
-        def reset(self):
-            pass
-
-        def prefill(self, ids):
-            pass
-
-        def node_times(self, tok, method):
-            return [{"name": "blk.0.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 900.0, "bytes": 1000}]
-
-    monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(Windowed()))
+    def bench(ids, steps, reps):
+        return {"decode_s": [0.4, 0.4, 0.4], "decode_window": [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4]]}
+    monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(_NodesEngine(bench)))
     monkeypatch.setattr(gpu_state, "GpuStateSampler", lambda **kw: _FakeSampler(500.0))
     lines = []
     out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append)
