@@ -102,10 +102,9 @@ ENERGY_METHOD = "nvml-energy-counter-lsq/1"
 
 def decode_energy(windows, energy_j, n_decode: int) -> dict:
     """{"decode_j_per_token": J, "decode_power_w": W, "decode_energy_method": ENERGY_METHOD} of a
-    bench row: the median over its
-    repetitions of the GPU energy in each decode window ([start, end] in time.monotonic() s, as
-    the backends' bench() returns them; energy_j(a, b): harness/gpu_state.py window_energy_j)
-    divided by n_decode tokens, and by the window's seconds. {} when a backend gives no windows,
+    bench row: the median over its repetitions of the GPU energy in each decode window ([start,
+    end] in time.monotonic() s, as the backends' bench() returns them; energy_j(a, b):
+    harness/gpu_state.py window_energy_j) divided by n_decode tokens, and by the window's seconds. {} when a backend gives no windows,
     a window is malformed, or any window's energy is unknown (no NVML, no energy counter, a
     window the sampler did not cover): a partial median would mix repetitions."""
     if not isinstance(windows, list) or not windows or not n_decode > 0:
