@@ -29,6 +29,7 @@ from dataclasses import replace
 from .config import ModelRef, RunConfig
 from .errors import HarnessError
 from .gpu_state import GpuStateSampler, describe
+from .jsonread import finite, finite_pos
 
 # the engine's info() fields recorded per bench row (backends/engine/backend.py info())
 MEMORY_KEYS = ("token_embd", "planned_bytes", "plan_free_bytes", "vram_limit", "bytes_resident",
@@ -112,10 +113,10 @@ def decode_energy(windows, energy_j, n_decode: int) -> dict:
     per_token, watts = [], []
     for w in windows:
         if not (isinstance(w, (list, tuple)) and len(w) == 2
-                and all(isinstance(t, (int, float)) and math.isfinite(t) for t in w) and w[1] > w[0]):
+                and all(finite(t) is not None for t in w) and w[1] > w[0]):
             return {}
         e = energy_j(w[0], w[1])
-        if e is None or not math.isfinite(e) or e < 0:
+        if finite(e) is None or e < 0:
             return {}
         per_token.append(e / n_decode)
         watts.append(e / (w[1] - w[0]))
@@ -141,11 +142,10 @@ def rep_rates(n_tokens, seconds) -> list[float]:
     """Per-repetition rates [tok/s] = n_tokens / seconds[i] of a bench row's raw times (as
     read back from JSON: any entry may be of a wrong type). nan where a time or n_tokens is
     not a positive finite number."""
-    def ok(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
     if not isinstance(seconds, list):
         return []
-    return [n_tokens / s if ok(n_tokens) and ok(s) else math.nan for s in seconds]
+    n = finite_pos(n_tokens)
+    return [n / s if n and (s := finite_pos(t)) else math.nan for t in seconds]
 
 
 def _drop_warmup(r: dict, reps: int) -> dict:

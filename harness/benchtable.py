@@ -46,7 +46,7 @@ from pathlib import Path
 
 from .bench_e2e import rep_rates
 from .errors import ConfigError
-from .jsonread import as_dict, json_int
+from .jsonread import as_dict, finite, json_int
 
 MAX_FILE_BYTES = 16 * 1024 * 1024
 MAX_RECORDS = 10_000
@@ -73,13 +73,6 @@ def ts_stats(samples: list[float]) -> tuple[float, float]:
     """(mean, sample stdev with n - 1) of per-repetition tok/s; stdev 0 for one sample."""
     mean = statistics.fmean(samples)
     return mean, (statistics.stdev(samples, mean) if len(samples) > 1 else 0.0)
-
-
-def _num(x) -> float | None:
-    """A finite int/float (not bool), else None."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        return None
-    return float(x)
 
 
 def _int(x) -> int | None:
@@ -189,7 +182,7 @@ def _record_row(rec, where: str) -> dict:
         return x if _int(x) is not None and x >= 0 else None
 
     def rate(x):
-        v = _num(x)
+        v = finite(x)
         return v if v is not None and v >= 0 else None
 
     n_prompt, n_gen = get("n_prompt", count, "a count"), get("n_gen", count, "a count")

@@ -22,9 +22,10 @@ row's decode repetitions (harness/bench_e2e.py: J per token).
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
+
+from .jsonread import finite
 
 # NVML clock-event reasons that lower clocks below what the load asks for (the others, GPU idle,
 # application / user clock settings, display clock, sync boost, say why clocks are where they
@@ -134,8 +135,8 @@ class GpuStateSampler:
     def sample(self) -> dict | None:
         """One reading: t (s since __enter__), mono (time.monotonic(), s: the clock other
         processes' timestamps can be matched against), sm_mhz, mem_mhz, power_w, power_limit_w,
-        temp_c, reasons (names), energy_mj (the energy counter); a field whose query failed is None (the first failure per field is kept
-        in why); None without NVML."""
+        temp_c, reasons (names), energy_mj (the energy counter); a field whose query failed is
+        None (the first failure per field is kept in why); None without NVML."""
         if self._handle is None:
             return None
         n, h = self._nvml, self._handle
@@ -271,13 +272,8 @@ def summarize(samples: list[dict]) -> dict:
 
 
 def _num(x) -> bool:
-    """A finite int or float, not a bool (an int beyond a float's range counts as not finite)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    try:
-        return math.isfinite(x)
-    except OverflowError:
-        return False
+    """A finite int or float, not a bool (jsonread.finite)."""
+    return finite(x) is not None
 
 
 def clean(state) -> dict | None:

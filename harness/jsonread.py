@@ -31,12 +31,19 @@ def json_int(digits: str):
     return n
 
 
-def finite_pos(x) -> float | None:
-    """x as float when it is an int or float (not a bool), finite and > 0, else None."""
+def finite(x) -> float | None:
+    """x as float when it is an int or float (not a bool) and finite, else None (an int beyond
+    a float's range too, rather than an OverflowError)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
     try:
         f = float(x)
     except OverflowError:
         return None
-    return f if math.isfinite(f) and f > 0 else None
+    return f if math.isfinite(f) else None
+
+
+def finite_pos(x) -> float | None:
+    """finite(x) when it is > 0, else None."""
+    f = finite(x)
+    return f if f is not None and f > 0 else None
