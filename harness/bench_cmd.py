@@ -1,7 +1,7 @@
 """`harness bench nodes`: per-node timing of one engine decode step (harness.bench_nodes);
 `harness bench kernels`: per-kernel GEMV microbenchmark (harness.bench_kernels_cmd).
 
-    harness bench nodes [--model NAME|PATH] [--ctx 512] [--method graph,eager] [--out out]
+    harness bench nodes [--model NAME|PATH] [--ctx 512] [--method graph,eager] [--out out] [--no-chain]
 
 Writes out/runs/<time>-<sha>/nodes.json and nodes.html (a new folder, never overwritten) and
 prints the totals by kind, the slowest nodes and the step time. Needs an NVIDIA GPU + CuPy.
@@ -57,6 +57,9 @@ def add_bench_parser(sub) -> None:
     n.add_argument("--method", default="graph,eager", help="timing methods: graph, eager or both")
     n.add_argument("--steps", type=int, default=64, help="chained replays timed for the step time")
     n.add_argument("--out", default="out", help="output root (runs go to OUT/runs/...)")
+    n.add_argument("--no-chain", action="store_true",
+                   help="skip the chain roofline (a streaming read of each node's bytes, chained "
+                        "with PDL; needs the step's bytes again in free device memory)")
 
 
 def run_bench(args, console: Console) -> int:
@@ -82,7 +85,7 @@ def run_bench(args, console: Console) -> int:
     tok, ids = tokenize_prompt(model, STANDARD_PROMPT, STANDARD_PROMPT_TOKENS)
     tok.close()
     res = run_nodes(model, args.ctx, list(ids), methods, steps=args.steps,
-                    log=lambda m: console.print(m, markup=False))
+                    log=lambda m: console.print(m, markup=False), chain=not args.no_chain)
     result = {"schema": res["schema"], "created": datetime.now(timezone.utc).isoformat(),
               "machine": machine_info(), "model": model_meta(info) | {"name": model.name,
                                                                          "sha256": model.sha256},

@@ -96,9 +96,11 @@ def loaded_engine(model, n_ctx: int):
 
 
 def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: int = 64,
-              log=print) -> dict:
+              log=print, chain: bool = True) -> dict:
     """Load the engine on `model` (harness.config.ModelRef), feed the prompt, time the step
-    graph over `steps` chained replays (median of 3) and every node with each method.
+    graph over `steps` chained replays (median of 3) and every node with each method; with
+    `chain`, also the step's chain roofline (harness/step_roofline.py: a streaming read of each
+    node's bytes, chained with PDL) as "chain_roofline".
     Raises UnsupportedError without CuPy/GPU (from the engine), ConfigError on bad input."""
     import statistics
 
@@ -133,6 +135,9 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
                # the replays' windows (time.monotonic() s) beside gpu_state's samples: step_j recomputable
                "step_windows": timed.get("decode_window"),
                "engine": e.info(), "methods": {}}
+        if chain:  # what one kernel per node could reach on these sizes (cold, dependent, no arithmetic)
+            from .step_roofline import time_chain
+            out["chain_roofline"] = time_chain([int(n.bytes) for n in e.step_exec.nodes], step_us, log=log)
         e.reset()
         e.prefill(prompt_ids)
         for m in methods:

@@ -28,6 +28,7 @@ def render_nodes_html(result: dict) -> str:
     return _env().get_template(TEMPLATE).render(
         model=result["model"], res=res, created=result.get("created", ""), plots=plots,
         gpu_line=(describe(gpu) + _step_energy(res)) if gpu else None,  # clocks / slowdowns / energy while timed
+        chain_line=chain_line(res.get("chain_roofline")),
         machine_text=json.dumps(result.get("machine", {}), indent=1, sort_keys=True))
 
 
@@ -37,6 +38,27 @@ def _step_energy(res: dict) -> str:
     from harness.jsonread import finite_pos
     j, w = finite_pos(res.get("step_j")), finite_pos(res.get("step_power_w"))
     return f"; step {j:.3f} J at {w:.0f} W (energy counter)" if j and w else ""
+
+
+def chain_line(chain) -> str | None:
+    """One line of the step's chain roofline (harness/step_roofline.py) from a result's
+    "chain_roofline": "dependent 4321.0 µs (step 1.43x) · ..." per mode with a positive finite
+    time, "not run: <why>" when it was skipped, None when absent or malformed (hostile JSON)."""
+    from harness.jsonread import finite_pos
+    if not isinstance(chain, dict):
+        return None
+    if isinstance(chain.get("why"), str):
+        return f"not run: {chain['why']}"
+    modes = chain.get("modes") if isinstance(chain.get("modes"), dict) else {}
+    over = chain.get("step_over") if isinstance(chain.get("step_over"), dict) else {}
+    parts = []
+    for name, v in modes.items():
+        us = finite_pos(v.get("us")) if isinstance(v, dict) else None
+        if us is None:
+            continue
+        x = finite_pos(over.get(name))
+        parts.append(f"{name} {us:.1f} µs" + (f" (step {x:.2f}x)" if x else ""))
+    return " · ".join(parts) or None
 
 
 def render_nodes_report(result: dict, out_path: Path) -> Path:

@@ -384,7 +384,7 @@ def test_run_nodes_records_the_gpu_state_of_the_step_it_timed(monkeypatch):
     real = gpu_state.GpuStateSampler
     monkeypatch.setattr(gpu_state, "GpuStateSampler", lambda **kw: real(period_s=0.005, nvml=fake))
     lines = []
-    out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append)
+    out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append, chain=False)
     st = out["gpu_state"]
     assert st["available"] and st["n"] >= 2 and st["slowdown"] == st["n"] and out["step_us"] == 1000.0
     assert any(line.startswith("GPU while timed: SM 1980 MHz") for line in lines)
@@ -565,7 +565,7 @@ def test_run_nodes_records_the_step_energy_when_the_engine_gives_its_windows(mon
     monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(_NodesEngine(bench)))
     monkeypatch.setattr(gpu_state, "GpuStateSampler", lambda **kw: _FakeSampler(500.0))
     lines = []
-    out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append)
+    out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append, chain=False)
     # 500 W x 0.4 s / 64 steps
     assert out["step_power_w"] == pytest.approx(500.0) and out["step_j"] == pytest.approx(500.0 * 0.4 / 64)
     assert out["step_energy_method"] == "nvml-energy-counter-lsq/1" and out["step_windows"] == [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4]]

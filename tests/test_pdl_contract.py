@@ -10,8 +10,10 @@ from backends.engine.module import KERNEL_DIR
 
 # Launched only with plain launches, never as an engine node: hold_stream (stream hold of the
 # per-node timers: executor.time_nodes, harness.gpu_timing), stream_read (bench kernels'
-# roofline, harness/roofline.py launches it with pdl_ok=False).
-PLAIN_ONLY = {"hold_stream", "stream_read"}
+# roofline, harness/roofline.py launches it with pdl_ok=False), and stream_chain (the chain
+# roofline, harness/step_roofline.py: launched with PDL, its mode 0 skips the wait on purpose;
+# it reads only its own constant region and its one write is an order-independent atomicXor).
+PLAIN_ONLY = {"hold_stream", "stream_read", "stream_chain"}
 
 
 def _block_after(text: str, start: int) -> str:

@@ -1,0 +1,67 @@
+// Chain roofline of a decode step (harness/step_roofline.py): one plain streaming read per
+// step node, over as many bytes as that node moves, each from its own region of one large
+// buffer (so every read is cold in L2, as a step's weights are), launched in the step's order
+// with programmatic dependent launch (PDL) and replayed as one CUDA graph. Its time is what a
+// design of one kernel per node can reach on these node sizes: launch latency, ramp-up, the
+// partial last wave and the dependency between nodes included, no arithmetic at all.
+//
+// The read is stream_read.cu's (one wave of 512-thread blocks, 4 predicated 16-byte loads per
+// thread and pass, the XOR of every 32-bit word folded into out[0] with one atomic per block);
+// what differs is the PDL handshake, by `mode` (warp-uniform, so no divergence):
+//   0 independent: griddepcontrol.launch_dependents at entry, no wait: a node may run beside
+//     its predecessor (the b2b roofline of `harness bench kernels`, chained);
+//   1 dependent: griddepcontrol.wait before the first load, then launch_dependents: a node
+//     reads nothing until its predecessor has finished (as a GEMV needs its x);
+//   2 dependent + prefetch: as 1, but before the wait every thread asks L2 for the 128-byte
+//     lines of its first pass (prefetch.global.L2), as the engine's GEMVs prefetch their
+//     first rows (weights are constants).
+// The atomic (a global write) comes after the wait in modes 1 and 2 (launch.py's contract);
+// in mode 0 the XOR still lands, in some order (XOR is order-independent).
+
+__device__ __forceinline__ void chain_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void chain_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(512)
+stream_chain(const uint4* __restrict__ p, unsigned long long n16, unsigned int* out, int mode) {
+    __shared__ unsigned int wx[32];
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long i0 = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (mode == 2) {
+        // the first pass's words i0 + k stride (k < 4): one prefetch per 128-byte line, from
+        // the thread holding the line's first word (8 words per line; p is 16-byte aligned,
+        // regions are 256-byte aligned by the host)
+        if ((i0 & 7) == 0)
+            for (int k = 0; k < 4; ++k)
+                if (i0 + k * stride < n16) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i0 + k * stride));
+    }
+    if (mode != 0) chain_wait();
+    chain_trigger();
+    unsigned int acc = 0;
+    for (unsigned long long i = i0; i < n16; i += 4 * stride) {
+        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+        const uint4 a = __ldg(p + i);
+        const uint4 b = i + stride < n16 ? __ldg(p + i + stride) : z;
+        const uint4 c = i + 2 * stride < n16 ? __ldg(p + i + 2 * stride) : z;
+        const uint4 d = i + 3 * stride < n16 ? __ldg(p + i + 3 * stride) : z;
+        acc ^= (a.x ^ a.y ^ a.z ^ a.w) ^ (b.x ^ b.y ^ b.z ^ b.w) ^ (c.x ^ c.y ^ c.z ^ c.w) ^
+               (d.x ^ d.y ^ d.z ^ d.w);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    const int warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    if ((threadIdx.x & 31) == 0) wx[warp] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int v = 0;
+        for (int w = 0; w < nw; ++w) v ^= wx[w];
+        if (v != 0) atomicXor(out, v);
+    }
+}

@@ -1,0 +1,148 @@
+"""Chain roofline of a decode step: what a design of one kernel per node can reach on the
+step's node sizes (GPU only, except `layout` and `summarize`).
+
+For every node of the engine's step graph, in order, one plain streaming read of as many bytes
+as that node moves (backends/engine/kernels/stream_chain.cu), each from its own 256-byte
+aligned region of one buffer (so every read is cold in L2, as a step's weights are), launched
+with programmatic dependent launch (backends/engine/launch.py) and captured `chains` times
+back to back into one CUDA graph. The time per chain is the step time of a hypothetical engine
+whose every node were a pure read of its bytes: launch latency, ramp-up, the last partial
+wave and the dependency between consecutive nodes included, no arithmetic, no staging.
+
+Three handshakes (stream_chain.cu `mode`):
+  independent  no griddepcontrol.wait: nodes may overlap (the b2b roofline of `harness bench
+               kernels`, summed over a step);
+  dependent    each node reads nothing until its predecessor has finished (a GEMV needs its x);
+  prefetch     as dependent, after asking L2 for its first pass's lines before the wait (as the
+               engine's GEMVs prefetch their first rows).
+
+step / dependent-chain is then how far the engine's kernels are from the per-node design's
+ceiling, and (dependent - independent) what the dependency itself costs on these sizes.
+"""
+from __future__ import annotations
+
+import statistics
+from functools import lru_cache
+
+ALIGN = 256        # region alignment (bytes): every region starts on its own 128-byte lines
+THREADS = 512      # stream_chain's __launch_bounds__
+MODES = {"independent": 0, "dependent": 1, "prefetch": 2}
+METHOD = "stream-chain/1"  # recorded with the figures: change it when the kernel or the timing changes
+MARGIN = 1 << 30   # device bytes left free beside the buffer
+
+
+def layout(byte_counts: list[int]) -> tuple[list[int], list[int], int]:
+    """(offsets, sizes, total bytes) of one region per node: size = the node's bytes rounded up
+    to whole 16-byte words (at least one), offsets 256-byte aligned, in node order.
+    Raises ValueError on a negative or non-integer byte count or an empty list."""
+    if not byte_counts:
+        raise ValueError("no nodes")
+    offsets, sizes, off = [], [], 0
+    for b in byte_counts:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ValueError(f"node byte count {b!r}: expected an int >= 0")
+        size = max(16, -(-b // 16) * 16)
+        offsets.append(off)
+        sizes.append(size)
+        off += -(-size // ALIGN) * ALIGN
+    return offsets, sizes, off
+
+
+def summarize(per_mode_us: dict[str, list[float]], total_bytes: int, step_us: float | None) -> dict:
+    """{"modes": {mode: {"us" (median of the samples), "samples_us", "gb_s"}}, "step_over":
+    {mode: step us / chain us}} from each mode's per-chain samples (us > 0); step_over is how
+    many times the chain's time the measured step takes (1.0: the engine runs at the chain's
+    speed; {} without a positive step_us). Raises ValueError on an empty or non-positive
+    sample list."""
+    modes = {}
+    for mode, samples in per_mode_us.items():
+        if not samples or any(not (s > 0) for s in samples):
+            raise ValueError(f"chain roofline {mode}: samples {samples!r} must be > 0")
+        us = statistics.median(samples)
+        modes[mode] = {"us": us, "samples_us": list(samples), "gb_s": total_bytes / us / 1e3}
+    over = {m: step_us / v["us"] for m, v in modes.items()} if step_us and step_us > 0 else {}
+    return {"modes": modes, "step_over": over}
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    import cupy as cp
+
+    from backends.engine.module import KERNEL_DIR
+    code = (KERNEL_DIR / "stream_chain.cu").read_text()
+    return cp.RawModule(code=code, options=("--std=c++17",)).get_function("stream_chain")
+
+
+def chain_nodes(byte_counts: list[int], base_ptr: int, out, mode: str) -> list:
+    """executor.Node list: one stream_chain read per byte count, region i at base_ptr +
+    layout()'s offset i (base_ptr 256-byte aligned; ValueError otherwise or on an unknown
+    mode), one wave of THREADS-thread blocks each; out: cupy uint32 [1] for the XOR."""
+    import numpy as np
+
+    from backends.engine import module
+    from backends.engine.executor import Node
+    if mode not in MODES:
+        raise ValueError(f"chain roofline mode {mode!r}: expected one of {', '.join(MODES)}")
+    if base_ptr % ALIGN:
+        raise ValueError(f"buffer at {base_ptr:#x} is not {ALIGN}-byte aligned")
+    k = _kernel()
+    grid = module.blocks_per_sm(k, THREADS, 0) * module.sm_count()
+    offsets, sizes, _ = layout(byte_counts)
+    return [Node(f"read#{i}", "roofline", k, (grid,), (THREADS,),
+                 (np.uint64(base_ptr + o), np.uint64(s // 16), out, np.int32(MODES[mode])), bytes=s)
+            for i, (o, s) in enumerate(zip(offsets, sizes))]
+
+
+def time_chain(byte_counts: list[int], step_us: float | None = None, modes=tuple(MODES),
+               chains: int = 8, samples: int = 5, log=print) -> dict:
+    """Time the chain (module docstring) for each mode: one CUDA graph of `chains` chains,
+    warmed once, replayed `samples` times behind a stream hold (gpu_timing.EventTimer).
+
+    Returns summarize()'s dict plus "method", "n_nodes", "bytes" (sum of the regions), "chains",
+    "pdl" (whether launches carried the PDL attribute: without it every mode is plain stream
+    order); or {"method", "why"} when the buffer (sum of regions + 1 GiB) does not fit in the
+    free device memory. Raises UnsupportedError without CuPy and a GPU, ValueError on bad
+    byte counts or modes."""
+    from backends.engine import launch
+    from backends.engine.executor import Executor
+
+    from .gpu import require_cupy
+    from .gpu_timing import EventTimer
+    cp = require_cupy()
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"chain roofline modes {bad or modes}: expected some of {', '.join(MODES)}")
+    if chains < 1 or samples < 1:
+        raise ValueError("need chains >= 1 and samples >= 1")
+    _, sizes, total = layout(byte_counts)
+    free = int(cp.cuda.runtime.memGetInfo()[0]) + int(cp.get_default_memory_pool().free_bytes())
+    if total + ALIGN + MARGIN > free:
+        why = f"needs {total + ALIGN:,} B of device memory + 1 GiB, {free:,} B free"
+        log(f"chain roofline skipped: {why}")
+        return {"method": METHOD, "why": why}
+    buf = cp.empty(total + ALIGN, dtype=cp.uint8)
+    base = -(-buf.data.ptr // ALIGN) * ALIGN
+    out = cp.zeros(1, dtype=cp.uint32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    timer = EventTimer(stream)
+    per_mode = {}
+    try:
+        for mode in modes:
+            nodes = chain_nodes(byte_counts, base, out, mode)
+            ex = Executor(nodes * chains, stream)
+            ex.capture()
+            ex.replay()  # warm-up: the first replay uploads the graph
+            stream.synchronize()
+            per_mode[mode] = [1e6 * timer.time(lambda: ex.graph.launch(stream=stream)) / chains
+                              for _ in range(samples)]
+            del ex
+    finally:
+        del buf
+        cp.get_default_memory_pool().free_all_blocks()
+    res = summarize(per_mode, sum(sizes), step_us)
+    res.update(method=METHOD, n_nodes=len(byte_counts), bytes=sum(sizes), chains=chains,
+               pdl=launch.pdl_available())
+    log("chain roofline (a streaming read of each node's bytes, PDL chain): " + ", ".join(
+        f"{m} {v['us']:.1f} us" + (f" (step {step_us / v['us']:.2f}x it)" if step_us else "")
+        for m, v in res["modes"].items()))
+    return res

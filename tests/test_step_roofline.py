@@ -1,0 +1,144 @@
+"""The chain roofline of a decode step (harness/step_roofline.py): region layout, the summary,
+the report line (CPU); the kernel's reads and PDL handshakes on a GPU."""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import numpy as np
+import pytest
+
+from harness import step_roofline as sr
+
+
+def test_layout_rounds_each_region_to_words_and_aligns_every_start():
+    offsets, sizes, total = sr.layout([0, 1, 16, 17, 300, 4096])
+    assert sizes == [16, 16, 16, 32, 304, 4096]
+    assert offsets == [0, 256, 512, 768, 1024, 1536]
+    assert total == 1536 + 4096
+    assert all(o % sr.ALIGN == 0 for o in offsets)
+    # regions never overlap
+    assert all(o + s <= n for o, s, n in zip(offsets, sizes, offsets[1:] + [total]))
+
+
+@pytest.mark.parametrize("bad", [[], [-1], [1.5], [True], ["8"]])
+def test_layout_rejects_bad_byte_counts(bad):
+    with pytest.raises(ValueError):
+        sr.layout(bad)
+
+
+def test_summarize_takes_the_median_and_relates_the_step_to_each_chain():
+    res = sr.summarize({"dependent": [5000.0, 4000.0, 4500.0], "independent": [3000.0]},
+                       total_bytes=9_000_000_000, step_us=6000.0)
+    d = res["modes"]["dependent"]
+    assert d["us"] == 4500.0 and d["samples_us"] == [5000.0, 4000.0, 4500.0]
+    assert d["gb_s"] == pytest.approx(9e9 / 4500e-6 / 1e9)
+    assert res["step_over"] == {"dependent": pytest.approx(6000 / 4500), "independent": pytest.approx(2.0)}
+    assert sr.summarize({"dependent": [1.0]}, 16, None)["step_over"] == {}
+
+
+@pytest.mark.parametrize("samples", [[], [0.0], [float("nan")], [-1.0]])
+def test_summarize_rejects_empty_or_non_positive_samples(samples):
+    with pytest.raises(ValueError):
+        sr.summarize({"dependent": samples}, 16, 1.0)
+
+
+def test_chain_nodes_check_mode_and_alignment_before_any_gpu_work():
+    with pytest.raises(ValueError, match="mode"):
+        sr.chain_nodes([16], 0, None, "fast")
+    with pytest.raises(ValueError, match="aligned"):
+        sr.chain_nodes([16], 128, None, "dependent")
+
+
+def test_run_nodes_times_the_chain_of_the_engines_node_bytes(monkeypatch):
+    """run_nodes hands time_chain the step graph's node byte counts and the step time, and puts
+    what it returns into the result (a fake engine; time_chain itself is GPU-tested below)."""
+    from harness import bench_nodes
+
+    class Eng:
+        step_exec = types.SimpleNamespace(nodes=[types.SimpleNamespace(bytes=1000), types.SimpleNamespace(bytes=24)])
+
+        def bench(self, ids, steps, reps):
+            return {"decode_s": [0.064] * 3}
+
+        def info(self):
+            return {"nodes_per_step": 2, "bytes_per_step": 1024}
+
+        def reset(self):
+            pass
+
+        def prefill(self, ids):
+            pass
+
+        def node_times(self, tok, method):
+            return [{"name": "blk.0.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 900.0, "bytes": 1000}]
+
+    seen = {}
+
+    def fake_chain(byte_counts, step_us, log=print):
+        seen.update(byte_counts=byte_counts, step_us=step_us)
+        return {"method": sr.METHOD, "modes": {"dependent": {"us": 500.0}}}
+    monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(Eng()))
+    monkeypatch.setattr(sr, "time_chain", fake_chain)
+    out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lambda m: None)
+    assert seen == {"byte_counts": [1000, 24], "step_us": 1000.0}
+    assert out["chain_roofline"]["modes"]["dependent"]["us"] == 500.0
+    seen.clear()
+    out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lambda m: None, chain=False)
+    assert not seen and "chain_roofline" not in out
+
+
+def test_report_line_shows_positive_finite_modes_and_escapes_hostile_names():
+    from reports.nodes_html import chain_line, render_nodes_html
+    ch = {"modes": {"dependent": {"us": 4321.04}, "prefetch": {"us": float("nan")}, "<b>x</b>": {"us": 1.0},
+                    "independent": "junk"},
+          "step_over": {"dependent": 1.4251, "<b>x</b>": "nope"}}
+    line = chain_line(ch)
+    assert line == "dependent 4321.0 µs (step 1.43x) · <b>x</b> 1.0 µs"
+    assert chain_line({"why": "needs 1 B"}) == "not run: needs 1 B"
+    assert chain_line(None) is None and chain_line({"modes": []}) is None and chain_line({"modes": {}}) is None
+    rows = [{"name": "blk.0.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 2.0, "bytes": 10, "gb_s": 5.0, "pct": 100.0}]
+    m = {"nodes": rows, "sum_us": 2.0, "step_us": 3.0, "gap_us": 1.0, "by_kind": [], "by_op": [], "top": rows}
+    html = render_nodes_html({"model": {"name": "m", "sha256": "0"}, "nodes": {
+        "n_ctx": 128, "n_prompt": 3, "step_us": 3.0, "engine": {"nodes_per_step": 1, "bytes_per_step": 10},
+        "methods": {"graph": m}, "chain_roofline": ch}})
+    assert "chain roofline" in html and "dependent 4321.0 µs" in html
+    assert "<b>x</b>" not in html and "&lt;b&gt;x&lt;/b&gt;" in html
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(sr.MODES))
+def test_chain_reads_every_region_in_every_mode(mode):
+    """One eager chain (launched with PDL where available) over odd-sized regions of random
+    bytes: out[0] is the XOR of every region's words (numpy), so each node read exactly its
+    own region, whatever the handshake."""
+    from gpu_util import cupy_or_skip
+    cp = cupy_or_skip()
+    from backends.engine.executor import Executor
+    from harness.roofline import xor_words
+    rng = np.random.default_rng(7)
+    counts = [16, 1000, 24_576, 3_000_000, 0, 777_777]
+    offsets, sizes, total = sr.layout(counts)
+    host = rng.integers(0, 256, total, dtype=np.uint8)
+    buf = cp.asarray(host)
+    assert buf.data.ptr % sr.ALIGN == 0  # cupy's pool allocations are 512-byte aligned
+    out = cp.zeros(1, dtype=cp.uint32)
+    want = 0
+    for o, s in zip(offsets, sizes):
+        want ^= xor_words(host[o:o + s])
+    ex = Executor(sr.chain_nodes(counts, buf.data.ptr, out, mode), cp.cuda.Stream(non_blocking=True))
+    ex.run_eager()
+    ex.stream.synchronize()
+    assert int(out.get()[0]) == want
+
+
+@pytest.mark.gpu
+def test_time_chain_gives_positive_times_for_each_mode():
+    from gpu_util import cupy_or_skip
+    cupy_or_skip()
+    res = sr.time_chain([1 << 20] * 12 + [4096] * 12, step_us=100.0, chains=4, samples=3, log=lambda m: None)
+    assert res["method"] == sr.METHOD and res["n_nodes"] == 24 and res["chains"] == 4
+    assert set(res["modes"]) == set(sr.MODES)
+    for v in res["modes"].values():
+        assert len(v["samples_us"]) == 3 and all(s > 0 for s in v["samples_us"]) and v["gb_s"] > 0
+    assert res["step_over"]["dependent"] == pytest.approx(100.0 / res["modes"]["dependent"]["us"])
