@@ -1070,10 +1070,13 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch)
 
 
 @pytest.mark.gpu
-def test_xpf_build_is_bitwise_equal_to_the_default(monkeypatch):
+@pytest.mark.parametrize("switch,value,define", [("GEMV_KQ_XPF", "8", "KQ_XPF=1"), ("GEMV_KQ_PF0", "0", "KQ_PF0=0"),
+                                                 ("GEMV_KQ_PF0", "2", "KQ_PF0=2")])
+def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_XPF (kernels/gemv_kq.cu KQ_XPF, backends/engine/xpf.py) only adds L2
-    prefetches of the next node's rows, so a chain of v9 nodes linked by xpf.link must give the
-    outputs of the build without it bit for bit, also when run again; each output also against
+    prefetches of the next node's rows, and GGUF_HARNESS_GEMV_KQ_PF0 (KQ_PF0) only drops or moves
+    each warp's first-row prefetch, so a chain of v9 nodes (linked by xpf.link for XPF) must give
+    the outputs of the default build bit for bit, also when run again; each output also against
     the oracle. The chain covers the routes of the 27B step: a normed wide store (warp-major), a
     normed SwiGLU pair (the row queue), a cluster-split add, an S-split Q6_K store and a Q6_K
     store through P2; with XPF on every node but the last must have been given a target."""
@@ -1097,8 +1100,8 @@ def test_xpf_build_is_bitwise_equal_to_the_default(monkeypatch):
         mats[key] = (device_tensor(cp, key, raw, TYPES[name], (k, rows), keep), w)
     base = rng.normal(size=5120).astype(np.float32)
     got, kernels = {}, {}
-    for on in ("", "8"):
-        monkeypatch.setattr(eops, "GEMV_KQ_XPF", on)
+    for on in ("", value):
+        monkeypatch.setattr(eops, switch, on)
         outs = {"q4": nan_poisoned(cp, 9001), "g": nan_poisoned(cp, 8777), "q5": cp.asarray(base),
                 "q6s": nan_poisoned(cp, 1024), "q6p": nan_poisoned(cp, 4096)}
         S = eops.Seg
@@ -1109,8 +1112,8 @@ def test_xpf_build_is_bitwise_equal_to_the_default(monkeypatch):
                  eops.gemv("q6", "store", [S(mats["q6s"][0], outs["q6s"])], cp.asarray(x), K),
                  eops.gemv("p2", "store", [S(mats["q6p"][0], outs["q6p"])], cp.asarray(x), K)]
         kernels[on] = [n.kernel.name for n in nodes]
-        assert all(("KQ_XPF=1" in n.defines) == (on == "8") for n in nodes), [n.defines for n in nodes]
-        if on:
+        assert all((define in n.defines) == (on == value) for n in nodes), [n.defines for n in nodes]
+        if on and switch == "GEMV_KQ_XPF":
             assert xpf.link(nodes) == len(nodes) - 1
             assert all(int(n.args[0]["xpf"][0]["w"]) != 0 for n in nodes[:-1])
             assert int(nodes[-1].args[0]["xpf"][0]["w"]) == 0
@@ -1121,17 +1124,17 @@ def test_xpf_build_is_bitwise_equal_to_the_default(monkeypatch):
             n.launch()
         for k in ("q4", "g", "q6s", "q6p"):
             assert np.array_equal(got[on][k], outs[k].get()), f"XPF={on!r} {k}: changed on relaunch"
-        what = f"XPF={on!r}"
+        what = f"{switch}={on!r}"
         _check_rows(got[on]["q4"].astype(np.float64), mats["q4"][1], xn, f"{what} normed wide store")
         v = gemv_check.check_swiglu(got[on]["g"].astype(np.float64), mats["g"][1], mats["u"][1], xn, impl=eops.GEMV_IMPL)
         assert v["ok"], f"{what} swiglu: {v}"
         _check_rows(got[on]["q5"].astype(np.float64) - base, mats["q5"][1], x6, f"{what} cluster add")
         _check_rows(got[on]["q6s"].astype(np.float64), mats["q6s"][1], x, f"{what} S-split store")
         _check_rows(got[on]["q6p"].astype(np.float64), mats["q6p"][1], x, f"{what} P2 store")
-    assert kernels[""] == kernels["8"]  # the same routes, only the build differs
-    assert any(k.endswith("_c2") for k in kernels["8"]) and any(k.endswith("_s2") for k in kernels["8"])
+    assert kernels[""] == kernels[value]  # the same routes, only the build differs
+    assert any(k.endswith("_c2") for k in kernels[value]) and any(k.endswith("_s2") for k in kernels[value])
     for k in got[""]:
-        assert np.array_equal(got[""][k], got["8"][k]), f"{k}: XPF changed the output"
+        assert np.array_equal(got[""][k], got[value][k]), f"{k}: {switch}={value} changed the output"
 
 
 @pytest.mark.gpu

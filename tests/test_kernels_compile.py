@@ -64,6 +64,11 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CONV=1")),
             ("gemv_kq.cu", ("KQ_P2=1", "KQ_XPF=1", "KQ_CONV=1", "KQ_BLOCK_WARPS=32", "KQ_WMAJ=1")),
             ("gemv_kq.cu", ("KQ_P2=1", "KQ_XPF=1", "KQ_CONV=1", "KQ_CSPLIT=1")),
             ("gemv_kq.cu", ("KQ_P2=1", "KQ_CONV=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1"))]
+# session 23: the first-row prefetch never (KQ_PF0=0) or after the PDL wait (=2; ops GGUF_HARNESS_GEMV_KQ_PF0),
+# in the default, the queue and the group build
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_PF0=0")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_PF0=2")),
+            ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_PF0=2")),
+            ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PF0=0"))]
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_XLANE=0"))]  # the xq_slot staging (x in lane records is the default since session 13)
 # the small-ring v10 builds (ops.tma_defines: GGUF_HARNESS_GEMV_TMA_NST / _WARPS / _MINB / _RPW)
 SOURCES += [("gemv_tma.cu", ("TMA_NST=2", "TMA_WARPS=8", "TMA_MINB=2")), ("gemv_tma.cu", ("TMA_NST=3", "TMA_WARPS=4")),

@@ -71,6 +71,18 @@ constexpr int kKqPf = KQ_PF;
 #endif
 constexpr int kKqPipe = KQ_PIPE;
 static_assert(kKqPipe >= 0 && kKqPipe <= 2, "KQ_PIPE is 0, 1 or 2");
+#ifndef KQ_PF0
+// Where each warp asks L2 for its first row (ops GGUF_HARNESS_GEMV_KQ_PF0): 1 before the PDL wait
+// (the default since engine v5: weights are constants, so the request overlaps the previous
+// kernel's tail), 0 never, 2 right after the wait (during the x staging, no longer competing with
+// the previous kernel's last loads). Why the A/B (session 23): in the step's chain roofline
+// (harness/step_roofline.py, H200) a chain of streaming reads of the step's node sizes took 4219
+// us with its first pass prefetched before the wait against 4029 us without (+4.7 %): the
+// previous node's tail is not idle DRAM time, and the prefetches delay its completion, which
+// the next node's wait is for (session 18's XPF lesson, again). Values do not depend on it.
+#define KQ_PF0 1
+#endif
+static_assert(KQ_PF0 >= 0 && KQ_PF0 <= 2, "KQ_PF0: 0, 1 or 2");
 #ifndef KQ_L1PF
 #define KQ_L1PF 0  // rounds ahead whose bytes each warp asks L1 for (prefetch.global.L1), across rows
 #endif
@@ -632,18 +644,22 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     if (threadIdx.x == 0) dq_next = NW;  // units 0..NW-1 are the warps' first (stage_xq's barriers publish these)
     if (threadIdx.x < KQ_DQ_T) dq_seen[threadIdx.x] = 0;
     KQ_MARK(0);
-    if (warp < nunits) {  // the first unit's row(s) to L2 before the PDL wait (weights are constants)
-        int row, p, np, j;
-        unit(warp, row, p, np, j);
-        const int si = MODE == 2 ? 0 : find_seg(t, row);
-        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row, t.row_bytes[si], lane, 32);
-        if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, t.row_bytes[1], lane, 32);
-    }
+    auto prefetch_first = [&]() {  // the first unit's row(s) to L2 (weights are constants)
+        if (warp < nunits) {
+            int row, p, np, j;
+            unit(warp, row, p, np, j);
+            const int si = MODE == 2 ? 0 : find_seg(t, row);
+            prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row, t.row_bytes[si], lane, 32);
+            if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, t.row_bytes[1], lane, 32);
+        }
+    };
+    if constexpr (KQ_PF0 == 1) prefetch_first();  // before the PDL wait (KQ_PF0 above)
     Q::setup();
     KQ_CONV_PREFETCH(t);
     pdl_wait();
     KQ_MARK(1);
     pdl_trigger();
+    if constexpr (KQ_PF0 == 2) prefetch_first();
     const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL, 1>(x, norm, eps, K, xq, xs, xd, scratch, 0);
     KQ_MARK(2);
     const XS xa = xs_addr(xq, xs, xd);
@@ -759,12 +775,13 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // Before the PDL wait (weights are constants): the first row, overlapping the previous
     // kernel's tail.
     KQ_MARK(0);
-    prefetch_row(first);
+    if constexpr (KQ_PF0 == 1) prefetch_row(first);  // (KQ_PF0 above)
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     KQ_CONV_PREFETCH(t);
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
     KQ_MARK(1);
     pdl_trigger();
+    if constexpr (KQ_PF0 == 2) prefetch_row(first);
     // barriers inside; IQ4_XS rows of an IQ4_XIL build take x with interleaved halves (kwide_iq4.cuh)
     // CS > 1: only the part's super-blocks (no norm: ops.kv9_csplit)
     const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL, CS>(x, norm, eps, K, xq, xs, xd, scratch, wpart);
