@@ -14,7 +14,10 @@ Three handshakes (stream_chain.cu `mode`):
                kernels`, summed over a step);
   dependent    each node reads nothing until its predecessor has finished (a GEMV needs its x);
   prefetch     as dependent, after asking L2 for its first pass's lines before the wait (as the
-               engine's GEMVs prefetch their first rows).
+               engine's GEMVs prefetch their first rows);
+  staged       as dependent, then every block copies 20 KiB of an L2-resident x into shared
+               memory and passes a barrier before its first load (a GEMV's x staging, without
+               the quantisation arithmetic).
 
 step / dependent-chain is then how far the engine's kernels are from the per-node design's
 ceiling, and (dependent - independent) what the dependency itself costs on these sizes.
@@ -26,7 +29,8 @@ from functools import lru_cache
 
 ALIGN = 256        # region alignment (bytes): every region starts on its own 128-byte lines
 THREADS = 512      # stream_chain's __launch_bounds__
-MODES = {"independent": 0, "dependent": 1, "prefetch": 2}
+MODES = {"independent": 0, "dependent": 1, "prefetch": 2, "staged": 3}
+X_WORDS = 1280     # mode "staged": 16-byte words of x each block stages (20 KiB: 5120 fp32, the 27B's width)
 METHOD = "stream-chain/1"  # recorded with the figures: change it when the kernel or the timing changes
 MARGIN = 1 << 30   # device bytes left free beside the buffer
 
@@ -73,10 +77,12 @@ def _kernel():
     return cp.RawModule(code=code, options=("--std=c++17",)).get_function("stream_chain")
 
 
-def chain_nodes(byte_counts: list[int], base_ptr: int, out, mode: str) -> list:
+def chain_nodes(byte_counts: list[int], base_ptr: int, out, mode: str, x=None) -> list:
     """executor.Node list: one stream_chain read per byte count, region i at base_ptr +
     layout()'s offset i (base_ptr 256-byte aligned; ValueError otherwise or on an unknown
-    mode), one wave of THREADS-thread blocks each; out: cupy uint32 [1] for the XOR."""
+    mode), one wave of THREADS-thread blocks each; out: cupy uint32 [1] for the XOR; x: a
+    cupy array of X_WORDS x 16 bytes that mode "staged" stages (ValueError when it is missing
+    or smaller there; other modes ignore it)."""
     import numpy as np
 
     from backends.engine import module
@@ -85,11 +91,16 @@ def chain_nodes(byte_counts: list[int], base_ptr: int, out, mode: str) -> list:
         raise ValueError(f"chain roofline mode {mode!r}: expected one of {', '.join(MODES)}")
     if base_ptr % ALIGN:
         raise ValueError(f"buffer at {base_ptr:#x} is not {ALIGN}-byte aligned")
+    if mode == "staged" and (x is None or x.nbytes < 16 * X_WORDS):
+        raise ValueError(f"mode staged needs x of {16 * X_WORDS} bytes")
     k = _kernel()
-    grid = module.blocks_per_sm(k, THREADS, 0) * module.sm_count()
+    smem = 16 * X_WORDS if mode == "staged" else 0  # (dynamic: the other modes' blocks carry none)
+    grid = module.blocks_per_sm(k, THREADS, smem) * module.sm_count()
     offsets, sizes, _ = layout(byte_counts)
     return [Node(f"read#{i}", "roofline", k, (grid,), (THREADS,),
-                 (np.uint64(base_ptr + o), np.uint64(s // 16), out, np.int32(MODES[mode])), bytes=s)
+                 (np.uint64(base_ptr + o), np.uint64(s // 16), out, np.int32(MODES[mode]),
+                  np.uint64(x.data.ptr if x is not None else 0), np.int32(X_WORDS if x is not None else 0)),
+                 smem=smem, bytes=s)
             for i, (o, s) in enumerate(zip(offsets, sizes))]
 
 
@@ -123,12 +134,13 @@ def time_chain(byte_counts: list[int], step_us: float | None = None, modes=tuple
     buf = cp.empty(total + ALIGN, dtype=cp.uint8)
     base = -(-buf.data.ptr // ALIGN) * ALIGN
     out = cp.zeros(1, dtype=cp.uint32)
+    x = cp.zeros(16 * X_WORDS, dtype=cp.uint8)
     stream = cp.cuda.Stream(non_blocking=True)
     timer = EventTimer(stream)
     per_mode = {}
     try:
         for mode in modes:
-            nodes = chain_nodes(byte_counts, base, out, mode)
+            nodes = chain_nodes(byte_counts, base, out, mode, x)
             ex = Executor(nodes * chains, stream)
             ex.capture()
             ex.replay()  # warm-up: the first replay uploads the graph

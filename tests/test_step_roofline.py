@@ -48,6 +48,8 @@ def test_chain_nodes_check_mode_and_alignment_before_any_gpu_work():
         sr.chain_nodes([16], 0, None, "fast")
     with pytest.raises(ValueError, match="aligned"):
         sr.chain_nodes([16], 128, None, "dependent")
+    with pytest.raises(ValueError, match="staged needs x"):
+        sr.chain_nodes([16], 0, None, "staged")
 
 
 def test_run_nodes_times_the_chain_of_the_engines_node_bytes(monkeypatch):
@@ -126,7 +128,8 @@ def test_chain_reads_every_region_in_every_mode(mode):
     want = 0
     for o, s in zip(offsets, sizes):
         want ^= xor_words(host[o:o + s])
-    ex = Executor(sr.chain_nodes(counts, buf.data.ptr, out, mode), cp.cuda.Stream(non_blocking=True))
+    x = cp.zeros(16 * sr.X_WORDS, dtype=cp.uint8)  # (mode staged stages it; zeros leave the XOR alone)
+    ex = Executor(sr.chain_nodes(counts, buf.data.ptr, out, mode, x), cp.cuda.Stream(non_blocking=True))
     ex.run_eager()
     ex.stream.synchronize()
     assert int(out.get()[0]) == want

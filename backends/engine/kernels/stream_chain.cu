@@ -14,7 +14,10 @@
 //     reads nothing until its predecessor has finished (as a GEMV needs its x);
 //   2 dependent + prefetch: as 1, but before the wait every thread asks L2 for the 128-byte
 //     lines of its first pass (prefetch.global.L2), as the engine's GEMVs prefetch their
-//     first rows (weights are constants).
+//     first rows (weights are constants);
+//   3 staged: as 1, then every block copies nx16 16-byte words of x (one small buffer for every
+//     node, so L2-resident, as a GEMV's input vector is) into shared memory and passes a block
+//     barrier before its first load of p: the shape of a GEMV's x staging, without its arithmetic.
 // The atomic (a global write) comes after the wait in modes 1 and 2 (launch.py's contract);
 // in mode 0 the XOR still lands, in some order (XOR is order-independent).
 
@@ -30,8 +33,10 @@ __device__ __forceinline__ void chain_trigger() {
 }
 
 extern "C" __global__ void __launch_bounds__(512)
-stream_chain(const uint4* __restrict__ p, unsigned long long n16, unsigned int* out, int mode) {
+stream_chain(const uint4* __restrict__ p, unsigned long long n16, unsigned int* out, int mode,
+             const uint4* __restrict__ x, int nx16) {
     __shared__ unsigned int wx[32];
+    extern __shared__ uint4 xs[];  // mode 3: x staged (nx16 words of dynamic shared memory; 0 bytes otherwise)
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long i0 = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (mode == 2) {
@@ -45,6 +50,14 @@ stream_chain(const uint4* __restrict__ p, unsigned long long n16, unsigned int* 
     if (mode != 0) chain_wait();
     chain_trigger();
     unsigned int acc = 0;
+    if (mode == 3) {
+        for (int k = threadIdx.x; k < nx16; k += blockDim.x) xs[k] = x[k];
+        __syncthreads();
+        // read back (so the staging is not dead code); x is zeros in the harness, so the XOR stays
+        // the regions' alone
+        const uint4 v = xs[(threadIdx.x * 7) % nx16];
+        acc = v.x ^ v.y ^ v.z ^ v.w;
+    }
     for (unsigned long long i = i0; i < n16; i += 4 * stride) {
         const uint4 z = make_uint4(0u, 0u, 0u, 0u);
         const uint4 a = __ldg(p + i);
