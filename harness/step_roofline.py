@@ -17,7 +17,9 @@ Three handshakes (stream_chain.cu `mode`):
                engine's GEMVs prefetch their first rows);
   staged       as dependent, then every block copies 20 KiB of an L2-resident x into shared
                memory and passes a barrier before its first load (a GEMV's x staging, without
-               the quantisation arithmetic).
+               the quantisation arithmetic);
+  staged_prefetch  prefetch's requests before the wait, then staged's staging: the structure
+               of the engine's v9 GEMVs, with a plain read for their arithmetic.
 
 step / dependent-chain is then how far the engine's kernels are from the per-node design's
 ceiling, and (dependent - independent) what the dependency itself costs on these sizes.
@@ -29,7 +31,7 @@ from functools import lru_cache
 
 ALIGN = 256        # region alignment (bytes): every region starts on its own 128-byte lines
 THREADS = 512      # stream_chain's __launch_bounds__
-MODES = {"independent": 0, "dependent": 1, "prefetch": 2, "staged": 3}
+MODES = {"independent": 0, "dependent": 1, "prefetch": 2, "staged": 3, "staged_prefetch": 4}
 X_WORDS = 1280     # mode "staged": 16-byte words of x each block stages (20 KiB: 5120 fp32, the 27B's width)
 METHOD = "stream-chain/1"  # recorded with the figures: change it when the kernel or the timing changes
 MARGIN = 1 << 30   # device bytes left free beside the buffer
@@ -91,10 +93,10 @@ def chain_nodes(byte_counts: list[int], base_ptr: int, out, mode: str, x=None) -
         raise ValueError(f"chain roofline mode {mode!r}: expected one of {', '.join(MODES)}")
     if base_ptr % ALIGN:
         raise ValueError(f"buffer at {base_ptr:#x} is not {ALIGN}-byte aligned")
-    if mode == "staged" and (x is None or x.nbytes < 16 * X_WORDS):
-        raise ValueError(f"mode staged needs x of {16 * X_WORDS} bytes")
+    if mode.startswith("staged") and (x is None or x.nbytes < 16 * X_WORDS):
+        raise ValueError(f"mode {mode} needs x of {16 * X_WORDS} bytes")
     k = _kernel()
-    smem = 16 * X_WORDS if mode == "staged" else 0  # (dynamic: the other modes' blocks carry none)
+    smem = 16 * X_WORDS if mode.startswith("staged") else 0  # (dynamic: the other modes' blocks carry none)
     grid = module.blocks_per_sm(k, THREADS, smem) * module.sm_count()
     offsets, sizes, _ = layout(byte_counts)
     return [Node(f"read#{i}", "roofline", k, (grid,), (THREADS,),

@@ -17,7 +17,9 @@
 //     first rows (weights are constants);
 //   3 staged: as 1, then every block copies nx16 16-byte words of x (one small buffer for every
 //     node, so L2-resident, as a GEMV's input vector is) into shared memory and passes a block
-//     barrier before its first load of p: the shape of a GEMV's x staging, without its arithmetic.
+//     barrier before its first load of p: the shape of a GEMV's x staging, without its arithmetic;
+//   4 staged + prefetch: 2's prefetch before the wait, then 3's staging (the engine's v9 GEMV:
+//     first rows to L2 before the wait, x staged after it).
 // The atomic (a global write) comes after the wait in modes 1 and 2 (launch.py's contract);
 // in mode 0 the XOR still lands, in some order (XOR is order-independent).
 
@@ -39,7 +41,7 @@ stream_chain(const uint4* __restrict__ p, unsigned long long n16, unsigned int* 
     extern __shared__ uint4 xs[];  // mode 3: x staged (nx16 words of dynamic shared memory; 0 bytes otherwise)
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long i0 = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (mode == 2) {
+    if (mode == 2 || mode == 4) {
         // the first pass's words i0 + k stride (k < 4): one prefetch per 128-byte line, from
         // the thread holding the line's first word (8 words per line; p is 16-byte aligned,
         // regions are 256-byte aligned by the host)
@@ -50,7 +52,7 @@ stream_chain(const uint4* __restrict__ p, unsigned long long n16, unsigned int* 
     if (mode != 0) chain_wait();
     chain_trigger();
     unsigned int acc = 0;
-    if (mode == 3) {
+    if (mode >= 3) {
         for (int k = threadIdx.x; k < nx16; k += blockDim.x) xs[k] = x[k];
         __syncthreads();
         // read back (so the staging is not dead code); x is zeros in the harness, so the XOR stays
