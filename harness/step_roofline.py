@@ -19,7 +19,9 @@ Three handshakes (stream_chain.cu `mode`):
                memory and passes a barrier before its first load (a GEMV's x staging, without
                the quantisation arithmetic);
   staged_prefetch  prefetch's requests before the wait, then staged's staging: the structure
-               of the engine's v9 GEMVs, with a plain read for their arithmetic.
+               of the engine's v9 GEMVs, with a plain read for their arithmetic;
+  staged_bulk  as staged, but x comes in one bulk copy (TMA, cp.async.bulk) that the block's
+               threads wait for on an mbarrier: what staging could cost without per-thread loads.
 
 step / dependent-chain is then how far the engine's kernels are from the per-node design's
 ceiling, and (dependent - independent) what the dependency itself costs on these sizes.
@@ -31,7 +33,7 @@ from functools import lru_cache
 
 ALIGN = 256        # region alignment (bytes): every region starts on its own 128-byte lines
 THREADS = 512      # stream_chain's __launch_bounds__
-MODES = {"independent": 0, "dependent": 1, "prefetch": 2, "staged": 3, "staged_prefetch": 4}
+MODES = {"independent": 0, "dependent": 1, "prefetch": 2, "staged": 3, "staged_prefetch": 4, "staged_bulk": 5}
 X_WORDS = 1280     # mode "staged": 16-byte words of x each block stages (20 KiB: 5120 fp32, the 27B's width)
 METHOD = "stream-chain/1"  # recorded with the figures: change it when the kernel or the timing changes
 MARGIN = 1 << 30   # device bytes left free beside the buffer

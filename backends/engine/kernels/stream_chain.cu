@@ -19,7 +19,10 @@
 //     node, so L2-resident, as a GEMV's input vector is) into shared memory and passes a block
 //     barrier before its first load of p: the shape of a GEMV's x staging, without its arithmetic;
 //   4 staged + prefetch: 2's prefetch before the wait, then 3's staging (the engine's v9 GEMV:
-//     first rows to L2 before the wait, x staged after it).
+//     first rows to L2 before the wait, x staged after it);
+//   5 staged by a bulk copy: as 3, but thread 0 asks the copy engine for x in one
+//     cp.async.bulk (TMA, completing on an mbarrier initialised before the wait) and every
+//     thread waits on the mbarrier instead of loading and passing a block barrier.
 // The atomic (a global write) comes after the wait in modes 1 and 2 (launch.py's contract);
 // in mode 0 the XOR still lands, in some order (XOR is order-independent).
 
@@ -49,10 +52,31 @@ stream_chain(const uint4* __restrict__ p, unsigned long long n16, unsigned int* 
             for (int k = 0; k < 4; ++k)
                 if (i0 + k * stride < n16) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i0 + k * stride));
     }
+    __shared__ alignas(8) unsigned long long bar;
+    const unsigned int bar_a = (unsigned int)__cvta_generic_to_shared(&bar);
+    if (mode == 5) {  // the mbarrier before the wait: off the dependent path
+        if (threadIdx.x == 0) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_a));
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+    }
     if (mode != 0) chain_wait();
     chain_trigger();
     unsigned int acc = 0;
-    if (mode >= 3) {
+    if (mode == 5) {
+        if (threadIdx.x == 0) {
+            const unsigned int bytes = 16u * (unsigned int)nx16;
+            asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }" ::"r"(bar_a), "r"(bytes)
+                         : "memory");
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         ::"r"((unsigned int)__cvta_generic_to_shared(xs)), "l"(x), "r"(bytes), "r"(bar_a) : "memory");
+        }
+        asm volatile("{ .reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n@!p bra W; }"
+                     ::"r"(bar_a) : "memory");
+        const uint4 v = xs[(threadIdx.x * 7) % nx16];
+        acc = v.x ^ v.y ^ v.z ^ v.w;
+    } else if (mode >= 3) {
         for (int k = threadIdx.x; k < nx16; k += blockDim.x) xs[k] = x[k];
         __syncthreads();
         // read back (so the staging is not dead code); x is zeros in the harness, so the XOR stays
