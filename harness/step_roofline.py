@@ -21,7 +21,9 @@ Three handshakes (stream_chain.cu `mode`):
   staged_prefetch  prefetch's requests before the wait, then staged's staging: the structure
                of the engine's v9 GEMVs, with a plain read for their arithmetic;
   staged_bulk  as staged, but x comes in one bulk copy (TMA, cp.async.bulk) that the block's
-               threads wait for on an mbarrier: what staging could cost without per-thread loads.
+               threads wait for on an mbarrier: what staging could cost without per-thread loads;
+  staged_codes as staged, over 10.6 KiB (x as int16 codes + block scales, as a producer could
+               write it) instead of 20 KiB of fp32.
 
 step / dependent-chain is then how far the engine's kernels are from the per-node design's
 ceiling, and (dependent - independent) what the dependency itself costs on these sizes.
@@ -33,8 +35,12 @@ from functools import lru_cache
 
 ALIGN = 256        # region alignment (bytes): every region starts on its own 128-byte lines
 THREADS = 512      # stream_chain's __launch_bounds__
-MODES = {"independent": 0, "dependent": 1, "prefetch": 2, "staged": 3, "staged_prefetch": 4, "staged_bulk": 5}
-X_WORDS = 1280     # mode "staged": 16-byte words of x each block stages (20 KiB: 5120 fp32, the 27B's width)
+MODES = {"independent": 0, "dependent": 1, "prefetch": 2, "staged": 3, "staged_prefetch": 4, "staged_bulk": 5,
+         "staged_codes": 3}
+X_WORDS = 1280     # the staged modes: 16-byte words of x each block stages (20 KiB: 5120 fp32, the 27B's width)
+# ... except staged_codes: x as a producer could write it already quantised, 5120 int16 codes and
+# 160 fp32 block scales (10,880 bytes = 680 words), staged the same way
+X_WORDS_OF = {"staged_codes": 680}
 METHOD = "stream-chain/1"  # recorded with the figures: change it when the kernel or the timing changes
 MARGIN = 1 << 30   # device bytes left free beside the buffer
 
@@ -98,12 +104,13 @@ def chain_nodes(byte_counts: list[int], base_ptr: int, out, mode: str, x=None) -
     if mode.startswith("staged") and (x is None or x.nbytes < 16 * X_WORDS):
         raise ValueError(f"mode {mode} needs x of {16 * X_WORDS} bytes")
     k = _kernel()
-    smem = 16 * X_WORDS if mode.startswith("staged") else 0  # (dynamic: the other modes' blocks carry none)
+    words = X_WORDS_OF.get(mode, X_WORDS) if mode.startswith("staged") else 0
+    smem = 16 * words  # (dynamic: the other modes' blocks carry none)
     grid = module.blocks_per_sm(k, THREADS, smem) * module.sm_count()
     offsets, sizes, _ = layout(byte_counts)
     return [Node(f"read#{i}", "roofline", k, (grid,), (THREADS,),
                  (np.uint64(base_ptr + o), np.uint64(s // 16), out, np.int32(MODES[mode]),
-                  np.uint64(x.data.ptr if x is not None else 0), np.int32(X_WORDS if x is not None else 0)),
+                  np.uint64(x.data.ptr if x is not None else 0), np.int32(words if x is not None else 0)),
                  smem=smem, bytes=s)
             for i, (o, s) in enumerate(zip(offsets, sizes))]
 

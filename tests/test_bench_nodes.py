@@ -97,7 +97,8 @@ def test_run_nodes_on_a_tiny_model(tiny_qwen2_q):
     # the chain roofline: one streaming read per step node, every mode timed, cold and chained
     ch = res["chain_roofline"]
     assert ch["n_nodes"] == res["engine"]["nodes_per_step"] and ch["bytes"] >= res["engine"]["bytes_per_step"]
-    assert set(ch["modes"]) == {"independent", "dependent", "prefetch", "staged", "staged_prefetch", "staged_bulk"}
+    assert set(ch["modes"]) == {"independent", "dependent", "prefetch", "staged", "staged_prefetch", "staged_bulk",
+                              "staged_codes"}
     assert all(v["us"] > 0 and len(v["samples_us"]) == 5 for v in ch["modes"].values())
     assert ch["step_over"]["dependent"] == pytest.approx(res["step_us"] / ch["modes"]["dependent"]["us"])
     for m in ("graph", "eager"):
