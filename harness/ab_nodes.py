@@ -125,6 +125,10 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
     # the step's energy (bench_nodes step_j, from session 22): information, not a verdict
     if energy := energy_note(na, nb, "step_j", "step_energy_method", "step J"):
         notes.append(energy)
+    # the chain roofline (from session 23) times the GPU on the step's sizes, not the engine's code
+    from .step_roofline import ab_note as chain_note
+    if chain := chain_note(na.get("chain_roofline"), nb.get("chain_roofline")):
+        notes.append(chain)
     noise = None
     sa, sb = spread(na.get("step_samples_us")), spread(nb.get("step_samples_us"))
     if sa is not None and sb is not None:

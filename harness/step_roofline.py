@@ -169,3 +169,25 @@ def time_chain(byte_counts: list[int], step_us: float | None = None, modes=tuple
         f"{m} {v['us']:.1f} us" + (f" (step {step_us / v['us']:.2f}x it)" if step_us else "")
         for m, v in res["modes"].items()))
     return res
+
+
+def ab_note(a, b, mode: str = "dependent") -> str:
+    """`harness ab` note on two nodes results' chain rooflines (their "chain_roofline" dicts):
+    "chain dependent A -> B us (+x.x %)" when both timed `mode` by the same METHOD, with
+    "; the GPUs differ on pure reads" when the chains are more than 1 % apart (the chain does
+    not depend on the engine's code, only on the node sizes and the GPU: session 23 measured
+    +1.3 to +1.6 % between two H200s); "" when either lacks it (positive finite times only)."""
+    from .jsonread import finite_pos
+
+    def us(c):
+        if not isinstance(c, dict) or c.get("method") != METHOD or not isinstance(c.get("modes"), dict):
+            return None
+        m = c["modes"].get(mode)
+        return finite_pos(m.get("us")) if isinstance(m, dict) else None
+    ua, ub = us(a), us(b)
+    if not (ua and ub):
+        return ""
+    d = 100 * (ub / ua - 1)
+    return (f"chain {mode} {ua:.1f} -> {ub:.1f} us ({d:+.1f} %)"
+            + ("; the GPUs differ on pure reads" if abs(d) > 1 else ""))
+

@@ -145,3 +145,38 @@ def test_time_chain_gives_positive_times_for_each_mode():
     for v in res["modes"].values():
         assert len(v["samples_us"]) == 3 and all(s > 0 for s in v["samples_us"]) and v["gb_s"] > 0
     assert res["step_over"]["dependent"] == pytest.approx(100.0 / res["modes"]["dependent"]["us"])
+
+
+def test_ab_note_compares_same_method_chains_and_flags_another_gpu():
+    a = {"method": sr.METHOD, "modes": {"dependent": {"us": 4029.0}}}
+    same = {"method": sr.METHOD, "modes": {"dependent": {"us": 4033.0}}}
+    other = {"method": sr.METHOD, "modes": {"dependent": {"us": 4081.0}}}
+    assert sr.ab_note(a, same) == "chain dependent 4029.0 -> 4033.0 us (+0.1 %)"
+    assert sr.ab_note(a, other).endswith("(+1.3 %); the GPUs differ on pure reads")
+    for bad in (None, {}, {"method": "x", "modes": {"dependent": {"us": 1.0}}},
+                {"method": sr.METHOD, "modes": {"dependent": {"us": float("inf")}}},
+                {"method": sr.METHOD, "modes": []}, {"method": sr.METHOD, "modes": {"dependent": 3}},
+                {"why": "no room"}):
+        assert sr.ab_note(a, bad) == "" and sr.ab_note(bad, a) == ""
+
+
+def test_harness_ab_of_two_nodes_results_notes_their_chains(tmp_path, capsys):
+    """harness ab A.json B.json on nodes results prints the chain note (CLI, CPU)."""
+    import json
+
+    from harness import cli
+    rows = [{"name": "blk.0.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 900.0, "us_samples": [899.0, 900.0, 901.0],
+             "bytes": 1000}]
+
+    def doc(chain_us):
+        return {"schema": "gguf-harness/nodes/1", "model": {"sha256": "ab"}, "machine": {},
+                "nodes": {"schema": "gguf-harness/nodes/1", "n_ctx": 128, "n_prompt": 3, "step_us": 1000.0,
+                          "step_samples_us": [999.0, 1000.0, 1001.0],
+                          "chain_roofline": {"method": sr.METHOD, "modes": {"dependent": {"us": chain_us}}},
+                          "methods": {"graph": {"nodes": rows, "sum_us": 900.0}}}}
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(doc(4029.0)))
+    pb.write_text(json.dumps(doc(4081.0)))
+    rc = cli.main(["ab", str(pa), str(pb)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "chain dependent 4029.0 -> 4081.0 us (+1.3 %); the GPUs differ on pure reads" in out
