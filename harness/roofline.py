@@ -31,9 +31,12 @@ def xor_words(raw: np.ndarray) -> int:
 def _kernel():
     import cupy as cp
 
+    from backends.engine import module
     from backends.engine.module import KERNEL_DIR
-    code = (KERNEL_DIR / "stream_read.cu").read_text()
-    return cp.RawModule(code=code, options=("--std=c++17",)).get_function("stream_read")
+    # module.source_code: the headers' digest in the code string, so CuPy's kernel cache sees a
+    # change of stream_common.cuh
+    code = module.source_code("stream_read.cu")
+    return cp.RawModule(code=code, options=("--std=c++17", f"-I{KERNEL_DIR}")).get_function("stream_read")
 
 
 def read_node(name: str, ptr: int, nbytes: int, out):

@@ -82,9 +82,12 @@ def summarize(per_mode_us: dict[str, list[float]], total_bytes: int, step_us: fl
 def _kernel():
     import cupy as cp
 
+    from backends.engine import module
     from backends.engine.module import KERNEL_DIR
-    code = (KERNEL_DIR / "stream_chain.cu").read_text()
-    return cp.RawModule(code=code, options=("--std=c++17",)).get_function("stream_chain")
+    # module.source_code: the headers' digest in the code string, so CuPy's kernel cache sees a
+    # change of stream_common.cuh
+    code = module.source_code("stream_chain.cu")
+    return cp.RawModule(code=code, options=("--std=c++17", f"-I{KERNEL_DIR}")).get_function("stream_chain")
 
 
 def chain_nodes(byte_counts: list[int], base_ptr: int, out, mode: str, x=None) -> list:

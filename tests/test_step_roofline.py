@@ -56,31 +56,17 @@ def test_run_nodes_times_the_chain_of_the_engines_node_bytes(monkeypatch):
     """run_nodes hands time_chain the step graph's node byte counts and the step time, and puts
     what it returns into the result (a fake engine; time_chain itself is GPU-tested below)."""
     from harness import bench_nodes
+    from test_gpu_state import _NodesEngine  # (tests/ is on the path, as for gpu_util)
 
-    class Eng:
-        step_exec = types.SimpleNamespace(nodes=[types.SimpleNamespace(bytes=1000), types.SimpleNamespace(bytes=24)])
-
-        def bench(self, ids, steps, reps):
-            return {"decode_s": [0.064] * 3}
-
-        def info(self):
-            return {"nodes_per_step": 2, "bytes_per_step": 1024}
-
-        def reset(self):
-            pass
-
-        def prefill(self, ids):
-            pass
-
-        def node_times(self, tok, method):
-            return [{"name": "blk.0.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 900.0, "bytes": 1000}]
+    eng = _NodesEngine(lambda ids, steps, reps: {"decode_s": [0.064] * 3})
+    eng.step_exec = types.SimpleNamespace(nodes=[types.SimpleNamespace(bytes=1000), types.SimpleNamespace(bytes=24)])
 
     seen = {}
 
     def fake_chain(byte_counts, step_us, log=print):
         seen.update(byte_counts=byte_counts, step_us=step_us)
         return {"method": sr.METHOD, "modes": {"dependent": {"us": 500.0}}}
-    monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(Eng()))
+    monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(eng))
     monkeypatch.setattr(sr, "time_chain", fake_chain)
     out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lambda m: None)
     assert seen == {"byte_counts": [1000, 24], "step_us": 1000.0}

@@ -5,8 +5,9 @@
 // design of one kernel per node can reach on these node sizes: launch latency, ramp-up, the
 // partial last wave and the dependency between nodes included, no arithmetic at all.
 //
-// The read is stream_read.cu's (one wave of 512-thread blocks, 4 predicated 16-byte loads per
-// thread and pass, the XOR of every 32-bit word folded into out[0] with one atomic per block);
+// The read is stream_read.cu's (stream_common.cuh: one wave of 512-thread blocks, 4 predicated
+// 16-byte loads per thread and pass, the XOR of every 32-bit word folded into out[0] with one
+// atomic per block);
 // what differs is the PDL handshake, by `mode` (warp-uniform, so no divergence):
 //   0 independent: griddepcontrol.launch_dependents at entry, no wait: a node may run beside
 //     its predecessor (the b2b roofline of `harness bench kernels`, chained);
@@ -23,24 +24,15 @@
 //   5 staged by a bulk copy: as 3, but thread 0 asks the copy engine for x in one
 //     cp.async.bulk (TMA, completing on an mbarrier initialised before the wait) and every
 //     thread waits on the mbarrier instead of loading and passing a block barrier.
-// The atomic (a global write) comes after the wait in modes 1 and 2 (launch.py's contract);
-// in mode 0 the XOR still lands, in some order (XOR is order-independent).
+// The atomic (a global write) comes after the wait in modes 1-5 (launch.py's contract); in mode 0
+// the XOR still lands, in some order (XOR is order-independent).
 
-__device__ __forceinline__ void chain_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void chain_trigger() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+#include "common.cuh"  // pdl_wait, pdl_trigger
+#include "stream_common.cuh"  // stream_xor, fold_xor
 
 extern "C" __global__ void __launch_bounds__(512)
 stream_chain(const uint4* __restrict__ p, unsigned long long n16, unsigned int* out, int mode,
              const uint4* __restrict__ x, int nx16) {
-    __shared__ unsigned int wx[32];
     extern __shared__ uint4 xs[];  // mode 3: x staged (nx16 words of dynamic shared memory; 0 bytes otherwise)
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long i0 = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -61,8 +53,8 @@ stream_chain(const uint4* __restrict__ p, unsigned long long n16, unsigned int* 
         }
         __syncthreads();
     }
-    if (mode != 0) chain_wait();
-    chain_trigger();
+    if (mode != 0) pdl_wait();
+    pdl_trigger();
     unsigned int acc = 0;
     if (mode == 5) {
         if (threadIdx.x == 0) {
@@ -84,23 +76,5 @@ stream_chain(const uint4* __restrict__ p, unsigned long long n16, unsigned int* 
         const uint4 v = xs[(threadIdx.x * 7) % nx16];
         acc = v.x ^ v.y ^ v.z ^ v.w;
     }
-    for (unsigned long long i = i0; i < n16; i += 4 * stride) {
-        const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-        const uint4 a = __ldg(p + i);
-        const uint4 b = i + stride < n16 ? __ldg(p + i + stride) : z;
-        const uint4 c = i + 2 * stride < n16 ? __ldg(p + i + 2 * stride) : z;
-        const uint4 d = i + 3 * stride < n16 ? __ldg(p + i + 3 * stride) : z;
-        acc ^= (a.x ^ a.y ^ a.z ^ a.w) ^ (b.x ^ b.y ^ b.z ^ b.w) ^ (c.x ^ c.y ^ c.z ^ c.w) ^
-               (d.x ^ d.y ^ d.z ^ d.w);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
-    const int warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    if ((threadIdx.x & 31) == 0) wx[warp] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned int v = 0;
-        for (int w = 0; w < nw; ++w) v ^= wx[w];
-        if (v != 0) atomicXor(out, v);
-    }
+    fold_xor(stream_xor(p, n16, i0, stride, acc), out);
 }
