@@ -136,8 +136,14 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
                "step_windows": timed.get("decode_window"),
                "engine": e.info(), "methods": {}}
         if chain:  # what one kernel per node could reach on these sizes (cold, dependent, no arithmetic)
-            from .step_roofline import time_chain
-            out["chain_roofline"] = time_chain([int(n.bytes) for n in e.step_exec.nodes], step_us, log=log)
+            from . import step_roofline
+            try:
+                out["chain_roofline"] = step_roofline.time_chain([int(n.bytes) for n in e.step_exec.nodes],
+                                                                 step_us, log=log)
+            except Exception as err:  # a roofline that fails costs its own figure, not the nodes result
+                why = f"{type(err).__name__}: {err}"[:300]
+                log(f"chain roofline failed: {why}")
+                out["chain_roofline"] = {"method": step_roofline.METHOD, "why": why}
         e.reset()
         e.prefill(prompt_ids)
         for m in methods:

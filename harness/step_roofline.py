@@ -7,9 +7,10 @@ aligned region of one buffer (so every read is cold in L2, as a step's weights a
 with programmatic dependent launch (backends/engine/launch.py) and captured `chains` times
 back to back into one CUDA graph. The time per chain is the step time of a hypothetical engine
 whose every node were a pure read of its bytes: launch latency, ramp-up, the last partial
-wave and the dependency between consecutive nodes included, no arithmetic, no staging.
+wave and the dependency between consecutive nodes included, no arithmetic (the staged
+handshakes add the staging of an input vector).
 
-Three handshakes (stream_chain.cu `mode`):
+Seven handshakes (stream_chain.cu `mode`):
   independent  no griddepcontrol.wait: nodes may overlap (the b2b roofline of `harness bench
                kernels`, summed over a step);
   dependent    each node reads nothing until its predecessor has finished (a GEMV needs its x);
@@ -41,7 +42,9 @@ X_WORDS = 1280     # the staged modes: 16-byte words of x each block stages (20 
 # ... except staged_codes: x as a producer could write it already quantised, 5120 int16 codes and
 # 160 fp32 block scales (10,880 bytes = 680 words), staged the same way
 X_WORDS_OF = {"staged_codes": 680}
-METHOD = "stream-chain/1"  # recorded with the figures: change it when the kernel or the timing changes
+# recorded with the figures; change it when the kernel or the timing changes. /1: session 23's
+# measurements (docs/perf-notes.md); /2: block 0 alone folds the staged words into the XOR
+METHOD = "stream-chain/2"
 MARGIN = 1 << 30   # device bytes left free beside the buffer
 
 
@@ -63,7 +66,7 @@ def layout(byte_counts: list[int]) -> tuple[list[int], list[int], int]:
 
 
 def summarize(per_mode_us: dict[str, list[float]], total_bytes: int, step_us: float | None) -> dict:
-    """{"modes": {mode: {"us" (median of the samples), "samples_us", "gb_s"}}, "step_over":
+    """{"modes": {mode: {"us" (median of the samples), "samples_us", "gb_s" (1e9 bytes/s)}}, "step_over":
     {mode: step us / chain us}} from each mode's per-chain samples (us > 0); step_over is how
     many times the chain's time the measured step takes (1.0: the engine runs at the chain's
     speed; {} without a positive step_us). Raises ValueError on an empty or non-positive
@@ -94,8 +97,9 @@ def chain_nodes(byte_counts: list[int], base_ptr: int, out, mode: str, x=None) -
     """executor.Node list: one stream_chain read per byte count, region i at base_ptr +
     layout()'s offset i (base_ptr 256-byte aligned; ValueError otherwise or on an unknown
     mode), one wave of THREADS-thread blocks each; out: cupy uint32 [1] for the XOR; x: a
-    cupy array of X_WORDS x 16 bytes that mode "staged" stages (ValueError when it is missing
-    or smaller there; other modes ignore it)."""
+    cupy array of at least X_WORDS x 16 bytes (16-byte aligned) that the staged modes stage
+    (X_WORDS_OF's count for staged_codes; ValueError when it is missing or smaller there;
+    other modes ignore it)."""
     import numpy as np
 
     from backends.engine import module
@@ -133,26 +137,27 @@ def time_chain(byte_counts: list[int], step_us: float | None = None, modes=tuple
 
     from .gpu import require_cupy
     from .gpu_timing import EventTimer
-    cp = require_cupy()
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"chain roofline modes {bad or modes}: expected some of {', '.join(MODES)}")
     if chains < 1 or samples < 1:
         raise ValueError("need chains >= 1 and samples >= 1")
     _, sizes, total = layout(byte_counts)
+    cp = require_cupy()
     free = int(cp.cuda.runtime.memGetInfo()[0]) + int(cp.get_default_memory_pool().free_bytes())
     if total + ALIGN + MARGIN > free:
         why = f"needs {total + ALIGN:,} B of device memory + 1 GiB, {free:,} B free"
         log(f"chain roofline skipped: {why}")
         return {"method": METHOD, "why": why}
-    buf = cp.empty(total + ALIGN, dtype=cp.uint8)
-    base = -(-buf.data.ptr // ALIGN) * ALIGN
+    # the small things first: if one of them fails, nothing holds the large buffer
     out = cp.zeros(1, dtype=cp.uint32)
     x = cp.zeros(16 * X_WORDS, dtype=cp.uint8)
     stream = cp.cuda.Stream(non_blocking=True)
     timer = EventTimer(stream)
     per_mode = {}
+    buf = cp.empty(total + ALIGN, dtype=cp.uint8)
     try:
+        base = -(-buf.data.ptr // ALIGN) * ALIGN
         for mode in modes:
             nodes = chain_nodes(byte_counts, base, out, mode, x)
             ex = Executor(nodes * chains, stream)
@@ -174,23 +179,73 @@ def time_chain(byte_counts: list[int], step_us: float | None = None, modes=tuple
     return res
 
 
+def _us_text(v: float) -> str:
+    """A time in us for a note or report line: one decimal, or 3 significant digits beyond 1e7
+    (a hostile file's 1e308 must not print 309 digits)."""
+    return f"{v:.1f}" if v < 1e7 else f"{v:.3g}"
+
+
 def ab_note(a, b, mode: str = "dependent") -> str:
     """`harness ab` note on two nodes results' chain rooflines (their "chain_roofline" dicts):
-    "chain dependent A -> B us (+x.x %)" when both timed `mode` by the same METHOD, with
-    "; the GPUs differ on pure reads" when the chains are more than 1 % apart (the chain does
-    not depend on the engine's code, only on the node sizes and the GPU: session 23 measured
-    +1.3 to +1.6 % between two H200s); "" when either lacks it (positive finite times only)."""
+    "chain dependent A -> B us (+x.x %)" when both timed `mode` with the same METHOD (positive
+    finite times only; "" otherwise). The chain does not depend on the engine's code, only on
+    the node sizes and the GPU, so with the same node count and bytes a change of more than 1 %
+    adds "; the GPUs differ on the chain" (session 23: +1.3 % for the dependent chain between
+    two H200s); with other node sizes (another n_ctx, another node list) it adds "; other node
+    sizes (n nodes, bytes)" and says nothing of the GPUs."""
     from .jsonread import finite_pos
 
     def us(c):
-        if not isinstance(c, dict) or c.get("method") != METHOD or not isinstance(c.get("modes"), dict):
+        if not isinstance(c, dict) or not isinstance(c.get("modes"), dict):
             return None
         m = c["modes"].get(mode)
         return finite_pos(m.get("us")) if isinstance(m, dict) else None
     ua, ub = us(a), us(b)
-    if not (ua and ub):
+    if not (ua and ub) or a.get("method") != b.get("method"):
         return ""
     d = 100 * (ub / ua - 1)
-    return (f"chain {mode} {ua:.1f} -> {ub:.1f} us ({d:+.1f} %)"
-            + ("; the GPUs differ on pure reads" if abs(d) > 1 else ""))
+    text = f"chain {mode} {_us_text(ua)} -> {_us_text(ub)} us ({d:+.1f} %)".replace("(-0.0 %)", "(+0.0 %)")
+    size_a, size_b = (a.get("n_nodes"), a.get("bytes")), (b.get("n_nodes"), b.get("bytes"))
+    if size_a != size_b:
+        return text + f"; other node sizes ({size_a[0]} nodes, {size_a[1]} B -> {size_b[0]}, {size_b[1]})"[:200]
+    return text + ("; the GPUs differ on the chain" if round(abs(d), 1) > 1 else "")  # (as printed)
 
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m harness.step_roofline NODES.json [--out FILE]: time the chain of a stored
+    `harness bench nodes` result's node byte counts (graph or eager method's node list, in step
+    order) on this GPU, without the engine; prints each mode, writes {"source", "chain"} as JSON
+    to FILE when given. Exit 0, or 2 on a file that is not a nodes result (one-line message)."""
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    from .errors import HarnessError
+    from .results import read_json, write_json
+    p = argparse.ArgumentParser(prog="python -m harness.step_roofline", description=main.__doc__.split(":")[0])
+    p.add_argument("nodes_json")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    try:
+        doc = read_json(Path(args.nodes_json))
+        n = doc.get("nodes") if isinstance(doc, dict) else None
+        methods = n.get("methods") if isinstance(n, dict) else None
+        rows = next((methods[m]["nodes"] for m in ("graph", "eager")
+                     if isinstance(methods, dict) and isinstance(methods.get(m), dict)
+                     and isinstance(methods[m].get("nodes"), list)), None)
+        if not rows:
+            raise ValueError("not a nodes result with a node list")
+        counts = [r.get("bytes") if isinstance(r, dict) else None for r in rows]
+        step = n.get("step_us") if isinstance(n.get("step_us"), (int, float)) else None
+        res = time_chain(counts, step)
+    except (HarnessError, ValueError, OSError) as e:
+        print(f"error: {args.nodes_json}: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        write_json(Path(args.out), {"source": args.nodes_json, "chain": res})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

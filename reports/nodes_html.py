@@ -45,10 +45,11 @@ def chain_line(chain) -> str | None:
     "chain_roofline": "dependent 4321.0 µs (step 1.43x) · ..." per mode with a positive finite
     time, "not run: <why>" when it was skipped, None when absent or malformed (hostile JSON)."""
     from harness.jsonread import finite_pos
+    from harness.step_roofline import _us_text
     if not isinstance(chain, dict):
         return None
-    if isinstance(chain.get("why"), str):
-        return f"not run: {chain['why']}"
+    if isinstance(chain.get("why"), str) and chain["why"].strip():
+        return f"not run: {chain['why'][:300]}"
     modes = chain.get("modes") if isinstance(chain.get("modes"), dict) else {}
     over = chain.get("step_over") if isinstance(chain.get("step_over"), dict) else {}
     parts = []
@@ -57,7 +58,7 @@ def chain_line(chain) -> str | None:
         if us is None:
             continue
         x = finite_pos(over.get(name))
-        parts.append(f"{name} {us:.1f} µs" + (f" (step {x:.2f}x)" if x else ""))
+        parts.append(f"{str(name)[:40]} {_us_text(us)} µs" + (f" (step {x:.3g}x)" if x else ""))
     return " · ".join(parts) or None
 
 

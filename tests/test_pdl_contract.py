@@ -9,11 +9,11 @@ import re
 from backends.engine.module import KERNEL_DIR
 
 # Launched only with plain launches, never as an engine node: hold_stream (stream hold of the
-# per-node timers: executor.time_nodes, harness.gpu_timing), stream_read (bench kernels'
-# roofline, harness/roofline.py launches it with pdl_ok=False), and stream_chain (the chain
-# roofline, harness/step_roofline.py: launched with PDL, its mode 0 skips the wait on purpose;
-# it reads only its own constant region and its one write is an order-independent atomicXor).
-PLAIN_ONLY = {"hold_stream", "stream_read", "stream_chain"}
+# per-node timers: executor.time_nodes, harness.gpu_timing) and stream_read (bench kernels'
+# roofline, harness/roofline.py launches it with pdl_ok=False). stream_chain (the chain roofline,
+# harness/step_roofline.py) is launched with PDL and scanned like the engine's kernels; its mode 0
+# skips the wait on purpose (test_stream_chain_waits_before_it_reads_x_or_writes).
+PLAIN_ONLY = {"hold_stream", "stream_read"}
 
 
 def _block_after(text: str, start: int) -> str:
@@ -84,3 +84,13 @@ def test_plain_only_kernels_are_not_engine_nodes():
     ops_text = (KERNEL_DIR.parent / "ops.py").read_text()
     for name in PLAIN_ONLY:
         assert f'"{name}"' not in ops_text
+
+
+def test_stream_chain_waits_before_it_reads_x_or_writes():
+    """stream_chain.cu: in its dependent modes the wait comes before the staging of x (another
+    kernel's kind of input), the bulk copy and the XOR's atomic; only mode 0 skips it."""
+    text = (KERNEL_DIR / "stream_chain.cu").read_text()
+    body = _block_after(text, text.index("stream_chain("))
+    wait = body.index("if (mode != 0) pdl_wait();")
+    for later in ("xs[k] = x[k]", "cp.async.bulk", "fold_xor("):
+        assert wait < body.index(later), later
