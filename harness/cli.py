@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="(re-)render report.html from a result.json, or the "
                        "per-commit history pages (--history)")
     p.add_argument("result", type=Path, nargs="?",
-                   help="a result.json written by `harness run/verify`")
+                   help="a result.json written by `harness run/verify`, or a nodes.json of "
+                   "`harness bench nodes` (nodes.html beside it)")
     p.add_argument("--history", type=Path, nargs="?", const=Path("out"), metavar="OUT_ROOT",
                    help="read OUT_ROOT/runs/*/result.json (default out), write "
                    "OUT_ROOT/reports/<sha>/index.html and OUT_ROOT/reports/index.html")
@@ -128,6 +129,13 @@ def _cmd_models(args) -> int:
     return 0
 
 
+def _schema(path: Path) -> str | None:
+    """The "schema" of the JSON result at path, or None when it is not a gguf-harness result
+    (results.read_json's ValueError / OSError propagate)."""
+    from .results import read_json
+    return read_json(path).get("schema")
+
+
 def _cmd_report(args) -> int:
     if (args.result is None) == (args.history is None):
         raise ConfigError("harness report: give either RESULT.json or --history [OUT_ROOT]")
@@ -140,8 +148,11 @@ def _cmd_report(args) -> int:
                 from None
         return 0
     from reports.html import render_report_from_json
+    from reports.nodes_html import render_nodes_report_from_json
+    from .ab_nodes import NODES_SCHEMA
     try:
-        print(render_report_from_json(args.result))
+        nodes = _schema(args.result) == NODES_SCHEMA  # a `bench nodes` result has its own page
+        print(render_nodes_report_from_json(args.result) if nodes else render_report_from_json(args.result))
     except (OSError, ValueError) as e:  # missing/unreadable file, not JSON, not a result
         raise ConfigError(f"cannot render {args.result}: {e}") from None
     return 0

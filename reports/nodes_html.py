@@ -16,8 +16,67 @@ from .plots import data_uri
 TEMPLATE = "nodes.html.j2"
 
 
+MAX_ROWS = 20_000  # node rows a method may have (the 27B step has 388): a bound for hostile files
+
+
+def clean_nodes_result(result) -> dict:
+    """The parts of a nodes result (schema gguf-harness/nodes/1) the page shows, checked and
+    rebuilt, so a file read back (`harness report NODES.json`; untrusted, maybe hand-edited)
+    renders or fails with a clear error: each method's node rows (name, kind, fmt as text;
+    us a finite time >= 0; bytes a whole number >= 0) re-aggregated with
+    harness.bench_nodes.aggregate, the step time, and model / engine / n_ctx / n_prompt /
+    created as text or numbers ("?" where missing). Other keys (gpu_state, chain_roofline,
+    step_j) pass through: their lines check their own values. Raises ValueError naming the
+    first bad field."""
+    import math
+
+    from harness.bench_nodes import aggregate
+    from harness.jsonread import finite_pos
+    if not isinstance(result, dict) or not isinstance(result.get("nodes"), dict):
+        raise ValueError("not a nodes result: no 'nodes' section")
+    res = dict(result["nodes"])
+    step = finite_pos(res.get("step_us"))
+    if step is None:
+        raise ValueError(f"nodes.step_us {res.get('step_us')!r} is not a positive time")
+    methods = res.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        raise ValueError("nodes.methods: no timing method")
+    clean = {}
+    for name, m in methods.items():
+        rows = m.get("nodes") if isinstance(m, dict) else None
+        if not isinstance(rows, list) or not rows or len(rows) > MAX_ROWS:
+            raise ValueError(f"nodes.methods.{str(name)[:40]}: expected 1..{MAX_ROWS} node rows")
+        out = []
+        for i, r in enumerate(rows):
+            us = r.get("us") if isinstance(r, dict) else None
+            b = r.get("bytes") if isinstance(r, dict) else None
+            if isinstance(us, bool) or not isinstance(us, (int, float)) or not math.isfinite(us) or us < 0:
+                raise ValueError(f"nodes.methods.{str(name)[:40]} row {i}: us {us!r} is not a finite time >= 0")
+            if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+                raise ValueError(f"nodes.methods.{str(name)[:40]} row {i}: bytes {b!r} is not a whole number >= 0")
+            out.append({"name": str(r.get("name", "?"))[:200], "kind": str(r.get("kind", "?"))[:40],
+                        "fmt": str(r.get("fmt", ""))[:80], "us": float(us), "bytes": b})
+        clean[str(name)[:40]] = aggregate(out, step)
+    engine = res.get("engine") if isinstance(res.get("engine"), dict) else {}
+    first = next(iter(clean.values()))["nodes"]
+    nps, bps = engine.get("nodes_per_step"), engine.get("bytes_per_step")
+    res.update(step_us=step, methods=clean,
+               engine=dict(engine, nodes_per_step=nps if isinstance(nps, int) and not isinstance(nps, bool) else len(first),
+                           bytes_per_step=bps if isinstance(bps, int) and not isinstance(bps, bool)
+                           else sum(r["bytes"] for r in first)))
+    for k in ("n_ctx", "n_prompt"):
+        if not (isinstance(res.get(k), int) and not isinstance(res.get(k), bool)):
+            res[k] = "?"
+    model = result.get("model") if isinstance(result.get("model"), dict) else {}
+    return {"created": str(result.get("created", ""))[:64], "machine": result.get("machine", {}),
+            "model": {"name": str(model.get("name", "?"))[:200], "sha256": str(model.get("sha256", "?"))[:64]},
+            "nodes": res}
+
+
 def render_nodes_html(result: dict) -> str:
-    """result: {"created", "machine", "model": {name, sha256, ...}, "nodes": run_nodes output}."""
+    """result: {"created", "machine", "model": {name, sha256, ...}, "nodes": run_nodes output},
+    checked first (clean_nodes_result: ValueError on a field the page cannot show)."""
+    result = clean_nodes_result(result)
     res = result["nodes"]
     plots = {}
     for name, m in res["methods"].items():
@@ -63,6 +122,21 @@ def chain_line(chain) -> str | None:
 
 
 def render_nodes_report(result: dict, out_path: Path) -> Path:
-    """Write the page atomically to out_path; returns out_path."""
+    """Write the page atomically to out_path; returns out_path. ValueError as render_nodes_html."""
     write_atomic(Path(out_path), render_nodes_html(result).encode("utf-8"))
     return Path(out_path)
+
+
+def render_nodes_report_from_json(json_path: Path) -> Path:
+    """`harness report NODES.json`: render a stored nodes result beside it, nodes.html for a run
+    folder's nodes.json, <name>.nodes.html for any other name (as docs/results/sweeps/ keeps
+    them side by side). ValueError if it is not a nodes result or a field cannot be shown,
+    OSError if it cannot be read."""
+    from harness.ab_nodes import NODES_SCHEMA
+    from harness.results import read_json
+    json_path = Path(json_path)
+    result = read_json(json_path)
+    if result.get("schema") != NODES_SCHEMA:
+        raise ValueError(f"{json_path} is not a {NODES_SCHEMA} result")
+    name = "nodes.html" if json_path.name == "nodes.json" else f"{json_path.stem}.nodes.html"
+    return render_nodes_report(result, json_path.parent / name)

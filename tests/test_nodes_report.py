@@ -1,0 +1,82 @@
+"""The nodes page from a stored result (`harness report NODES.json`): checked fields, clear errors
+for hostile or damaged files, escaping (CPU)."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from harness import cli
+from reports.nodes_html import MAX_ROWS, clean_nodes_result, render_nodes_html
+
+
+def _result():
+    rows = [{"name": "blk.0.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 20.0, "bytes": 61_000_000},
+            {"name": "blk.1.ffn_down", "kind": "gemv", "fmt": "Q4_K", "us": 30.0, "bytes": 61_000_000},
+            {"name": "output", "kind": "gemv", "fmt": "Q6_K", "us": 50.0, "bytes": 1_000_000_000}]
+    return {"schema": "gguf-harness/nodes/1", "created": "2026-12-01", "machine": {"gpu": "x"},
+            "model": {"name": "m", "sha256": "ab" * 32},
+            "nodes": {"schema": "gguf-harness/nodes/1", "n_ctx": 2048, "n_prompt": 70, "step_us": 110.0,
+                      "engine": {"nodes_per_step": 3, "bytes_per_step": 1_122_000_000},
+                      "methods": {"graph": {"nodes": rows}}}}
+
+
+def test_clean_result_reaggregates_the_rows():
+    """The sums, shares and gap come from the rows themselves (independent arithmetic here)."""
+    m = clean_nodes_result(_result())["nodes"]["methods"]["graph"]
+    assert m["sum_us"] == 100.0 and m["gap_us"] == 10.0
+    assert [r["pct"] for r in m["nodes"]] == [20.0, 30.0, 50.0]
+    assert m["nodes"][2]["gb_s"] == pytest.approx(1e9 / 50e-6 / 1e9)
+    assert m["by_op"][0] == {"name": "ffn_down", "n": 2, "us": 50.0, "pct": 50.0}
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda d: d.pop("nodes"), "no 'nodes' section"),
+    (lambda d: d["nodes"].update(step_us="fast"), "step_us"),
+    (lambda d: d["nodes"].update(step_us=float("inf")), "step_us"),
+    (lambda d: d["nodes"].update(methods=[]), "no timing method"),
+    (lambda d: d["nodes"]["methods"].update(graph={"nodes": []}), "node rows"),
+    (lambda d: d["nodes"]["methods"]["graph"]["nodes"].__setitem__(1, "row"), "row 1: us"),
+    (lambda d: d["nodes"]["methods"]["graph"]["nodes"][0].update(us=float("nan")), "row 0: us"),
+    (lambda d: d["nodes"]["methods"]["graph"]["nodes"][0].update(us=-1.0), "row 0: us"),
+    (lambda d: d["nodes"]["methods"]["graph"]["nodes"][0].update(us=True), "row 0: us"),
+    (lambda d: d["nodes"]["methods"]["graph"]["nodes"][2].update(bytes="1e9"), "row 2: bytes"),
+    (lambda d: d["nodes"]["methods"]["graph"]["nodes"][2].update(bytes=1.5), "row 2: bytes"),
+    (lambda d: d["nodes"]["methods"]["graph"].update(nodes=[{"us": 1.0, "bytes": 1}] * (MAX_ROWS + 1)), "node rows"),
+])
+def test_damaged_results_fail_with_the_field_named(edit, says):
+    d = _result()
+    edit(d)
+    with pytest.raises(ValueError, match=says):
+        render_nodes_html(d)
+
+
+def test_missing_optional_fields_render_as_unknown_and_strings_are_escaped():
+    d = _result()
+    del d["model"], d["created"], d["nodes"]["engine"], d["nodes"]["n_ctx"]
+    d["nodes"]["n_prompt"] = "<i>70</i>"
+    d["nodes"]["methods"]["graph"]["nodes"][0]["name"] = "blk.0.<script>alert(1)</script>"
+    d["nodes"]["methods"]["graph"]["nodes"][1]["fmt"] = ["Q4_K"]
+    html = render_nodes_html(d)
+    assert "<script>alert" not in html and "&lt;script&gt;" in html
+    assert "n_ctx ?" in html and "prompt ? tokens" in html and "bytes per step 1,122,000,000" in html
+    assert "<i>70</i>" not in html
+
+
+def test_harness_report_renders_a_nodes_json_beside_it(tmp_path, capsys):
+    src = tmp_path / "nodes.json"
+    src.write_text(json.dumps(_result()))
+    assert cli.main(["report", str(src)]) == 0
+    page = tmp_path / "nodes.html"
+    assert capsys.readouterr().out.strip() == str(page) and "per-layer" in page.read_text()
+    other = tmp_path / "sweep-1.json"
+    other.write_text(json.dumps(_result()))
+    assert cli.main(["report", str(other)]) == 0
+    assert (tmp_path / "sweep-1.nodes.html").exists()
+    bad = copy.deepcopy(_result())
+    bad["nodes"]["step_us"] = None
+    other.write_text(json.dumps(bad))
+    assert cli.main(["report", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "step_us" in err and err.count("\n") == 1
