@@ -47,3 +47,8 @@ def finite_pos(x) -> float | None:
     """finite(x) when it is > 0, else None."""
     f = finite(x)
     return f if f is not None and f > 0 else None
+
+
+def whole(x) -> int | None:
+    """x when it is an int >= 0 (not a bool: JSON's true is no count), else None."""
+    return x if isinstance(x, int) and not isinstance(x, bool) and x >= 0 else None

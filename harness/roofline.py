@@ -6,8 +6,6 @@ read of its size reaches (launch latency, ramp-up and a partial last wave includ
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
 THREADS = 512  # stream_read's __launch_bounds__
@@ -27,18 +25,6 @@ def xor_words(raw: np.ndarray) -> int:
     return int(np.bitwise_xor.reduce(raw.view("<u4"))) if raw.size else 0
 
 
-@lru_cache(maxsize=None)
-def _kernel():
-    import cupy as cp
-
-    from backends.engine import module
-    from backends.engine.module import KERNEL_DIR
-    # module.source_code: the headers' digest in the code string, so CuPy's kernel cache sees a
-    # change of stream_common.cuh
-    code = module.source_code("stream_read.cu")
-    return cp.RawModule(code=code, options=("--std=c++17", f"-I{KERNEL_DIR}")).get_function("stream_read")
-
-
 def read_node(name: str, ptr: int, nbytes: int, out):
     """executor.Node reading nbytes at device address ptr (both multiples of 16; ValueError
     otherwise), one wave of THREADS-thread blocks; out: cupy uint32 [1] the XOR goes into.
@@ -47,7 +33,7 @@ def read_node(name: str, ptr: int, nbytes: int, out):
         raise ValueError(f"stream read of {nbytes} bytes at {ptr:#x}: need 16-byte multiples")
     from backends.engine import module
     from backends.engine.executor import Node
-    k = _kernel()
+    k = module.kernel_in("stream_read.cu", "stream_read")
     grid = module.blocks_per_sm(k, THREADS, 0) * module.sm_count()
     return Node(name, "roofline", k, (grid,), (THREADS,),
                 (np.uint64(ptr), np.uint64(nbytes // 16), out), bytes=nbytes)

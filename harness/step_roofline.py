@@ -32,7 +32,8 @@ ceiling, and (dependent - independent) what the dependency itself costs on these
 from __future__ import annotations
 
 import statistics
-from functools import lru_cache
+
+from .jsonread import whole
 
 ALIGN = 256        # region alignment (bytes): every region starts on its own 128-byte lines
 THREADS = 512      # stream_chain's __launch_bounds__
@@ -56,7 +57,7 @@ def layout(byte_counts: list[int]) -> tuple[list[int], list[int], int]:
         raise ValueError("no nodes")
     offsets, sizes, off = [], [], 0
     for b in byte_counts:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        if whole(b) is None:
             raise ValueError(f"node byte count {b!r}: expected an int >= 0")
         size = max(16, -(-b // 16) * 16)
         offsets.append(off)
@@ -81,18 +82,6 @@ def summarize(per_mode_us: dict[str, list[float]], total_bytes: int, step_us: fl
     return {"modes": modes, "step_over": over}
 
 
-@lru_cache(maxsize=None)
-def _kernel():
-    import cupy as cp
-
-    from backends.engine import module
-    from backends.engine.module import KERNEL_DIR
-    # module.source_code: the headers' digest in the code string, so CuPy's kernel cache sees a
-    # change of stream_common.cuh
-    code = module.source_code("stream_chain.cu")
-    return cp.RawModule(code=code, options=("--std=c++17", f"-I{KERNEL_DIR}")).get_function("stream_chain")
-
-
 def chain_nodes(byte_counts: list[int], base_ptr: int, out, mode: str, x=None) -> list:
     """executor.Node list: one stream_chain read per byte count, region i at base_ptr +
     layout()'s offset i (base_ptr 256-byte aligned; ValueError otherwise or on an unknown
@@ -110,7 +99,7 @@ def chain_nodes(byte_counts: list[int], base_ptr: int, out, mode: str, x=None) -
         raise ValueError(f"buffer at {base_ptr:#x} is not {ALIGN}-byte aligned")
     if mode.startswith("staged") and (x is None or x.nbytes < 16 * X_WORDS):
         raise ValueError(f"mode {mode} needs x of {16 * X_WORDS} bytes")
-    k = _kernel()
+    k = module.kernel_in("stream_chain.cu", "stream_chain")  # (source_code: a header change recompiles)
     words = X_WORDS_OF.get(mode, X_WORDS) if mode.startswith("staged") else 0
     smem = 16 * words  # (dynamic: the other modes' blocks carry none)
     grid = module.blocks_per_sm(k, THREADS, smem) * module.sm_count()

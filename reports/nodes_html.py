@@ -28,10 +28,8 @@ def clean_nodes_result(result) -> dict:
     created as text or numbers ("?" where missing). Other keys (gpu_state, chain_roofline,
     step_j) pass through: their lines check their own values. Raises ValueError naming the
     first bad field."""
-    import math
-
     from harness.bench_nodes import aggregate
-    from harness.jsonread import finite_pos
+    from harness.jsonread import finite, finite_pos, whole
     if not isinstance(result, dict) or not isinstance(result.get("nodes"), dict):
         raise ValueError("not a nodes result: no 'nodes' section")
     res = dict(result["nodes"])
@@ -50,22 +48,21 @@ def clean_nodes_result(result) -> dict:
         for i, r in enumerate(rows):
             us = r.get("us") if isinstance(r, dict) else None
             b = r.get("bytes") if isinstance(r, dict) else None
-            if isinstance(us, bool) or not isinstance(us, (int, float)) or not math.isfinite(us) or us < 0:
+            if finite(us) is None or us < 0:
                 raise ValueError(f"nodes.methods.{str(name)[:40]} row {i}: us {us!r} is not a finite time >= 0")
-            if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            if whole(b) is None:
                 raise ValueError(f"nodes.methods.{str(name)[:40]} row {i}: bytes {b!r} is not a whole number >= 0")
             out.append({"name": str(r.get("name", "?"))[:200], "kind": str(r.get("kind", "?"))[:40],
-                        "fmt": str(r.get("fmt", ""))[:80], "us": float(us), "bytes": b})
+                        "fmt": str(r.get("fmt", ""))[:80], "us": finite(us), "bytes": b})
         clean[str(name)[:40]] = aggregate(out, step)
     engine = res.get("engine") if isinstance(res.get("engine"), dict) else {}
     first = next(iter(clean.values()))["nodes"]
     nps, bps = engine.get("nodes_per_step"), engine.get("bytes_per_step")
     res.update(step_us=step, methods=clean,
-               engine=dict(engine, nodes_per_step=nps if isinstance(nps, int) and not isinstance(nps, bool) else len(first),
-                           bytes_per_step=bps if isinstance(bps, int) and not isinstance(bps, bool)
-                           else sum(r["bytes"] for r in first)))
+               engine=dict(engine, nodes_per_step=nps if whole(nps) is not None else len(first),
+                           bytes_per_step=bps if whole(bps) is not None else sum(r["bytes"] for r in first)))
     for k in ("n_ctx", "n_prompt"):
-        if not (isinstance(res.get(k), int) and not isinstance(res.get(k), bool)):
+        if whole(res.get(k)) is None:
             res[k] = "?"
     model = result.get("model") if isinstance(result.get("model"), dict) else {}
     return {"created": str(result.get("created", ""))[:64], "machine": result.get("machine", {}),

@@ -80,3 +80,10 @@ def test_harness_report_renders_a_nodes_json_beside_it(tmp_path, capsys):
     assert cli.main(["report", str(other)]) == 2
     err = capsys.readouterr().err
     assert "step_us" in err and err.count("\n") == 1
+
+
+def test_whole_accepts_only_counts():
+    """harness.jsonread.whole, the count check of the nodes page and the chain's layout."""
+    from harness.jsonread import whole
+    assert [whole(v) for v in (0, 3, 2 ** 70)] == [0, 3, 2 ** 70]
+    assert all(whole(v) is None for v in (True, False, -1, 1.0, "3", None, float("inf"), [1]))
