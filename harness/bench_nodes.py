@@ -113,6 +113,9 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
     from .bench_e2e import decode_energy
     from .gpu_state import GpuStateSampler, describe
     with loaded_engine(model, n_ctx) as e:
+        diag = e.info().get("switches_effective", {}).get("GGUF_HARNESS_DIAG")
+        if diag:
+            log(f"GGUF_HARNESS_DIAG={diag}: a timing-only build, its values are wrong by design")
         # the engine's own throughput loop: prompt, then `steps` chained step-graph replays,
         # with the GPU's clocks, power and slowdown reasons sampled while it runs
         with GpuStateSampler(period_s=0.02) as gpu:  # 20 ms: the energy windows (gpu_state.window_energy_j)

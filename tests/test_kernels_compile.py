@@ -117,6 +117,11 @@ def compile_source(lib, name: str, defines: tuple[str, ...] = (), ptx: list | No
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+# session 24: the timing-only diagnostic builds (module.diag_defines, GGUF_HARNESS_DIAG)
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "DIAG_NOSTAGE")), ("gemv_kq.cu", ("KQ_P2=1", "DIAG_NOWAIT", "DIAG_NOSTAGE")),
+            ("deltanet.cu", ("DIAG_NOWAIT",))]
+
+
 @pytest.mark.parametrize("name,defines", SOURCES)
 def test_kernel_source_compiles_with_nvrtc(name, defines):
     rc, log = compile_source(_nvrtc(), name, defines)
@@ -197,3 +202,37 @@ def test_a_broken_source_fails_to_compile(monkeypatch):
                         lambda n: real(n).replace("pdl_wait();", "pdl_wait()", 1))
     rc, log = compile_source(lib, "misc.cu")
     assert rc != 0 and "error" in log
+
+
+def _entry_bodies(ptx: str) -> dict[str, str]:
+    """Each kernel entry of a PTX text -> its text up to the next entry."""
+    parts = re.split(r"(?=\.(?:visible )?\.entry )", ptx)
+    return {re.match(r"\.(?:visible )?\.entry (\w+)", p).group(1): p for p in parts if ".entry " in p[:40]}
+
+
+def test_diag_nowait_removes_every_pdl_wait_and_nothing_else():
+    """GGUF_HARNESS_DIAG=nowait (module.diag_defines): misc.cu's kernels lose their
+    griddepcontrol.wait and keep the launch_dependents trigger; the default build has both."""
+    lib = _nvrtc()
+    plain: list = []
+    diag: list = []
+    assert compile_source(lib, "misc.cu", (), plain)[0] == 0
+    assert compile_source(lib, "misc.cu", ("DIAG_NOWAIT",), diag)[0] == 0
+    assert plain[0].count("griddepcontrol.wait") >= 3
+    assert "griddepcontrol.wait" not in diag[0]
+    assert diag[0].count("griddepcontrol.launch_dependents") == plain[0].count("griddepcontrol.launch_dependents") > 0
+
+
+def test_diag_nostage_skips_the_loads_of_x():
+    """GGUF_HARNESS_DIAG=nostage: a v9 store kernel's PTX has fewer global loads (x and the
+    norm are not read) and still its weight loads; the kernel list is the default's."""
+    lib = _nvrtc()
+    plain: list = []
+    diag: list = []
+    assert compile_source(lib, "gemv_kq.cu", ("KQ_P2=1",), plain)[0] == 0
+    assert compile_source(lib, "gemv_kq.cu", ("KQ_P2=1", "DIAG_NOSTAGE"), diag)[0] == 0
+    a, b = _entry_bodies(plain[0]), _entry_bodies(diag[0])
+    assert set(a) == set(b) and len(a) > 40
+    name = "gemvkq_store_q4_k"
+    loads = lambda t: len(re.findall(r"\bld\.global", t))
+    assert 0 < loads(b[name]) < loads(a[name]), (loads(b[name]), loads(a[name]))

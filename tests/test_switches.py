@@ -22,3 +22,18 @@ def test_every_engine_switch_has_an_effective_value(monkeypatch):
     assert (eff["GGUF_HARNESS_GEMV_KQ_CSPLIT"], eff["GGUF_HARNESS_GEMV"], eff["GGUF_HARNESS_GDN_CSPLIT"],
             eff["GGUF_HARNESS_PDL"], eff["GGUF_HARNESS_ATTN_SINGLE"]) == ("2", "q8_1", "0", "off", "128")
     assert eff["GGUF_HARNESS_ATTN_SPLIT_MIN"] == str(ops.HEAD_SPLIT_MIN)
+
+
+def test_diag_switch_words_and_errors(monkeypatch):
+    """GGUF_HARNESS_DIAG (backends/engine/module.py): a comma list of nowait / nostage, in a fixed
+    order whatever the spelling; another word is a ValueError naming the variable."""
+    import pytest
+
+    from backends.engine import module
+    assert module.diag_defines("") == ()
+    assert module.diag_defines("nowait") == ("DIAG_NOWAIT",)
+    assert module.diag_defines(" nostage , nowait ") == ("DIAG_NOWAIT", "DIAG_NOSTAGE")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_DIAG"):
+        module.diag_defines("nowait,fast")
+    monkeypatch.setattr(module, "DIAG", "nostage")
+    assert module.diag_defines() == ("DIAG_NOSTAGE",)

@@ -36,6 +36,31 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
     return (f"PF_AHEAD={int(value)}",)
 
 
+# Diagnostic builds (timing only: their outputs are wrong by design), to measure what a cost is worth
+# before building the change that would remove it. GGUF_HARNESS_DIAG is a comma list of
+#   nowait   every engine kernel skips its PDL wait (common.cuh pdl_wait): each node starts on
+#            whatever its input holds as soon as its blocks are resident, so the step time bounds
+#            what any finer dependency between nodes (flags per chunk of x, a fused step) could gain;
+#   nostage  the GEMVs skip staging x (xstage.cuh stage_xq: no loads of x or the norm, no scales
+#            or codes written, no barrier beyond one): bounds what faster staging could gain.
+# The rooflines' sources (stream_*.cu) are built without them. backend.step does not raise on
+# the non-finite logits these builds produce; results record the switch (harness.machine).
+DIAG = os.environ.get("GGUF_HARNESS_DIAG", "")
+DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE"}
+
+
+def diag_defines(value: str | None = None) -> tuple[str, ...]:
+    """The preprocessor defines of GGUF_HARNESS_DIAG (value None: this module's DIAG, read at
+    call time): ("DIAG_NOWAIT",) for "nowait", both for "nowait,nostage"; () when unset.
+    Raises ValueError on another word."""
+    value = DIAG if value is None else value
+    words = [w.strip() for w in value.split(",") if w.strip()]
+    bad = [w for w in words if w not in DIAG_DEFINES]
+    if bad:
+        raise ValueError(f"GGUF_HARNESS_DIAG={value!r}: expected a comma list of {', '.join(DIAG_DEFINES)}")
+    return tuple(DIAG_DEFINES[w] for w in DIAG_DEFINES if w in words)
+
+
 def _module(source: str, defines: tuple[str, ...] = ()):
     if source == "gemv.cu" and not any(d.startswith("PF_AHEAD=") for d in defines):
         defines = tuple(defines) + gemv_pf_defines()  # ops.pf_ahead's own choice wins
@@ -45,6 +70,8 @@ def _module(source: str, defines: tuple[str, ...] = ()):
 @lru_cache(maxsize=None)
 def _module_for(source: str, defines: tuple[str, ...]):
     import cupy as cp
+    if not source.startswith("stream_"):  # the rooflines keep their dependency and reads
+        defines = tuple(defines) + tuple(d for d in diag_defines() if d not in defines)
     opts = ("--std=c++17", f"-I{KERNEL_DIR}") + tuple(f"-D{d}" for d in defines)
     return cp.RawModule(code=source_code(source), options=opts)
 

@@ -34,8 +34,9 @@ __device__ __forceinline__ u16 f2h(float f) {
 // visible; every kernel calls it before reading another kernel's output and before any
 // global write (no-op when launched without the PDL attribute). pdl_trigger: let the next
 // kernel launch now (its blocks start on free SM slots and run up to their own pdl_wait).
+// DIAG_NOWAIT (module.py GGUF_HARNESS_DIAG, a timing-only build): no wait at all.
 __device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900 && !defined(DIAG_NOWAIT)
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
