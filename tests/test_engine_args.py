@@ -940,7 +940,7 @@ def test_dq_routing(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "")
     monkeypatch.setattr(ops, "GEMV_KQ_P2", "q6_k")
     monkeypatch.setattr(ops, "GEMV_KQ_P2_MIN_ROWS", "2048")
-    for knob in ("GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_DQ_BW"):  # unset: the defaults
+    for knob in ("GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):  # unset: the defaults
         monkeypatch.setattr(ops, knob, "")
     ptr = lambda i: 1 << 20 + i
     wide = ops.kv9_wide_defines(ops.kv9_defines())
@@ -1238,27 +1238,3 @@ def test_first_row_prefetch_switch(monkeypatch):
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PF0"):
             ops.kv9_defines()
     assert "GGUF_HARNESS_GEMV_KQ_PF0" in machine.ENGINE_SWITCHES
-
-
-def test_dq_block_warps(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_DQ_BW (A/B, session 24): the queue build's nodes take blocks of that many
-    warps (KQ_BLOCK_WARPS in place of the wide build's 32, the launch's block and the grid's rows per
-    block with it); the other wide nodes keep 32; unset is 32; another value is refused."""
-    IQ4_XS, Q4_K = 23, 12
-    _fake_module(monkeypatch)
-    for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"),
-                    ("GEMV_KQ_WIDE_MIN_ROWS", ""), ("GEMV_KQ_DQ", ""), ("GEMV_KQ_DQ_P", ""), ("GEMV_KQ_DQ_T", ""),
-                    ("GEMV_KQ_DQ_MAP", "")):
-        monkeypatch.setattr(ops, knob, v)
-    ptr = lambda i: 1 << 20 + i
-    for bw in ("", "28", "20"):
-        monkeypatch.setattr(ops, "GEMV_KQ_DQ_BW", bw)
-        pair = _gemv_node("swiglu", [IQ4_XS, IQ4_XS], 5120, 17408, ptr)
-        warps = int(bw or 32)
-        assert pair.block == (32 * warps,) and "KQ_DQ=1" in pair.defines, (bw, pair.block, pair.defines)
-        assert [d for d in pair.defines if d.startswith("KQ_BLOCK_WARPS=")] == [f"KQ_BLOCK_WARPS={warps}"]
-        store = _gemv_node("store", [Q4_K], 5120, 12288, ptr)  # wide, not queued: 32 warps
-        assert store.block == (1024,) and "KQ_BLOCK_WARPS=32" in store.defines and "KQ_DQ=1" not in store.defines
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_BW", "30")
-    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_DQ_BW"):
-        _gemv_node("swiglu", [IQ4_XS, IQ4_XS], 5120, 17408, ptr)

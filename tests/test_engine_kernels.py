@@ -982,9 +982,8 @@ def _dq_tail(n_rows, grid, T, strided=False):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,P,MAP,BW", [("", "", "", ""), ("8", "4", "0", ""), ("32", "2", "1", ""), ("32", "1", "0", ""),
-                                        ("", "", "", "28"), ("", "", "", "20")])
-def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, BW, monkeypatch):
+@pytest.mark.parametrize("T,P,MAP", [("", "", ""), ("8", "4", "0"), ("32", "2", "1"), ("32", "1", "0")])
+def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_DQ (kernels/gemv_kq.cu KQ_DQ, default on): a wide node's rows come from a
     queue per block and (A/B) each block's last T rows are split into P parts, so every full row must equal the
     32-warp S = 1 kernel's bit for bit and every tail row the 32-warp _s<P> kernel's (the same
@@ -993,9 +992,7 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, BW, monkeypa
     builds (P 4 / 2, 8 / 32 tail rows, contiguous rows). Cases: a normed IQ4_XS SwiGLU pair, normed
     Q4_K store and add, an ssm_in-like normed Q5_K store with F32 rows beside in blocks of fewer rows
     than warps, Q6_K at K = 17408 (17 rounds), an IQ3_S pair at K = 2816 (3 rounds: a part of 4
-    without super-blocks adds 0) and Q8_0 at K = 512 (one round). BW: the queue build's warps per
-    block (GGUF_HARNESS_GEMV_KQ_DQ_BW, an A/B of session 24; unset 32): which warp takes a row
-    changes, not its bits."""
+    without super-blocks adds 0) and Q8_0 at K = 512 (one round)."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
     if eops.GEMV_IMPL != "q16":
@@ -1012,7 +1009,7 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, BW, monkeypa
     cases = [("IQ4_XS", 5120, 8777, "swiglu"), ("Q4_K", 5120, 9001, "store"), ("Q4_K", 5120, 9001, "add"),
              ("Q5_K", 5120, 700, "ssm_in"), ("Q6_K", 17408, 5000, "store"), ("IQ3_S", 2816, 3001, "swiglu"),
              ("Q8_0", 512, 9001, "store")]
-    runs = {"dq": dict(GEMV_KQ_BW="", GEMV_KQ_WIDE_MIN_ROWS="0", GEMV_KQ_DQ="all", GEMV_KQ_DQ_BW=BW),  # store/add nodes too
+    runs = {"dq": dict(GEMV_KQ_BW="", GEMV_KQ_WIDE_MIN_ROWS="0", GEMV_KQ_DQ="all"),  # store/add nodes too
             "s1": dict(GEMV_KQ_BW="32", GEMV_KQ_WIDE_MIN_ROWS="off", GEMV_KQ_DQ="0")}
     for name, K, rows, kind in cases:
         t = TYPES[name]
@@ -1046,7 +1043,7 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, BW, monkeypa
             what = f"{name} [{rows}x{K}] {kind} {run}"
             assert node.kernel.name.startswith("gemvkq_") and "_p2" not in node.kernel.name, (what, node.kernel.name)
             assert ("KQ_DQ=1" in node.defines) == (run == "dq"), (what, node.defines)
-            assert node.block == (32 * int(BW or 32) if run == "dq" else 1024,), (what, node.block)
+            assert node.block == (1024,), (what, node.block)
             if run == "dq":
                 assert "KQ_WMAJ=1" not in node.defines, node.defines
                 grid = node.grid[0]

@@ -120,8 +120,6 @@ def compile_source(lib, name: str, defines: tuple[str, ...] = (), ptx: list | No
 # session 24: the timing-only diagnostic builds (module.diag_defines, GGUF_HARNESS_DIAG)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "DIAG_NOSTAGE")), ("gemv_kq.cu", ("KQ_P2=1", "DIAG_NOWAIT", "DIAG_NOSTAGE")),
             ("deltanet.cu", ("DIAG_NOWAIT",))]
-# session 24: the queue build at 28 and 20 warps per block (ops.kv9_dq_warps, GGUF_HARNESS_GEMV_KQ_DQ_BW)
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=28", "KQ_DQ=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=20", "KQ_DQ=1"))]
 
 
 @pytest.mark.parametrize("name,defines", SOURCES)

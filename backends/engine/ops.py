@@ -351,27 +351,10 @@ def kv9_dq(kname: str) -> bool:
             and (GEMV_KQ_DQ == "all" or kname.startswith("gemvkq_swiglu_")))
 
 
-# KQ_DQ_BW (A/B, session 24): warps per block of the queue build (kernels/gemv_kq.cu KQ_BLOCK_WARPS):
-# 20, 24 or 28 instead of the wide build's 32, so a node's rows per block fill its last round (the
-# 27B's SwiGLU pairs: 131.9 rows per block, 4.12 rounds of 32 warps against 4.71 of 28).
-GEMV_KQ_DQ_BW = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_BW", "")
-
-
-def kv9_dq_warps() -> int:
-    """Warps per block of the queue build (GGUF_HARNESS_GEMV_KQ_DQ_BW: 20, 24, 28, or 32 when
-    unset). ValueError on another value."""
-    if GEMV_KQ_DQ_BW not in ("", "20", "24", "28", "32"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_BW={GEMV_KQ_DQ_BW!r}: expected 20, 24, 28 or 32")
-    return int(GEMV_KQ_DQ_BW or 32)
-
-
 def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the queue build: `defines` (a wide build's) without KQ_WMAJ (the
     queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T and
-    KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP); KQ_BLOCK_WARPS per kv9_dq_warps()."""
-    bw = kv9_dq_warps()
-    if bw != 32:
-        defines = tuple(d for d in defines if not d.startswith("KQ_BLOCK_WARPS=")) + (f"KQ_BLOCK_WARPS={bw}",)
+    KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP)."""
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
             + tuple(f"{d}={int(v)}" for d, v in (("KQ_DQ_P", GEMV_KQ_DQ_P), ("KQ_DQ_T", GEMV_KQ_DQ_T),
                                                   ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v))  # int: "08" is no C literal
@@ -865,10 +848,9 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         wpr, nw = split, kv9_warps()  # a row group of `split` warps takes v9_rows rows
         if kv9_wide(rows, split):  # GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS: 32 warps per block, warp-major
             kdefs = kv9_wide_defines(kdefs)
-            nw = 32
             if kv9_dq(kv9_kernel(mode, types, K, l4, split, rows)):  # GGUF_HARNESS_GEMV_KQ_DQ: a row queue per block
-                kdefs, nw = kv9_dq_defines(kdefs), kv9_dq_warps()
-            k = v9k(split)
+                kdefs = kv9_dq_defines(kdefs)
+            k, nw = v9k(split), 32
         elif cname := kv9_csplit(kv9_kernel(mode, types, K, l4, split, rows), mode, split, norm is not None,
                                  f32_rows=0 in types):
             # GGUF_HARNESS_GEMV_KQ_CSPLIT: a group of `split` (switch 2: at most 2) blocks per row

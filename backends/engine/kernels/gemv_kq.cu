@@ -946,13 +946,11 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 // (IQ4_XS and [10240x5120] Q4_K). The Q6_K S > 1 instances spill 4-8 bytes at 32 warps (ptxas 13.0).
 #define KQ_BLOCK_WARPS 16
 #endif
-// 20, 24 and 28 (ops GGUF_HARNESS_GEMV_KQ_DQ_BW, session 24; A/B): the queue build's blocks sized so a
-// node's rows fill the last round (the 27B's 17408-row SwiGLU pairs: 131.9 rows per block are 4.12
-// rounds of 32 warps, the fifth with 4 of 32 warps busy; 4.71 rounds of 28, the fifth with 20).
-static_assert(KQ_BLOCK_WARPS % 4 == 0 && KQ_BLOCK_WARPS >= 16 && KQ_BLOCK_WARPS <= 32,
-              "KQ_BLOCK_WARPS: 16, 20, 24, 28 or 32");
-// minBlocks below are chosen for blocks of 16 warps; larger blocks take half, at least 1 (2 -> 1:
-// 64 registers either way at 32 warps, 72 at 28, 80 at 24, 96 at 20; an A/B KQ_MINB of 3 gets 1)
+// (Session 24 measured the queue build at 28 and 20 warps, sized so the 27B's SwiGLU pairs fill their
+// last round: the step +1.1 % and +4.0 %; each warp's rows are latency-bound, docs/perf-notes.md.)
+static_assert(KQ_BLOCK_WARPS == 16 || KQ_BLOCK_WARPS == 32, "KQ_BLOCK_WARPS: 16 or 32");
+// minBlocks below are chosen for blocks of 16 warps; 32-warp blocks take half, at least 1 (2 -> 1:
+// 64 registers either way; an A/B KQ_MINB of 3 gets 1, 64 registers, not the 42 of 3 x 16 warps)
 template <int MB> constexpr int kKqLbScale = KQ_BLOCK_WARPS == 16 || MB <= 1 ? MB : MB / 2;
 // Launch bounds: minBlocks 2 (64 registers) for every 8-lane instance (KQ_MINB, default 2). Why:
 // without, ptxas gave the Q6_K S > 1 instances 83 registers, so 1 block of 16 warps per SM
