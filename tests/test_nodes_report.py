@@ -87,3 +87,18 @@ def test_whole_accepts_only_counts():
     from harness.jsonread import whole
     assert [whole(v) for v in (0, 3, 2 ** 70)] == [0, 3, 2 ** 70]
     assert all(whole(v) is None for v in (True, False, -1, 1.0, "3", None, float("inf"), [1]))
+
+
+@pytest.mark.parametrize("switches,shown", [({"GGUF_HARNESS_DIAG": "nowait"}, True), ({"GGUF_HARNESS_DIAG": ""}, False),
+                                            ({}, False), ("nowait", False), ({"GGUF_HARNESS_DIAG": ["nowait"]}, False),
+                                            ({"GGUF_HARNESS_DIAG": "<b>x</b>"}, True)])
+def test_a_diagnostic_build_is_flagged_on_the_page(switches, shown):
+    """A result of a timing-only build (GGUF_HARNESS_DIAG, backends/engine/module.py) says so above
+    its figures; an unset, empty or malformed switch record shows nothing; the value is escaped."""
+    d = _result()
+    d["nodes"]["engine"]["switches_effective"] = switches
+    html = render_nodes_html(d)
+    assert ("Diagnostic build GGUF_HARNESS_DIAG=" in html) == shown
+    assert "<b>x</b>" not in html
+    if shown and switches["GGUF_HARNESS_DIAG"] == "nowait":
+        assert "GGUF_HARNESS_DIAG=nowait: timing only" in html

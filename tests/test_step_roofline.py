@@ -257,3 +257,19 @@ def test_module_cli_times_a_stored_nodes_result(tmp_path, monkeypatch, capsys):
         assert sr.main([str(src)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_run_nodes_says_when_the_build_is_diagnostic(monkeypatch):
+    """run_nodes logs a line when the engine ran a GGUF_HARNESS_DIAG build (timing only), and none
+    otherwise (a fake engine)."""
+    from harness import bench_nodes
+    from test_gpu_state import _NodesEngine
+
+    for diag, said in (("nostage", True), ("", False)):
+        eng = _NodesEngine(lambda ids, steps, reps: {"decode_s": [0.064] * 3})
+        eng.info = lambda d=diag: {"nodes_per_step": 1, "bytes_per_step": 1,
+                                   "switches_effective": {"GGUF_HARNESS_DIAG": d}}
+        monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx, e=eng: contextlib.nullcontext(e))
+        lines = []
+        bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append, chain=False)
+        assert any("GGUF_HARNESS_DIAG=nostage" in m and "timing-only" in m for m in lines) == said, lines
