@@ -1216,7 +1216,7 @@ def test_gemv_routes_gsplit(monkeypatch):
 
 def test_first_row_prefetch_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_PF0 (kernels/gemv_kq.cu KQ_PF0): unset or "1" keeps the kernel's default
-    (the first row asked for before the PDL wait: no define), "0" / "2" build KQ_PF0=0 / 2 into every
+    (the first row asked for before the PDL wait: no define), "0" / "2" / "3" build KQ_PF0=0 / 2 / 3 into every
     v9 GEMV node; any other value is refused before a build; results record and report it."""
     from backends.engine import switches
     _fake_module(monkeypatch)
@@ -1226,14 +1226,14 @@ def test_first_row_prefetch_switch(monkeypatch):
     for v in ("", "1"):
         monkeypatch.setattr(ops, "GEMV_KQ_PF0", v)
         assert not any(d.startswith("KQ_PF0") for d in ops.kv9_defines())
-    for v in ("0", "2"):
+    for v in ("0", "2", "3"):
         monkeypatch.setattr(ops, "GEMV_KQ_PF0", v)
         assert f"KQ_PF0={v}" in ops.kv9_defines()
         Q4_K = 12
         (src, _, defines), = _v9_launches(monkeypatch, [("store", [Q4_K])])
         assert src == "gemv_kq.cu" and f"KQ_PF0={v}" in defines
         assert switches.effective()["GGUF_HARNESS_GEMV_KQ_PF0"] == v
-    for bad in ("3", "on", " 0"):
+    for bad in ("4", "on", " 0"):
         monkeypatch.setattr(ops, "GEMV_KQ_PF0", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PF0"):
             ops.kv9_defines()

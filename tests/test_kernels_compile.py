@@ -120,6 +120,10 @@ def compile_source(lib, name: str, defines: tuple[str, ...] = (), ptx: list | No
 # session 24: the timing-only diagnostic builds (module.diag_defines, GGUF_HARNESS_DIAG)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "DIAG_NOSTAGE")), ("gemv_kq.cu", ("KQ_P2=1", "DIAG_NOWAIT", "DIAG_NOSTAGE")),
             ("deltanet.cu", ("DIAG_NOWAIT",))]
+# session 24: the first-row prefetch cut to the first round (ops GGUF_HARNESS_GEMV_KQ_PF0=3), in the
+# default, the queue and the group builds
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_PF0=3")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_PF0=3")),
+            ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PF0=3"))]
 
 
 @pytest.mark.parametrize("name,defines", SOURCES)

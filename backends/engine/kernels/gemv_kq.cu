@@ -80,9 +80,17 @@ static_assert(kKqPipe >= 0 && kKqPipe <= 2, "KQ_PIPE is 0, 1 or 2");
 // us with its first pass prefetched before the wait against 4029 us without (+4.7 %): the
 // previous node's tail is not idle DRAM time, and the prefetches delay its completion, which
 // the next node's wait is for (session 18's XPF lesson, again). Values do not depend on it.
+// 3 (A/B, session 24): before the wait, but only the row's first round (4 super-blocks per part)
+// instead of the whole row: the traces put staging x at 2.7 us behind prefetches still in flight
+// when the wait returns ([10240x5120] Q4_K, entry p50 -0.5 us), ~1 us more than a plain copy.
 #define KQ_PF0 1
 #endif
-static_assert(KQ_PF0 >= 0 && KQ_PF0 <= 2, "KQ_PF0: 0, 1 or 2");
+static_assert(KQ_PF0 >= 0 && KQ_PF0 <= 3, "KQ_PF0: 0, 1, 2 or 3");
+// Bytes of a row the first-row prefetch asks for: the whole row, or (KQ_PF0 3) its first round
+// of each of `nparts` parts (4 super-blocks of ts bytes each).
+__device__ __forceinline__ int kq_pf0_bytes(int row_bytes, int ts, int nparts) {
+    return KQ_PF0 == 3 ? min(row_bytes, 4 * ts * nparts) : row_bytes;
+}
 #ifndef KQ_L1PF
 #define KQ_L1PF 0  // rounds ahead whose bytes each warp asks L1 for (prefetch.global.L1), across rows
 #endif
@@ -649,11 +657,11 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
             int row, p, np, j;
             unit(warp, row, p, np, j);
             const int si = MODE == 2 ? 0 : find_seg(t, row);
-            prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row, t.row_bytes[si], lane, 32);
-            if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, t.row_bytes[1], lane, 32);
+            prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row, kq_pf0_bytes(t.row_bytes[si], Q::TS, P), lane, 32);
+            if (MODE == 2) prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row, kq_pf0_bytes(t.row_bytes[1], Q::TS, P), lane, 32);
         }
     };
-    if constexpr (KQ_PF0 == 1) prefetch_first();  // before the PDL wait (KQ_PF0 above)
+    if constexpr (KQ_PF0 == 1 || KQ_PF0 == 3) prefetch_first();  // before the PDL wait (KQ_PF0 above)
     Q::setup();
     KQ_CONV_PREFETCH(t);
     pdl_wait();
@@ -765,17 +773,19 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     constexpr int gstride = 1;
 #endif
     // A row's 128-byte lines to L2 (each of the S parts a share of them; a gate/up pair both rows).
-    auto prefetch_row = [&](int r) {
+    auto prefetch_row = [&](int r) {  // (KQ_PF0 3: the first round of each part only)
         if (r >= total_rows) return;
         const int si = MODE == 2 ? 0 : find_seg(t, r);
-        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], l + LPR * wpart, LPR * nparts);
+        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, kq_pf0_bytes(t.row_bytes[si], Q::TS, nparts),
+                       l + LPR * wpart, LPR * nparts);
         if (MODE == 2)
-            prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], l + LPR * wpart, LPR * nparts);
+            prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, kq_pf0_bytes(t.row_bytes[1], Q::TS, nparts),
+                           l + LPR * wpart, LPR * nparts);
     };
     // Before the PDL wait (weights are constants): the first row, overlapping the previous
     // kernel's tail.
     KQ_MARK(0);
-    if constexpr (KQ_PF0 == 1) prefetch_row(first);  // (KQ_PF0 above)
+    if constexpr (KQ_PF0 == 1 || KQ_PF0 == 3) prefetch_row(first);  // (KQ_PF0 above)
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     KQ_CONV_PREFETCH(t);
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
