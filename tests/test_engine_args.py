@@ -1217,7 +1217,7 @@ def test_gemv_routes_gsplit(monkeypatch):
 def test_first_row_prefetch_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_PF0 (kernels/gemv_kq.cu KQ_PF0): unset or "1" keeps the kernel's default
     (the first row asked for before the PDL wait: no define), "0" / "2" / "3" build KQ_PF0=0 / 2 / 3 into every
-    v9 GEMV node; any other value is refused before a build; results record and report it."""
+    v9 GEMV node, "3w" KQ_PF0=3 into the wide and queue builds only (not the nodes below 8192 rows); any other value is refused before a build; results record and report it."""
     from backends.engine import switches
     _fake_module(monkeypatch)
     for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"),
@@ -1233,7 +1233,18 @@ def test_first_row_prefetch_switch(monkeypatch):
         (src, _, defines), = _v9_launches(monkeypatch, [("store", [Q4_K])])
         assert src == "gemv_kq.cu" and f"KQ_PF0={v}" in defines
         assert switches.effective()["GGUF_HARNESS_GEMV_KQ_PF0"] == v
-    for bad in ("4", "on", " 0"):
+    monkeypatch.setattr(ops, "GEMV_KQ_PF0", "3w")  # the wide (and queue) builds only
+    assert not any(d.startswith("KQ_PF0") for d in ops.kv9_defines())
+    assert ops.kv9_wide_defines(ops.kv9_defines()).count("KQ_PF0=3") == 1
+    assert "KQ_PF0=3" in ops.kv9_dq_defines(ops.kv9_wide_defines(ops.kv9_defines()))
+    IQ4_XS, Q4_K = 23, 12
+    ptr = lambda i: 1 << 20 + i
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "")
+    assert "KQ_PF0=3" in _gemv_node("swiglu", [IQ4_XS, IQ4_XS], 5120, 17408, ptr).defines  # wide, queued
+    assert "KQ_PF0=3" in _gemv_node("store", [Q4_K], 5120, 10240, ptr).defines  # wide
+    assert not any(d.startswith("KQ_PF0") for d in _gemv_node("store", [Q4_K], 5120, 4096, ptr).defines)
+    assert switches.effective()["GGUF_HARNESS_GEMV_KQ_PF0"] == "3w"
+    for bad in ("4", "on", " 0", "3W"):
         monkeypatch.setattr(ops, "GEMV_KQ_PF0", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PF0"):
             ops.kv9_defines()

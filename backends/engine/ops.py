@@ -275,8 +275,11 @@ def kv9_wide(rows: int, split: int) -> bool:
 
 def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the wide build: `defines` (kv9_defines() + ...) with 32 warps per
-    block and warp-major row groups in place of their own settings of those two."""
+    block and warp-major row groups in place of their own settings of those two (and KQ_PF0=3
+    with GGUF_HARNESS_GEMV_KQ_PF0=3w)."""
     keep = tuple(d for d in defines if not d.startswith(("KQ_BLOCK_WARPS=", "KQ_WMAJ=")))
+    if GEMV_KQ_PF0 == "3w":  # the first round's prefetch in the wide (and queue) builds only
+        keep = tuple(d for d in keep if not d.startswith("KQ_PF0=")) + ("KQ_PF0=3",)
     return keep + ("KQ_BLOCK_WARPS=32", "KQ_WMAJ=1")
 
 
@@ -317,7 +320,8 @@ def kv9_xpf_bytes() -> int:
 
 # KQ_PF0: where a v9 GEMV's warps ask L2 for their first row (kernels/gemv_kq.cu KQ_PF0): "1" or
 # unset before the PDL wait (the default), "0" never, "2" right after the wait (A/Bs of session 23),
-# "3" before the wait but only the row's first round (A/B of session 24).
+# "3" before the wait but only the row's first round, "3w" that in the wide and queue builds only
+# (kv9_wide_defines; the 2-part cluster nodes lost 1.1 % with it) (A/Bs of session 24).
 GEMV_KQ_PF0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0", "")
 
 
@@ -470,7 +474,7 @@ def kv9_defines() -> tuple[str, ...]:
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
     KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1,
-    GEMV_KQ_PF0=0|2|3 -> KQ_PF0=0|2|3, GEMV_KQ_CONV=1 -> KQ_CONV=1, then
+    GEMV_KQ_PF0=0|2|3 -> KQ_PF0=0|2|3 (3w: kv9_wide_defines), GEMV_KQ_CONV=1 -> KQ_CONV=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
     both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
@@ -522,8 +526,8 @@ def kv9_defines() -> tuple[str, ...]:
     kv9_dq("")  # likewise GGUF_HARNESS_GEMV_KQ_DQ / _DQ_P / _DQ_T / _DQ_MAP (the wide nodes' queue build)
     if kv9_xpf_bytes():  # GGUF_HARNESS_GEMV_KQ_XPF: every v9 build with the next node's prefetch
         out.append("KQ_XPF=1")
-    if GEMV_KQ_PF0 not in ("", "0", "1", "2", "3"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0={GEMV_KQ_PF0!r}: expected 0, 1, 2 or 3")
+    if GEMV_KQ_PF0 not in ("", "0", "1", "2", "3", "3w"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0={GEMV_KQ_PF0!r}: expected 0, 1, 2, 3 or 3w")
     if GEMV_KQ_PF0 in ("0", "2", "3"):  # "1" / "": the kernel's default (KQ_PF0 1)
         out.append(f"KQ_PF0={GEMV_KQ_PF0}")
     _switch01("GGUF_HARNESS_GEMV_KQ_CONV", GEMV_KQ_CONV)
