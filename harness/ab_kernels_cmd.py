@@ -59,16 +59,24 @@ def summary_line(doc: dict) -> str:
             f"exit {doc['exit_code']}")
 
 
+def _switches(m: dict) -> dict[str, str]:
+    """machine.switches (the GGUF_HARNESS_* variables set for the run) as short strings: at most
+    40 names, values cut to 60 characters (a hand-edited file can hold anything)."""
+    sw = m.get("switches") if isinstance(m.get("switches"), dict) else {}
+    cut = lambda t: t if len(t) <= 60 else t[:60] + "..."
+    return {cut(str(k)): cut(str(v)) for k, v in sorted(sw.items(), key=lambda kv: str(kv[0]))[:40]}
+
+
 def _side(path: Path, d: dict) -> dict:
     m = d.get("machine") or {}
     git = m.get("git") or {}
     gpu = m.get("gpu") or {}
+    sw = " ".join(f"{k}={v}" for k, v in _switches(m).items())
     if ab_nodes.is_nodes_result(d):  # the engine switches the step was taken with
-        sw = m.get("switches") or {}
-        settings = " ".join(f"{k}={v}" for k, v in sorted(sw.items())) or "(default switches)"
-    else:
+        settings = sw or "(default switches)"
+    else:  # a kernels result: its GEMV settings, and any A/B switch of the engine's builds
         settings = " ".join(f"{k}={(d.get('settings') or {}).get(k)}"
-                            for k in ("gemv_impl", "gemv_args", "gemv_kq", "pdl"))
+                            for k in ("gemv_impl", "gemv_args", "gemv_kq", "pdl")) + (f" {sw}" if sw else "")
     return {"path": str(path), "created": d.get("created"), "git": git.get("sha"),
             "dirty": git.get("dirty"), "source": git.get("source_sha256"),
             "gpu": gpu.get("name") if isinstance(gpu, dict) else None, "settings": settings}
@@ -89,6 +97,10 @@ def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:
            "created": datetime.now(UTC).isoformat(timespec="seconds"),
            "threshold": args.threshold, "fail_on_slower": slower, "exit_code": code,
            "a": _side(args.a, a), "b": _side(args.b, b)}
+    if not nodes:  # (compare_nodes notes the nodes results' switch changes itself)
+        wa, wb = _switches(a.get("machine") or {}), _switches(b.get("machine") or {})
+        doc["notes"] = list(doc["notes"]) + [f"engine switch {k}: {wa.get(k, '(unset)')} -> {wb.get(k, '(unset)')}"
+                                             for k in sorted(set(wa) | set(wb)) if wa.get(k) != wb.get(k)]
     sa, sb = doc["a"]["source"], doc["b"]["source"]
     if sa and sb and sa != sb and doc["a"]["git"] == doc["b"]["git"]:  # a device copy's stale git metadata
         doc["notes"] = list(doc["notes"]) + [

@@ -21,7 +21,9 @@ spread (eager node times, older files) the threshold alone decides and the row s
 Checks: groups or node counts present on one side only are structural changes ("new",
 "missing", "count"), never correctness failures: a nodes result checks no outputs.
 Comparability: two files of different model SHA256 are not an A/B of the engine (ConfigError,
-as harness.ab.compare refuses run results; force compares them with a note).
+as harness.ab.compare refuses run results; force compares them with a note). When either file
+is of a diagnostic build (GGUF_HARNESS_DIAG, bench_nodes.diag_build) only the decode step is
+compared, with a note: its node rows are not a decode step's.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from collections import defaultdict
 from .ab import energy_note
 from .ab_kernels import KernelCheck, KernelPerf, KernelsAB, _finite
 from .bench_nodes import SCHEMA as NODES_SCHEMA
-from .bench_nodes import split_name
+from .bench_nodes import diag_build, split_name
 from .gpu_state import ab_notes
 
 NO_SPREAD = "no spread recorded: threshold only"
@@ -117,9 +119,10 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
             notes.append(f"{k} differs: {na.get(k)} -> {nb.get(k)}")
     sw_a = ((a.get("machine") or {}).get("switches")) or {}
     sw_b = ((b.get("machine") or {}).get("switches")) or {}
-    for k in sorted(set(sw_a) | set(sw_b)):
+    cut = lambda t: t if len(t := str(t)) <= 60 else t[:60] + "..."  # hand-edited files hold anything
+    for k in sorted(set(sw_a) | set(sw_b), key=str)[:40]:
         if sw_a.get(k) != sw_b.get(k):
-            notes.append(f"engine switch {k}: {sw_a.get(k, '(unset)')} -> {sw_b.get(k, '(unset)')}")
+            notes.append(f"engine switch {cut(k)}: {cut(sw_a.get(k, '(unset)'))} -> {cut(sw_b.get(k, '(unset)'))}")
     # a GPU that slowed its clocks in one run (harness/gpu_state.py) explains a step change
     notes += ab_notes("step", na.get("gpu_state"), nb.get("gpu_state"))
     # the step's energy (bench_nodes step_j, from session 22): information, not a verdict
@@ -136,6 +139,14 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
     perf.append(KernelPerf("step", "decode step (graph replay)", "graph",
                            **verdict(na.get("step_us"), nb.get("step_us"), noise, threshold),
                            note="" if noise is not None else NO_SPREAD))
+    # a timing-only build (GGUF_HARNESS_DIAG): its step is a bound; its nodes, each replayed in a
+    # graph of its own without the PDL wait or the staging, are not a decode step's
+    diag = {side: v for side, d in (("A", a), ("B", b)) if (v := diag_build(d))}
+    if diag:
+        notes.append("diagnostic build (timing only, values wrong by design): "
+                     + ", ".join(f"{side} GGUF_HARNESS_DIAG={v}" for side, v in diag.items())
+                     + "; only the decode step is compared")
+        return KernelsAB(perf, checks, notes, kind="nodes")
     ma, mb = na.get("methods") or {}, nb.get("methods") or {}
     method = next((m for m in ("graph", "eager") if m in ma and m in mb), None)
     if method is None:

@@ -30,9 +30,12 @@ def add_model_args(p) -> None:
 
 
 def require_engine(cmd: str) -> None:
-    """ConfigError naming why when the engine backend cannot load here (no CuPy, no GPU); called
-    before the model is assembled. cmd: the command named in the message."""
+    """ConfigError naming why when the engine backend cannot load here (no CuPy, no GPU) or one of
+    its GGUF_HARNESS_* switches has a bad value (backends.engine.switches.check); called before
+    the model is assembled. cmd: the command named in the message."""
     from backends import registry
+    from backends.engine import switches
+    switches.check()
     no_gpu = registry.available_backends().get("engine")
     if no_gpu:
         raise ConfigError(f"{cmd} needs the engine backend: {no_gpu}")

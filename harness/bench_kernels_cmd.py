@@ -67,6 +67,8 @@ def config_from_args(args):
 
 def run_kernels_cmd(args, console: Console) -> int:
     shapes, cfg = config_from_args(args)  # bad arguments fail before the GPU is touched
+    from backends.engine import switches
+    switches.check()  # a bad GGUF_HARNESS_* value once, not as an error row per shape
     from . import gpu
     from .bench_kernels import run_kernels
     from .errors import UnsupportedError

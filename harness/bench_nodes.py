@@ -79,6 +79,24 @@ def layer_matrix(rows: list[dict]) -> tuple[list[int], list[str], list[list[floa
     return layers, ops, [[cell[layer, op] for op in ops] for layer in layers]
 
 
+def diag_build(result) -> str | None:
+    """The GGUF_HARNESS_DIAG value a nodes result's engine ran with (backends/engine/module.py: a
+    timing-only build whose values are wrong by design): nodes.engine.switches_effective, else
+    machine.switches (what was set); None when unset, empty, absent or malformed (hostile JSON).
+    At most 40 characters, printable ones only, "..." when cut (callers escape it for HTML)."""
+    if not isinstance(result, dict):
+        return None
+    body = result.get("nodes") if isinstance(result.get("nodes"), dict) else {}
+    engine = body.get("engine") if isinstance(body.get("engine"), dict) else {}
+    machine = result.get("machine") if isinstance(result.get("machine"), dict) else {}
+    for sw in (engine.get("switches_effective"), machine.get("switches")):
+        v = sw.get("GGUF_HARNESS_DIAG") if isinstance(sw, dict) else None
+        if isinstance(v, str) and v.strip(" ,"):
+            v = "".join(c for c in v if c.isprintable())
+            return v if len(v) <= 40 else v[:40] + "..."
+    return None
+
+
 @contextmanager
 def loaded_engine(model, n_ctx: int):
     """An EngineBackend loaded on `model` (harness.config.ModelRef) with n_ctx, closed on exit

@@ -56,6 +56,9 @@ def _choose_backends(spec: str | None, reference: str, bench: bool = False) -> t
     if len(names) < 2 and not bench:
         raise ConfigError(f"nothing to compare: give at least one backend besides the reference "
                           f"{reference!r} (or --bench for a throughput run of it alone)")
+    if "engine" in names:  # a bad GGUF_HARNESS_* switch before the model is assembled
+        from backends.engine import switches
+        switches.check()
     return names, {n: why for n, why in avail.items() if why}
 
 

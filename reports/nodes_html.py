@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.bench_nodes import layer_matrix
+from harness.bench_nodes import diag_build, layer_matrix
 from harness.results import write_atomic
 
 from . import node_plots
@@ -85,17 +85,8 @@ def render_nodes_html(result: dict) -> str:
         model=result["model"], res=res, created=result.get("created", ""), plots=plots,
         gpu_line=(describe(gpu) + _step_energy(res)) if gpu else None,  # clocks / slowdowns / energy while timed
         chain_line=chain_line(res.get("chain_roofline")),
-        diag=diag_build(res.get("engine")),
+        diag=diag_build(result),
         machine_text=json.dumps(result.get("machine", {}), indent=1, sort_keys=True))
-
-
-def diag_build(engine) -> str | None:
-    """The GGUF_HARNESS_DIAG value a result's engine ran with (backends/engine/module.py: a
-    timing-only build whose values are wrong by design), from engine.switches_effective; None
-    when it was unset, absent or malformed. At most 40 characters (the page escapes it)."""
-    sw = engine.get("switches_effective") if isinstance(engine, dict) else None
-    v = sw.get("GGUF_HARNESS_DIAG") if isinstance(sw, dict) else None
-    return v[:40] if isinstance(v, str) and v.strip() else None
 
 
 def _step_energy(res: dict) -> str:

@@ -155,3 +155,36 @@ def test_cli_refuses_nodes_against_a_run_result(tmp_path, capsys):
     pb.write_text(json.dumps({"schema": "gguf-harness/run/1"}))
     assert _cli(["ab", str(pa), str(pb)]) == 2
     assert "bench nodes result with a run result" in capsys.readouterr().err
+
+
+def test_a_diagnostic_side_compares_the_step_only():
+    """GGUF_HARNESS_DIAG on either side (machine.switches or the engine's switches_effective): the
+    decode step row alone, with a note naming the side; a slower node group of such a build can
+    then not trip --fail-on-slower. Without it every group is compared. Switch values in the
+    notes are cut to 60 characters."""
+    slow = [(n, f, us * 2) for n, f, us in BASE]
+    for where in ("machine", "engine"):
+        b = _doc(slow, 500.0)
+        if where == "machine":
+            b["machine"]["switches"] = {"GGUF_HARNESS_DIAG": "nowait"}
+        else:
+            b["nodes"]["engine"] = {"switches_effective": {"GGUF_HARNESS_DIAG": "nostage"}}
+        res = ab_nodes.compare_nodes(_doc(BASE, 500.0), b)
+        assert [p.label for p in res.perf] == ["decode step (graph replay)"], where
+        assert any("diagnostic build" in n and "B GGUF_HARNESS_DIAG=no" in n for n in res.notes), res.notes
+    plain = ab_nodes.compare_nodes(_doc(BASE, 500.0), _doc(slow, 500.0))
+    assert any(p.verdict == "SLOWER" for p in plain.perf[1:])
+    res = ab_nodes.compare_nodes(_doc(BASE, 500.0, switches={"GGUF_HARNESS_X": "y" * 10_000}), _doc(BASE, 500.0))
+    assert any(n.startswith("engine switch GGUF_HARNESS_X: " + "y" * 60 + "...") for n in res.notes)
+    assert max(len(n) for n in res.notes) < 200
+
+
+def test_cli_kernels_ab_names_the_switches_of_each_side(capsys):
+    """`harness ab` of two kernels results (session 24's PF0 A/B on the H200): B's header carries
+    GGUF_HARNESS_GEMV_KQ_PF0=3 and a note names the change; A's header has no such switch."""
+    a = SWEEPS / "2026-12-01-h200-kernels-s24-1-default.json"
+    b = SWEEPS / "2026-12-01-h200-kernels-s24-2-pf0-3.json"
+    assert _cli(["ab", str(a), str(b), "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "GGUF_HARNESS_GEMV_KQ_PF0=3" in doc["b"]["settings"] and "PF0" not in doc["a"]["settings"]
+    assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0: (unset) -> 3" in doc["notes"]

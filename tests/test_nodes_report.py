@@ -99,6 +99,19 @@ def test_a_diagnostic_build_is_flagged_on_the_page(switches, shown):
     d["nodes"]["engine"]["switches_effective"] = switches
     html = render_nodes_html(d)
     assert ("Diagnostic build GGUF_HARNESS_DIAG=" in html) == shown
+    assert ("(diagnostic build)</title>" in html) == shown
     assert "<b>x</b>" not in html
     if shown and switches["GGUF_HARNESS_DIAG"] == "nowait":
         assert "GGUF_HARNESS_DIAG=nowait: timing only" in html
+
+
+def test_the_diagnostic_banner_is_bounded_and_falls_back_to_the_switches_set():
+    """A switch record the engine left empty falls back to machine.switches (what was set); a long
+    value is cut to 40 characters with "...", control characters dropped."""
+    d = _result()
+    d["nodes"]["engine"]["switches_effective"] = {"GGUF_HARNESS_DIAG": ""}
+    d["machine"] = {"switches": {"GGUF_HARNESS_DIAG": "nowait"}}
+    assert "GGUF_HARNESS_DIAG=nowait: timing only" in render_nodes_html(d)
+    d["nodes"]["engine"]["switches_effective"] = {"GGUF_HARNESS_DIAG": "n\x00o\u202e" + "w" * 100}
+    html = render_nodes_html(d)
+    assert "GGUF_HARNESS_DIAG=no" + "w" * 38 + "...:" in html and "\x00" not in html and "\u202e" not in html

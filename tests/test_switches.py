@@ -37,3 +37,52 @@ def test_diag_switch_words_and_errors(monkeypatch):
         module.diag_defines("nowait,fast")
     monkeypatch.setattr(module, "DIAG", "nostage")
     assert module.diag_defines() == ("DIAG_NOSTAGE",)
+
+
+def test_diag_is_recorded_in_one_spelling():
+    """module.diag_canonical: the build a GGUF_HARNESS_DIAG value makes, spelt one way (results and
+    the nodes page read it); an unknown word is left as typed for diag_defines to refuse."""
+    from backends.engine import module
+    for typed, canon in (("", ""), (",", ""), ("  ", ""), ("nostage, nowait", "nowait,nostage"),
+                         ("nowait,,", "nowait"), ("nostage", "nostage"), ("NoWait", "NoWait")):
+        assert module.diag_canonical(typed) == canon, typed
+    assert module.diag_defines(module.diag_canonical("nostage, nowait")) == ("DIAG_NOWAIT", "DIAG_NOSTAGE")
+
+
+def test_check_refuses_a_bad_switch_before_any_work(monkeypatch, capsys):
+    """switches.check (called by EngineBackend.load, bench nodes / kernels and run / verify with the
+    engine before a model is read): the defaults pass; a bad value of any checked switch is a
+    ConfigError naming the variable; the CLI turns it into an error line with exit 2 before the
+    model is looked up (here a registry name that is never fetched)."""
+    import pytest
+
+    from backends.engine import deltanet_ops, gemv_mma, launch, module, ops, switches
+    from harness import cli
+    from harness.errors import ConfigError
+    switches.check()
+    for mod, attr, bad, env in ((module, "DIAG", "fast", "GGUF_HARNESS_DIAG"),
+                                (module, "GEMV_PF", "9", "GGUF_HARNESS_GEMV_PF"),
+                                (ops, "GEMV_KQ_PF0", "3W", "GGUF_HARNESS_GEMV_KQ_PF0"),
+                                (ops, "GEMV_KQ_DQ", "2", "GGUF_HARNESS_GEMV_KQ_DQ"),
+                                (ops, "GEMV_KQ_WIDE_MIN_ROWS", "many", "GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS"),
+                                (ops, "GEMV_IMPL", "q4", "GGUF_HARNESS_GEMV"),
+                                (ops, "GEMV_KQ", "v8", "GGUF_HARNESS_GEMV_KQ"),
+                                (ops, "GEMV_KQ_SPLIT", "3", "GGUF_HARNESS_GEMV_KQ_SPLIT"),
+                                (ops, "ATTN_IMPL", "flash", "GGUF_HARNESS_ATTN"),
+                                (ops, "GEMV_TMA_NST", "9", "GGUF_HARNESS_GEMV_TMA_NST"),
+                                (gemv_mma, "GEMV_MMA_WARPS", "3", "GGUF_HARNESS_GEMV_MMA_WARPS"),
+                                (launch, "MODE", "maybe", "GGUF_HARNESS_PDL"),
+                                (deltanet_ops, "GDN_CSPLIT", "2", "GGUF_HARNESS_GDN_CSPLIT")):
+        with monkeypatch.context() as m:
+            m.setattr(mod, attr, bad)
+            with pytest.raises(ConfigError, match=env + "="):
+                switches.check()
+    with monkeypatch.context() as m:
+        m.setenv("GGUF_HARNESS_ATTN_SINGLE", "lots")
+        with pytest.raises(ConfigError, match="engine switch"):
+            switches.check()
+    monkeypatch.setattr(module, "DIAG", "fast")
+    capsys.readouterr()
+    assert cli.main(["bench", "nodes", "--model", "no-such-model-name", "--out", "/nonexistent/x"]) == 2
+    err = capsys.readouterr().err
+    assert "GGUF_HARNESS_DIAG='fast'" in err and "no-such-model-name" not in err, err

@@ -41,7 +41,7 @@ class EngineBackend:
             raise UnsupportedError("the engine needs CuPy and an NVIDIA GPU (pip install .[gpu])") from e
         from . import qwen2, qwen35
         from .arena import Arena
-        module.diag_defines()  # a bad GGUF_HARNESS_DIAG fails here (ValueError), before the model is read
+        switches.check()  # a bad GGUF_HARNESS_* value fails here (ConfigError), before the model is read
         info = open_gguf(model.path)
         arch = {"qwen2": qwen2, "qwen35": qwen35}.get(info.arch)
         if arch is None:

@@ -45,18 +45,27 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
 #            or codes written, no barrier beyond one): bounds what faster staging could gain.
 # The rooflines' sources (stream_*.cu) are built without them. backend.step does not raise on
 # the non-finite logits these builds produce; results record the switch (harness.machine).
-DIAG = os.environ.get("GGUF_HARNESS_DIAG", "")
 DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE"}
+
+
+def diag_canonical(value: str) -> str:
+    """GGUF_HARNESS_DIAG in one spelling: its known words in DIAG_DEFINES' order, comma-joined
+    ("nostage, nowait" -> "nowait,nostage"; "" or "," -> ""), so results record what the build
+    is; a value with another word is returned as it is (diag_defines refuses it)."""
+    words = [w.strip() for w in value.split(",") if w.strip()]
+    return ",".join(w for w in DIAG_DEFINES if w in words) if set(words) <= set(DIAG_DEFINES) else value
+
+
+DIAG = diag_canonical(os.environ.get("GGUF_HARNESS_DIAG", ""))
 
 
 def diag_defines(value: str | None = None) -> tuple[str, ...]:
     """The preprocessor defines of GGUF_HARNESS_DIAG (value None: this module's DIAG, read at
     call time): ("DIAG_NOWAIT",) for "nowait", both for "nowait,nostage"; () when unset.
-    Raises ValueError on another word."""
+    Raises ValueError on another word (words are lower case)."""
     value = DIAG if value is None else value
     words = [w.strip() for w in value.split(",") if w.strip()]
-    bad = [w for w in words if w not in DIAG_DEFINES]
-    if bad:
+    if not set(words) <= set(DIAG_DEFINES):
         raise ValueError(f"GGUF_HARNESS_DIAG={value!r}: expected a comma list of {', '.join(DIAG_DEFINES)}")
     return tuple(DIAG_DEFINES[w] for w in DIAG_DEFINES if w in words)
 

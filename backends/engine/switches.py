@@ -1,4 +1,4 @@
-"""The engine switches' effective values, for results.
+"""The engine switches' effective values, for results, and their check before any work.
 
 harness.machine records the GGUF_HARNESS_* variables that were *set*; what an unset one meant
 depends on the version (GGUF_HARNESS_GEMV_KQ_CSPLIT unset meant clusters of 2 in sessions 16-17
@@ -36,3 +36,33 @@ def effective() -> dict[str, str]:
     except ValueError:  # a non-integer setting: the attention node raises it where it is used
         pass
     return out
+
+
+def check() -> None:
+    """Refuse a bad engine switch value before a model is read or a weight uploaded: every
+    GGUF_HARNESS_* validator that needs no GPU (module.diag_defines, module.gemv_pf_defines,
+    ops.kv9_defines with its wide and queue builds, ops.tma_defines, gemv_mma.mma_defines, the PDL
+    mode, deltanet's GDN_CSPLIT, the attention splits). Raises harness.errors.ConfigError naming
+    the variable (the validators' ValueError), which the CLI reports as an error line."""
+    from harness.errors import ConfigError
+    try:
+        module.diag_defines()
+        module.gemv_pf_defines()
+        ops.kv9_wide_defines(ops.kv9_defines())
+        ops.tma_defines()
+        gemv_mma.mma_defines()
+        if launch.MODE not in ("on", "off"):
+            raise ValueError(f"GGUF_HARNESS_PDL={launch.MODE!r}: expected on or off")
+        if deltanet_ops.GDN_CSPLIT not in ("", "0", "1"):
+            raise ValueError(f"GGUF_HARNESS_GDN_CSPLIT={deltanet_ops.GDN_CSPLIT!r}: expected 0 or 1")
+        for env, val, ok in (("GGUF_HARNESS_GEMV", ops.GEMV_IMPL, ops.GEMV_IMPLS),
+                             ("GGUF_HARNESS_GEMV_ARGS", ops.GEMV_ARGS, ("value", "pointer")),
+                             ("GGUF_HARNESS_GEMV_KQ", ops.GEMV_KQ, ops.GEMV_KQ_MODES),
+                             ("GGUF_HARNESS_ATTN", ops.ATTN_IMPL, ("head", "gqa", "v3")),
+                             ("GGUF_HARNESS_GEMV_KQ_SPLIT", ops.GEMV_KQ_SPLIT,
+                              ("auto",) + tuple(str(s) for s in ops.KV9_SPLITS))):
+            if val not in ok:
+                raise ValueError(f"{env}={val!r}: expected one of {', '.join(ok)}")
+        ops.head_splitting()
+    except ValueError as e:
+        raise ConfigError(f"engine switch: {e}") from None
