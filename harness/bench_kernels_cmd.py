@@ -67,8 +67,12 @@ def config_from_args(args):
 
 def run_kernels_cmd(args, console: Console) -> int:
     shapes, cfg = config_from_args(args)  # bad arguments fail before the GPU is touched
-    from backends.engine import switches
+    from backends.engine import module, switches
     switches.check()  # a bad GGUF_HARNESS_* value once, not as an error row per shape
+    if module.diag_defines():  # results record it (machine.switches); say it where the figures are read
+        console.print(f"GGUF_HARNESS_DIAG={module.DIAG}: a timing-only build (nowait: the back-to-back copies "
+                      f"overlap, the oracle check runs on one launch and passes; nostage: the kernels fail "
+                      f"their oracle check and are not timed)", markup=False)
     from . import gpu
     from .bench_kernels import run_kernels
     from .errors import UnsupportedError

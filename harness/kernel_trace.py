@@ -86,7 +86,7 @@ def trace_shape(spec: str, copies: int, replays: int = 5):
         if not node.kernel.name.startswith("gemvkq"):
             raise ValueError(f"{spec}: the engine runs {node.kernel.name}, not a v9 kernel (no trace build)")
         # the module the node's kernel came from (the wide build for a wide node: ops.kv9_wide)
-        ptr = module._module_for("gemv_kq.cu", tuple(node.defines)).get_global("kq_trace")
+        ptr = module._module("gemv_kq.cu", tuple(node.defines)).get_global("kq_trace")
         warps = node.grid[0] * node.block[0] // 32
         arr = cp.ndarray((warps, 5), dtype=cp.uint64, memptr=ptr)
         graph = capture(case.stream, [n.launch for n in case.nodes])

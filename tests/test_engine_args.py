@@ -1240,9 +1240,15 @@ def test_first_row_prefetch_switch(monkeypatch):
     IQ4_XS, Q4_K = 23, 12
     ptr = lambda i: 1 << 20 + i
     monkeypatch.setattr(ops, "GEMV_KQ_DQ", "")
-    assert "KQ_PF0=3" in _gemv_node("swiglu", [IQ4_XS, IQ4_XS], 5120, 17408, ptr).defines  # wide, queued
+    pair = _gemv_node("swiglu", [IQ4_XS, IQ4_XS], 5120, 17408, ptr)
+    assert "KQ_PF0=3" in pair.defines and "KQ_DQ=1" in pair.defines  # wide, queued
     assert "KQ_PF0=3" in _gemv_node("store", [Q4_K], 5120, 10240, ptr).defines  # wide
     assert not any(d.startswith("KQ_PF0") for d in _gemv_node("store", [Q4_K], 5120, 4096, ptr).defines)
+    Q5_K = 13  # the 27B's ssm_out / attn_output ([5120x6144] add) and ffn_down: split nodes, not wide
+    for K in (6144, 17408):
+        part = _gemv_node("add", [Q5_K], K, 5120, ptr)
+        assert part.kernel.name[-3:-1] in ("_s", "_c") and "KQ_BLOCK_WARPS=32" not in part.defines, (K, part.kernel.name)
+        assert not any(d.startswith("KQ_PF0") for d in part.defines), (K, part.kernel.name, part.defines)
     assert switches.effective()["GGUF_HARNESS_GEMV_KQ_PF0"] == "3w"
     for bad in ("4", "on", " 0", "3W"):
         monkeypatch.setattr(ops, "GEMV_KQ_PF0", bad)

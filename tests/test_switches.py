@@ -86,3 +86,62 @@ def test_check_refuses_a_bad_switch_before_any_work(monkeypatch, capsys):
     assert cli.main(["bench", "nodes", "--model", "no-such-model-name", "--out", "/nonexistent/x"]) == 2
     err = capsys.readouterr().err
     assert "GGUF_HARNESS_DIAG='fast'" in err and "no-such-model-name" not in err, err
+
+
+def test_diag_defines_reach_every_engine_build_but_the_rooflines(monkeypatch):
+    """module._module adds GGUF_HARNESS_DIAG's defines to each engine source's NVRTC options (one
+    cache entry per resulting set), never to ROOFLINE_SOURCES; kernel_in goes through it. A fake
+    CuPy records the options (no GPU)."""
+    import sys
+    import types
+
+    from backends.engine import module
+    seen = []
+
+    class RawModule:
+        def __init__(self, code, options):
+            seen.append(options)
+
+        def get_function(self, name):
+            return name
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule))
+    monkeypatch.setattr(module, "DIAG", "nowait,nostage")
+    module._module_for.cache_clear()
+    try:
+        module.kernel_in("misc.cu", "argmax_logits")
+        module.kernel_in("gemv_kq.cu", "gemvkq_store_q4_k", ("KQ_P2=1",))
+        for src in sorted(module.ROOFLINE_SOURCES):
+            module.kernel_in(src, "x")
+        monkeypatch.setattr(module, "DIAG", "")
+        module.kernel_in("misc.cu", "argmax_logits")
+    finally:
+        module._module_for.cache_clear()
+    diag = {"-DDIAG_NOWAIT", "-DDIAG_NOSTAGE"}
+    assert diag <= set(seen[0]) and diag <= set(seen[1]) and "-DKQ_P2=1" in seen[1]
+    assert len(seen) == 5 and not any(diag & set(o) for o in seen[2:]), seen
+
+
+def test_the_engine_refuses_a_diagnostic_build_outside_bench_nodes(monkeypatch):
+    """EngineBackend.load under GGUF_HARNESS_DIAG: ConfigError before anything is read (run,
+    verify, layerdiff), unless made with allow_diag (bench_nodes.loaded_engine); run / verify
+    with the engine refuse it before the model is assembled (main_job._choose_backends)."""
+    import pytest
+
+    from backends.engine import EngineBackend, module
+    from backends import registry
+    from harness import main_job
+    from harness.errors import ConfigError, UnsupportedError
+    monkeypatch.setattr(module, "DIAG", "nowait")
+    with pytest.raises(ConfigError, match="GGUF_HARNESS_DIAG=nowait: a timing-only build"):
+        EngineBackend().load(None, None)
+    try:  # allowed: it goes on to CuPy (absent on the CPU machine) or to the (absent) model
+        EngineBackend(allow_diag=True).load(None, None)
+    except ConfigError as e:
+        pytest.fail(f"refused with allow_diag: {e}")
+    except (UnsupportedError, AttributeError, TypeError):
+        pass
+    monkeypatch.setattr(registry, "available_backends", lambda: {"engine": None, "llamacpp": None, "reference": None})
+    with pytest.raises(ConfigError, match="run and verify do not"):
+        main_job._choose_backends("engine,llamacpp", "llamacpp")
+    monkeypatch.setattr(module, "DIAG", "")
+    assert main_job._choose_backends("engine,llamacpp", "llamacpp")[0] == ["engine", "llamacpp"]

@@ -28,20 +28,28 @@ from .formats import check_type
 class EngineBackend:
     name = "engine"
 
-    def __init__(self) -> None:
+    def __init__(self, allow_diag: bool = False) -> None:
+        """allow_diag: load under GGUF_HARNESS_DIAG (a timing-only build, backends/engine/module.py),
+        as `harness bench nodes` does; every other user is refused at load (ConfigError)."""
         self.pos = 0
         self.n_ctx = 0
         self._loaded = False
+        self._allow_diag = allow_diag
+        self._diag = False
 
     # -- loading -------------------------------------------------------------------------
     def load(self, model: ModelRef, cfg: RunConfig) -> None:
+        switches.check()  # a bad GGUF_HARNESS_* value fails here (ConfigError), before the model is read
+        self._diag = bool(module.diag_defines())
+        if self._diag and not self._allow_diag:
+            raise ConfigError(f"GGUF_HARNESS_DIAG={module.DIAG}: a timing-only build whose values are wrong "
+                              f"by design; `harness bench nodes` runs it, nothing else does: unset it")
         try:
             import cupy as cp
         except ImportError as e:
             raise UnsupportedError("the engine needs CuPy and an NVIDIA GPU (pip install .[gpu])") from e
         from . import qwen2, qwen35
         from .arena import Arena
-        switches.check()  # a bad GGUF_HARNESS_* value fails here (ConfigError), before the model is read
         info = open_gguf(model.path)
         arch = {"qwen2": qwen2, "qwen35": qwen35}.get(info.arch)
         if arch is None:
@@ -136,7 +144,7 @@ class EngineBackend:
         logits = self.bufs.logits.get(stream=self.stream)
         state = self.bufs.state.get(stream=self.stream)
         self.stream.synchronize()
-        if state[2] and not module.diag_defines():  # a diagnostic build's values are wrong by design
+        if state[2] and not self._diag:  # a diagnostic build's values are wrong by design
             self._report_nonfinite(token, int(state[2]))
         return logits
 

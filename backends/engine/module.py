@@ -43,8 +43,9 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
 #            what any finer dependency between nodes (flags per chunk of x, a fused step) could gain;
 #   nostage  the GEMVs skip staging x (xstage.cuh stage_xq: no loads of x or the norm, no scales
 #            or codes written, no barrier beyond one): bounds what faster staging could gain.
-# The rooflines' sources (stream_*.cu) are built without them. backend.step does not raise on
-# the non-finite logits these builds produce; results record the switch (harness.machine).
+# The rooflines' sources (ROOFLINE_SOURCES) are built without them. Only `harness bench nodes` and
+# `harness bench kernels` run them (the engine refuses them elsewhere: backend.EngineBackend); the
+# engine does not raise on their non-finite logits; results record the switch (harness.machine).
 DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE"}
 
 
@@ -70,17 +71,25 @@ def diag_defines(value: str | None = None) -> tuple[str, ...]:
     return tuple(DIAG_DEFINES[w] for w in DIAG_DEFINES if w in words)
 
 
+# the rooflines' sources (harness/roofline.py, harness/step_roofline.py): never a diagnostic build,
+# their dependency and reads are what they measure
+ROOFLINE_SOURCES = frozenset({"stream_read.cu", "stream_chain.cu"})
+
+
 def _module(source: str, defines: tuple[str, ...] = ()):
+    """The module of kernels/<source> built with `defines`, plus gemv.cu's GGUF_HARNESS_GEMV_PF
+    build and GGUF_HARNESS_DIAG's defines (not for ROOFLINE_SOURCES); one compile per process and
+    resulting set of defines (_module_for's cache)."""
     if source == "gemv.cu" and not any(d.startswith("PF_AHEAD=") for d in defines):
         defines = tuple(defines) + gemv_pf_defines()  # ops.pf_ahead's own choice wins
+    if source not in ROOFLINE_SOURCES:
+        defines = tuple(defines) + tuple(d for d in diag_defines() if d not in defines)
     return _module_for(source, tuple(defines))  # one cache key per (source, defines)
 
 
 @lru_cache(maxsize=None)
 def _module_for(source: str, defines: tuple[str, ...]):
     import cupy as cp
-    if not source.startswith("stream_"):  # the rooflines keep their dependency and reads
-        defines = tuple(defines) + tuple(d for d in diag_defines() if d not in defines)
     opts = ("--std=c++17", f"-I{KERNEL_DIR}") + tuple(f"-D{d}" for d in defines)
     return cp.RawModule(code=source_code(source), options=opts)
 
