@@ -774,28 +774,38 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     constexpr int gstride = 1;
 #endif
     // A row's 128-byte lines to L2 (each of the S parts a share of them; a gate/up pair both rows).
-    // first_row: the warp's first row, whose bytes KQ_PF0 3 cuts to each part's first round (the
-    // KQ_PF rows ahead below stay whole rows)
-    auto prefetch_row = [&](int r, bool first_row) {
+    auto prefetch_row = [&](int r) {
         if (r >= total_rows) return;
         const int si = MODE == 2 ? 0 : find_seg(t, r);
-        const int n0 = first_row ? kq_pf0_bytes(t.row_bytes[si], Q::TS, nparts) : t.row_bytes[si];
-        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, n0, l + LPR * wpart, LPR * nparts);
-        if (MODE == 2) {
-            const int n1 = first_row ? kq_pf0_bytes(t.row_bytes[1], Q::TS, nparts) : t.row_bytes[1];
-            prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, n1, l + LPR * wpart, LPR * nparts);
+        prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, t.row_bytes[si], l + LPR * wpart, LPR * nparts);
+        if (MODE == 2)
+            prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], l + LPR * wpart, LPR * nparts);
+    };
+    // The warp's first row: whole (prefetch_row, as before KQ_PF0 3 existed: the same PTX), or with
+    // KQ_PF0 3 each part's first round only; the KQ_PF rows ahead below stay whole rows.
+    auto prefetch_first_row = [&](int r) {
+        if constexpr (KQ_PF0 == 3) {
+            if (r >= total_rows) return;
+            const int si = MODE == 2 ? 0 : find_seg(t, r);
+            prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, kq_pf0_bytes(t.row_bytes[si], Q::TS, nparts),
+                           l + LPR * wpart, LPR * nparts);
+            if (MODE == 2)
+                prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, kq_pf0_bytes(t.row_bytes[1], Q::TS, nparts),
+                               l + LPR * wpart, LPR * nparts);
+        } else {
+            prefetch_row(r);
         }
     };
     // Before the PDL wait (weights are constants): the first row, overlapping the previous
     // kernel's tail.
     KQ_MARK(0);
-    if constexpr (KQ_PF0 == 1 || KQ_PF0 == 3) prefetch_row(first, true);  // (KQ_PF0 above)
+    if constexpr (KQ_PF0 == 1 || KQ_PF0 == 3) prefetch_first_row(first);  // (KQ_PF0 above)
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     KQ_CONV_PREFETCH(t);
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
     KQ_MARK(1);
     pdl_trigger();
-    if constexpr (KQ_PF0 == 2) prefetch_row(first, true);
+    if constexpr (KQ_PF0 == 2) prefetch_first_row(first);
     // barriers inside; IQ4_XS rows of an IQ4_XIL build take x with interleaved halves (kwide_iq4.cuh)
     // CS > 1: only the part's super-blocks (no norm: ops.kv9_csplit)
     const float rs = stage_xq<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL, CS>(x, norm, eps, K, xq, xs, xd, scratch, wpart);
@@ -815,7 +825,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     for (int base = first - h; (S > 1 ? base - Q::R * g * gstride : base) < total_rows; base += step, ++round) {
         const int row = base + h;
         const bool live = row < total_rows;
-        if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step, false);  // KQ_PF rows ahead of this one
+        if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
         int r = live ? row : 0, si = 0;
         int nr = row + step;  // this lane's next row (KQ_PIPE 2, KQ_L1PF), if it has one
         const bool nlive = (kKqPipe > 1 || kKqL1pf > 0) && nr < total_rows;
