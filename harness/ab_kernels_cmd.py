@@ -101,6 +101,11 @@ def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:
         wa, wb = _switches(a.get("machine") or {}), _switches(b.get("machine") or {})
         doc["notes"] = list(doc["notes"]) + [f"engine switch {k}: {wa.get(k, '(unset)')} -> {wb.get(k, '(unset)')}"
                                              for k in sorted(set(wa) | set(wb)) if wa.get(k) != wb.get(k)]
+        diag = [f"{side} GGUF_HARNESS_DIAG={w['GGUF_HARNESS_DIAG']}" for side, w in (("A", wa), ("B", wb))
+                if w.get("GGUF_HARNESS_DIAG", "").strip(" ,")]
+        if diag:  # nowait overlaps the back-to-back copies: faster rows that no decode step has
+            doc["notes"].append("diagnostic build (timing only): " + ", ".join(diag)
+                                + "; its rows bound a cost, they are not a kernel's speed")
     sa, sb = doc["a"]["source"], doc["b"]["source"]
     if sa and sb and sa != sb and doc["a"]["git"] == doc["b"]["git"]:  # a device copy's stale git metadata
         doc["notes"] = list(doc["notes"]) + [

@@ -90,10 +90,13 @@ def diag_build(result) -> str | None:
     engine = body.get("engine") if isinstance(body.get("engine"), dict) else {}
     machine = result.get("machine") if isinstance(result.get("machine"), dict) else {}
     for sw in (engine.get("switches_effective"), machine.get("switches")):
-        v = sw.get("GGUF_HARNESS_DIAG") if isinstance(sw, dict) else None
-        if isinstance(v, str) and v.strip(" ,"):
-            v = "".join(c for c in v if c.isprintable())
-            return v if len(v) <= 40 else v[:40] + "..."
+        if not isinstance(sw, dict) or "GGUF_HARNESS_DIAG" not in sw:
+            continue  # the engine's record decides where it has the switch
+        v = sw["GGUF_HARNESS_DIAG"]
+        if not (isinstance(v, str) and v.strip(" ,")):
+            return None
+        v = "".join(c for c in v if c.isprintable())
+        return v if len(v) <= 40 else v[:40] + "..."
     return None
 
 

@@ -141,6 +141,9 @@ def check_backends(args) -> dict:
     llama.cpp's build info ({} when llama.cpp is not used)."""
     from backends.registry import available_backends
     avail = available_backends()
+    if args.against == "engine":  # a bad switch or a timing-only build before the oracle runs
+        from backends.engine import switches
+        switches.check_for("layerdiff")
     if args.against == "engine" and avail["engine"]:
         raise ConfigError(f"--against engine needs the engine backend (CuPy and an NVIDIA "
                           f"GPU): {avail['engine']}")

@@ -121,6 +121,17 @@ ENGINE_SWITCHES = ("GGUF_HARNESS_GEMV", "GGUF_HARNESS_GEMV_ARGS", "GGUF_HARNESS_
                    "GGUF_HARNESS_PDL", "GGUF_HARNESS_DIAG")
 
 
+def _switches_set() -> dict[str, str]:
+    """The ENGINE_SWITCHES set in the environment, as set, but GGUF_HARNESS_DIAG in the one
+    spelling of the build it makes (backends/engine/module.diag_canonical: "nostage, nowait" and
+    "nowait,nostage" are one build, and `harness ab` compares these values)."""
+    out = {k: os.environ[k] for k in ENGINE_SWITCHES if k in os.environ}
+    if "GGUF_HARNESS_DIAG" in out:
+        from backends.engine.module import diag_canonical
+        out["GGUF_HARNESS_DIAG"] = diag_canonical(out["GGUF_HARNESS_DIAG"])
+    return out
+
+
 def machine_info() -> dict:
     """Everything a report needs to say where a result came from."""
     return {
@@ -136,5 +147,5 @@ def machine_info() -> dict:
         "git": git_info(),
         # the engine's implementation switches (README "Engine A/B switches"): a result taken
         # with GGUF_HARNESS_GEMV=q8_1 or an A/B variant must say so
-        "switches": {k: os.environ[k] for k in ENGINE_SWITCHES if k in os.environ},
+        "switches": _switches_set(),
     }

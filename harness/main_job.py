@@ -57,11 +57,8 @@ def _choose_backends(spec: str | None, reference: str, bench: bool = False) -> t
         raise ConfigError(f"nothing to compare: give at least one backend besides the reference "
                           f"{reference!r} (or --bench for a throughput run of it alone)")
     if "engine" in names:  # a bad GGUF_HARNESS_* switch, or a timing-only build, before the model is assembled
-        from backends.engine import module, switches
-        switches.check()
-        if module.diag_defines():
-            raise ConfigError(f"GGUF_HARNESS_DIAG={module.DIAG}: a timing-only build whose values are wrong by "
-                              f"design; `harness bench nodes` runs it, run and verify do not: unset it")
+        from backends.engine import switches
+        switches.check_for("run / verify")
     return names, {n: why for n, why in avail.items() if why}
 
 

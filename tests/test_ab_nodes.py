@@ -188,3 +188,17 @@ def test_cli_kernels_ab_names_the_switches_of_each_side(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert "GGUF_HARNESS_GEMV_KQ_PF0=3" in doc["b"]["settings"] and "PF0" not in doc["a"]["settings"]
     assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0: (unset) -> 3" in doc["notes"]
+
+
+def test_cli_kernels_ab_of_a_diagnostic_build_says_so(tmp_path, capsys):
+    """A kernels result of a GGUF_HARNESS_DIAG build (machine.switches): the A/B notes say its rows
+    bound a cost and are not a kernel's speed."""
+    a = json.loads((SWEEPS / "2026-12-01-h200-kernels-s24-1-default.json").read_text())
+    b = copy.deepcopy(a)
+    b["machine"]["switches"] = {"GGUF_HARNESS_DIAG": "nowait"}
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    assert _cli(["ab", str(pa), str(pb), "--format", "json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("diagnostic build (timing only): B GGUF_HARNESS_DIAG=nowait" in n for n in notes), notes

@@ -134,6 +134,9 @@ def test_the_engine_refuses_a_diagnostic_build_outside_bench_nodes(monkeypatch):
     monkeypatch.setattr(module, "DIAG", "nowait")
     with pytest.raises(ConfigError, match="GGUF_HARNESS_DIAG=nowait: a timing-only build"):
         EngineBackend().load(None, None)
+    from harness import layerdiff_cmd
+    with pytest.raises(ConfigError, match="layerdiff does not"):
+        layerdiff_cmd.check_backends(__import__("types").SimpleNamespace(against="engine", prompt_ids=[1], gpu=False))
     try:  # allowed: it goes on to CuPy (absent on the CPU machine) or to the (absent) model
         EngineBackend(allow_diag=True).load(None, None)
     except ConfigError as e:
@@ -141,7 +144,37 @@ def test_the_engine_refuses_a_diagnostic_build_outside_bench_nodes(monkeypatch):
     except (UnsupportedError, AttributeError, TypeError):
         pass
     monkeypatch.setattr(registry, "available_backends", lambda: {"engine": None, "llamacpp": None, "reference": None})
-    with pytest.raises(ConfigError, match="run and verify do not"):
+    with pytest.raises(ConfigError, match="run / verify does not"):
         main_job._choose_backends("engine,llamacpp", "llamacpp")
     monkeypatch.setattr(module, "DIAG", "")
     assert main_job._choose_backends("engine,llamacpp", "llamacpp")[0] == ["engine", "llamacpp"]
+
+
+def test_check_refuses_a_bad_value_of_every_engine_switch(monkeypatch):
+    """Every name in machine.ENGINE_SWITCHES set to a value no switch takes is a ConfigError of
+    switches.check naming it (a new switch without a check fails here)."""
+    import pytest
+
+    from backends.engine import switches
+    from harness.errors import ConfigError
+    from harness.machine import ENGINE_SWITCHES
+    for env in ENGINE_SWITCHES:
+        with monkeypatch.context() as m:
+            if env in ("GGUF_HARNESS_ATTN_SINGLE", "GGUF_HARNESS_ATTN_SPLIT_MIN"):  # read at call time
+                m.setenv(env, "bogus")
+            else:
+                mod, attr = switches._ALIASES.get(env, (None, env.removeprefix("GGUF_HARNESS_")))
+                mod = mod or next(x for x in switches._MODULES if hasattr(x, attr))
+                m.setattr(mod, attr, "bogus")
+            with pytest.raises(ConfigError, match=env + "="):
+                switches.check()
+
+
+def test_results_record_diag_in_one_spelling(monkeypatch):
+    """machine_info()'s switches (what was set) carry GGUF_HARNESS_DIAG spelt as the build it makes,
+    so two results of one build compare equal in `harness ab`; other switches as typed."""
+    from harness import machine
+    monkeypatch.setenv("GGUF_HARNESS_DIAG", "nostage, nowait")
+    monkeypatch.setenv("GGUF_HARNESS_GEMV_KQ_PF0", " 3")
+    sw = machine._switches_set()
+    assert sw["GGUF_HARNESS_DIAG"] == "nowait,nostage" and sw["GGUF_HARNESS_GEMV_KQ_PF0"] == " 3"

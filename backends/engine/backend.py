@@ -39,11 +39,10 @@ class EngineBackend:
 
     # -- loading -------------------------------------------------------------------------
     def load(self, model: ModelRef, cfg: RunConfig) -> None:
-        switches.check()  # a bad GGUF_HARNESS_* value fails here (ConfigError), before the model is read
+        # a bad GGUF_HARNESS_* value, or a diagnostic build where one is not wanted, fails here
+        # (ConfigError), before the model is read
+        switches.check_for("the engine outside it", allow_diag=self._allow_diag)
         self._diag = bool(module.diag_defines())
-        if self._diag and not self._allow_diag:
-            raise ConfigError(f"GGUF_HARNESS_DIAG={module.DIAG}: a timing-only build whose values are wrong "
-                              f"by design; `harness bench nodes` runs it, nothing else does: unset it")
         try:
             import cupy as cp
         except ImportError as e:

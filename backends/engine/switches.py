@@ -7,6 +7,8 @@ says what ran, whatever the defaults were then.
 """
 from __future__ import annotations
 
+import os
+
 from harness.machine import ENGINE_SWITCHES
 
 from . import deltanet_ops, gemv_mma, launch, module, ops
@@ -39,18 +41,34 @@ def effective() -> dict[str, str]:
 
 
 def check() -> None:
-    """Refuse a bad engine switch value before a model is read or a weight uploaded: every
-    GGUF_HARNESS_* validator that needs no GPU (module.diag_defines, module.gemv_pf_defines,
-    ops.kv9_defines with its wide and queue builds, ops.tma_defines, gemv_mma.mma_defines, the PDL
-    mode, deltanet's GDN_CSPLIT, the attention splits). Raises harness.errors.ConfigError naming
-    the variable (the validators' ValueError), which the CLI reports as an error line."""
+    """Refuse a bad engine switch value before a model is read or a weight uploaded: each switch of
+    harness.machine.ENGINE_SWITCHES through its own validator where one exists without a GPU
+    (module.diag_defines, module.gemv_pf_defines, ops.kv9_defines with its wide and queue builds,
+    the P2 routing, ops.tma_defines, gemv_mma's, the PDL mode, deltanet's GDN_CSPLIT, the
+    attention splits), else by the values the engine's use of it accepts (tests/test_switches.py
+    sets every one to a bad value). Raises harness.errors.ConfigError naming the variable (the
+    validators' ValueError), which the CLI reports as an error line."""
     from harness.errors import ConfigError
     try:
         module.diag_defines()
         module.gemv_pf_defines()
         ops.kv9_wide_defines(ops.kv9_defines())
+        ops.kv9_p2_types(), ops.kv9_p2_max_k(), ops.kv9_p2_min_rows()
         ops.tma_defines()
         gemv_mma.mma_defines()
+        gemv_mma.mma_types()
+        for env, val, ok in (("GGUF_HARNESS_GEMV_KQ_MIXED", ops.GEMV_KQ_MIXED, ("split", "beside", "one")),
+                             ("GGUF_HARNESS_GEMV_KQ_Q0", ops.GEMV_KQ_Q0, ("0", "1")),
+                             ("GGUF_HARNESS_GEMV_KQ_IQ3S", ops.GEMV_KQ_IQ3S, ("0", "1")),
+                             ("GGUF_HARNESS_GEMV_KQ_IQ3S_GRID", ops.GEMV_KQ_IQ3S_GRID, ("",) + ops.KQ_IQ3S_GRIDS),
+                             ("GGUF_HARNESS_GEMV_TMA", ops.GEMV_TMA, ("", "0", "1"))):
+            if val not in ok:
+                raise ValueError(f"{env}={val!r}: expected one of {', '.join(repr(v) for v in ok)}")
+        for env, val in (("GGUF_HARNESS_GEMV_TMA_MIN_K", ops.GEMV_TMA_MIN_K), ("GGUF_HARNESS_GEMV_TMA_RING", ops.GEMV_TMA_RING),
+                         ("GGUF_HARNESS_GEMV_TMA_BPS", ops.GEMV_TMA_BPS),
+                         ("GGUF_HARNESS_GEMV_MMA_MIN_ROWS", gemv_mma.GEMV_MMA_MIN_ROWS)):
+            if val and not (val.isascii() and val.isdigit()):
+                raise ValueError(f"{env}={val!r}: expected a whole number")
         if launch.MODE not in ("on", "off"):
             raise ValueError(f"GGUF_HARNESS_PDL={launch.MODE!r}: expected on or off")
         if deltanet_ops.GDN_CSPLIT not in ("", "0", "1"):
@@ -63,6 +81,22 @@ def check() -> None:
                               ("auto",) + tuple(str(s) for s in ops.KV9_SPLITS))):
             if val not in ok:
                 raise ValueError(f"{env}={val!r}: expected one of {', '.join(ok)}")
-        ops.head_splitting()
+        try:
+            ops.head_splitting()
+        except ValueError:
+            raise ValueError(f"GGUF_HARNESS_ATTN_SINGLE={os.environ.get('GGUF_HARNESS_ATTN_SINGLE')!r} / "
+                             f"GGUF_HARNESS_ATTN_SPLIT_MIN={os.environ.get('GGUF_HARNESS_ATTN_SPLIT_MIN')!r}: "
+                             f"expected whole numbers") from None
     except ValueError as e:
         raise ConfigError(f"engine switch: {e}") from None
+
+
+def check_for(what: str, allow_diag: bool = False) -> None:
+    """check(), then refuse a GGUF_HARNESS_DIAG build (timing only, values wrong by design) unless
+    allow_diag: `harness bench nodes` and `bench kernels` time such builds, `what` (e.g.
+    "verify") would report its wrong values. Raises harness.errors.ConfigError."""
+    from harness.errors import ConfigError
+    check()
+    if not allow_diag and module.diag_defines():
+        raise ConfigError(f"GGUF_HARNESS_DIAG={module.DIAG}: a timing-only build whose values are wrong by "
+                          f"design; `harness bench nodes` runs it, {what} does not: unset it")
