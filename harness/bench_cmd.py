@@ -60,6 +60,9 @@ def add_bench_parser(sub) -> None:
     n.add_argument("--method", default="graph,eager", help="timing methods: graph, eager or both")
     n.add_argument("--steps", type=int, default=64, help="chained replays timed for the step time")
     n.add_argument("--out", default="out", help="output root (runs go to OUT/runs/...)")
+    n.add_argument("--prompt-ids", default=None, metavar="1,2,3",
+                   help="the prompt as token ids instead of the standard prompt tokenised by llama.cpp "
+                        "(then llama-cpp-python is not needed)")
     n.add_argument("--no-chain", action="store_true",
                    help="skip the chain roofline (a streaming read of each node's bytes, chained "
                         "with PDL; needs the step's bytes again in free device memory)")
@@ -77,6 +80,8 @@ def run_bench(args, console: Console) -> int:
         raise ConfigError(f"--method {args.method!r}: expected a comma list of {', '.join(METHODS)}")
     if args.ctx < MIN_CTX or args.steps < 1:
         raise ConfigError(f"need --ctx >= {MIN_CTX} and --steps >= 1")
+    from .layerdiff_cmd import parse_prompt_ids
+    given = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     require_engine("harness bench nodes")  # before the model is assembled and tokenised
     results.check_out_root(args.out)  # an --out file fails now, not after the benchmark
     from .gguf_file import open_gguf
@@ -85,8 +90,14 @@ def run_bench(args, console: Console) -> int:
     from .prompt import STANDARD_PROMPT, STANDARD_PROMPT_TOKENS
     model = resolve_model(args.model, console)
     info = open_gguf(model.path)
-    tok, ids = tokenize_prompt(model, STANDARD_PROMPT, STANDARD_PROMPT_TOKENS)
-    tok.close()
+    if given is not None:  # checked against the vocabulary before 16 GB of weights go up
+        n_vocab = info.tensor("token_embd.weight").ne[1]
+        if max(given) >= n_vocab:
+            raise ConfigError(f"--prompt-ids: token id {max(given)} is outside the model's vocabulary [0, {n_vocab})")
+        ids = given
+    else:
+        tok, ids = tokenize_prompt(model, STANDARD_PROMPT, STANDARD_PROMPT_TOKENS)
+        tok.close()
     res = run_nodes(model, args.ctx, list(ids), methods, steps=args.steps,
                     log=lambda m: console.print(m, markup=False), chain=not args.no_chain)
     result = {"schema": res["schema"], "created": datetime.now(timezone.utc).isoformat(),

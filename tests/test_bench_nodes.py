@@ -76,13 +76,36 @@ def test_nodes_html_escapes_and_embeds_plot():
 
 @pytest.mark.parametrize("argv,says", [(["--method", "wall"], "--method"),
                                        (["--method", ""], "--method"),
-                                       (["--ctx", "4"], "--ctx")])
+                                       (["--ctx", "4"], "--ctx"),
+                                       (["--prompt-ids", "1,x"], "--prompt-ids"),
+                                       (["--prompt-ids", "3,-1"], "--prompt-ids")])
 def test_cli_bad_arguments_exit_2_before_touching_the_model(argv, says, tmp_path, capsys):
     missing = tmp_path / "missing.gguf"  # never opened: the arguments are checked first
     assert cli.main(["bench", "nodes", *argv, "--model", str(missing), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert says in err and "missing.gguf" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_prompt_ids_replace_the_tokeniser_and_are_checked_against_the_vocabulary(tiny_qwen2_q, tmp_path,
+                                                                                  capsys, monkeypatch):
+    """--prompt-ids: no llama.cpp tokenising (it would fail here), the ids go to run_nodes as given;
+    an id beyond the model's vocabulary (512) is an error before the engine loads (fakes: no GPU)."""
+    from harness import bench_cmd, bench_nodes, main_job
+    monkeypatch.setattr(bench_cmd, "require_engine", lambda cmd: None)
+    monkeypatch.setattr(main_job, "tokenize_prompt", lambda *a: pytest.fail("tokenised"))
+    seen = {}
+
+    def fake_run_nodes(model, n_ctx, ids, methods, steps, log, chain):
+        seen["ids"] = ids
+        raise bench_cmd.ConfigError("stop here")
+    monkeypatch.setattr(bench_nodes, "run_nodes", fake_run_nodes)
+    base = ["bench", "nodes", "--model", str(tiny_qwen2_q), "--out", str(tmp_path), "--ctx", "64"]
+    assert cli.main(base + ["--prompt-ids", "5, 7,511"]) == 2
+    assert seen["ids"] == [5, 7, 511] and "stop here" in capsys.readouterr().err
+    seen.clear()
+    assert cli.main(base + ["--prompt-ids", "5,512"]) == 2
+    assert not seen and "token id 512 is outside the model's vocabulary [0, 512)" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
