@@ -18,6 +18,7 @@ from rich.text import Text
 
 from . import ab_kernels as abk
 from . import ab_nodes
+from .bench_nodes import diag_sides
 
 DASH = "–"
 PERF_HEAD = ("shape", "mode", "A us", "B us", "Δ", "noise", "verdict", "note")
@@ -62,9 +63,10 @@ def summary_line(doc: dict) -> str:
 def _switches(m: dict) -> dict[str, str]:
     """machine.switches (the GGUF_HARNESS_* variables set for the run) as short strings: at most
     40 names, values cut to 60 characters (a hand-edited file can hold anything)."""
+    from reports.fmt import visible
     sw = m.get("switches") if isinstance(m.get("switches"), dict) else {}
-    cut = lambda t: t if len(t) <= 60 else t[:60] + "..."
-    return {cut(str(k)): cut(str(v)) for k, v in sorted(sw.items(), key=lambda kv: str(kv[0]))[:40]}
+    cut = lambda t: visible(t, 60, spaces=False)
+    return {cut(k): cut(v) for k, v in sorted(sw.items(), key=lambda kv: str(kv[0]))[:40]}
 
 
 def _side(path: Path, d: dict) -> dict:
@@ -101,11 +103,9 @@ def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:
         wa, wb = _switches(a.get("machine") or {}), _switches(b.get("machine") or {})
         doc["notes"] = list(doc["notes"]) + [f"engine switch {k}: {wa.get(k, '(unset)')} -> {wb.get(k, '(unset)')}"
                                              for k in sorted(set(wa) | set(wb)) if wa.get(k) != wb.get(k)]
-        diag = [f"{side} GGUF_HARNESS_DIAG={w['GGUF_HARNESS_DIAG']}" for side, w in (("A", wa), ("B", wb))
-                if w.get("GGUF_HARNESS_DIAG", "").strip(" ,")]
-        if diag:  # nowait overlaps the back-to-back copies: faster rows that no decode step has
-            doc["notes"].append("diagnostic build (timing only): " + ", ".join(diag)
-                                + "; its rows bound a cost, they are not a kernel's speed")
+        if diag := diag_sides(a, b):  # nowait overlaps the back-to-back copies: rows no decode step has
+            doc["notes"].append(f"diagnostic build (timing only): {diag}; its rows bound a cost, "
+                                f"they are not a kernel's speed")
     sa, sb = doc["a"]["source"], doc["b"]["source"]
     if sa and sb and sa != sb and doc["a"]["git"] == doc["b"]["git"]:  # a device copy's stale git metadata
         doc["notes"] = list(doc["notes"]) + [

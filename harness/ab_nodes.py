@@ -33,7 +33,9 @@ from collections import defaultdict
 from .ab import energy_note
 from .ab_kernels import KernelCheck, KernelPerf, KernelsAB, _finite
 from .bench_nodes import SCHEMA as NODES_SCHEMA
-from .bench_nodes import diag_build, split_name
+from reports.fmt import visible
+
+from .bench_nodes import diag_sides, split_name
 from .gpu_state import ab_notes
 
 NO_SPREAD = "no spread recorded: threshold only"
@@ -119,7 +121,7 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
             notes.append(f"{k} differs: {na.get(k)} -> {nb.get(k)}")
     sw_a = ((a.get("machine") or {}).get("switches")) or {}
     sw_b = ((b.get("machine") or {}).get("switches")) or {}
-    cut = lambda t: t if len(t := str(t)) <= 60 else t[:60] + "..."  # hand-edited files hold anything
+    cut = lambda t: visible(t, 60, spaces=False)  # hand-edited files hold anything
     for k in sorted(set(sw_a) | set(sw_b), key=str)[:40]:
         if sw_a.get(k) != sw_b.get(k):
             notes.append(f"engine switch {cut(k)}: {cut(sw_a.get(k, '(unset)'))} -> {cut(sw_b.get(k, '(unset)'))}")
@@ -141,11 +143,9 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
                            note="" if noise is not None else NO_SPREAD))
     # a timing-only build (GGUF_HARNESS_DIAG): its step is a bound; its nodes, each replayed in a
     # graph of its own without the PDL wait or the staging, are not a decode step's
-    diag = {side: v for side, d in (("A", a), ("B", b)) if (v := diag_build(d))}
-    if diag:
-        notes.append("diagnostic build (timing only, values wrong by design): "
-                     + ", ".join(f"{side} GGUF_HARNESS_DIAG={v}" for side, v in diag.items())
-                     + "; only the decode step is compared")
+    if diag := diag_sides(a, b):
+        notes.append(f"diagnostic build (timing only, values wrong by design): {diag}; "
+                     f"only the decode step is compared")
         return KernelsAB(perf, checks, notes, kind="nodes")
     ma, mb = na.get("methods") or {}, nb.get("methods") or {}
     method = next((m for m in ("graph", "eager") if m in ma and m in mb), None)

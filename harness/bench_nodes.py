@@ -83,7 +83,7 @@ def diag_build(result) -> str | None:
     """The GGUF_HARNESS_DIAG value a nodes result's engine ran with (backends/engine/module.py: a
     timing-only build whose values are wrong by design): nodes.engine.switches_effective, else
     machine.switches (what was set); None when unset, empty, absent or malformed (hostile JSON).
-    At most 40 characters, printable ones only, "..." when cut (callers escape it for HTML)."""
+    Made visible and cut to 40 characters (reports.fmt.visible; callers escape it for HTML)."""
     if not isinstance(result, dict):
         return None
     body = result.get("nodes") if isinstance(result.get("nodes"), dict) else {}
@@ -95,9 +95,15 @@ def diag_build(result) -> str | None:
         v = sw["GGUF_HARNESS_DIAG"]
         if not (isinstance(v, str) and v.strip(" ,")):
             return None
-        v = "".join(c for c in v if c.isprintable())
-        return v if len(v) <= 40 else v[:40] + "..."
+        from reports.fmt import visible
+        return visible(v, 40, spaces=False)
     return None
+
+
+def diag_sides(a: dict, b: dict) -> str:
+    """"A GGUF_HARNESS_DIAG=..., B ..." for the sides of an A/B that are diagnostic builds
+    (diag_build; also a kernels result, by its machine.switches), "" when neither is."""
+    return ", ".join(f"{side} GGUF_HARNESS_DIAG={v}" for side, d in (("A", a), ("B", b)) if (v := diag_build(d)))
 
 
 @contextmanager

@@ -161,7 +161,7 @@ def test_a_diagnostic_side_compares_the_step_only():
     """GGUF_HARNESS_DIAG on either side (machine.switches or the engine's switches_effective): the
     decode step row alone, with a note naming the side; a slower node group of such a build can
     then not trip --fail-on-slower. Without it every group is compared. Switch values in the
-    notes are cut to 60 characters."""
+    notes are cut to 60 characters ("…", reports.fmt.visible)."""
     slow = [(n, f, us * 2) for n, f, us in BASE]
     for where in ("machine", "engine"):
         b = _doc(slow, 500.0)
@@ -175,7 +175,7 @@ def test_a_diagnostic_side_compares_the_step_only():
     plain = ab_nodes.compare_nodes(_doc(BASE, 500.0), _doc(slow, 500.0))
     assert any(p.verdict == "SLOWER" for p in plain.perf[1:])
     res = ab_nodes.compare_nodes(_doc(BASE, 500.0, switches={"GGUF_HARNESS_X": "y" * 10_000}), _doc(BASE, 500.0))
-    assert any(n.startswith("engine switch GGUF_HARNESS_X: " + "y" * 60 + "...") for n in res.notes)
+    assert any(n.startswith("engine switch GGUF_HARNESS_X: " + "y" * 60 + "… ->") for n in res.notes), res.notes
     assert max(len(n) for n in res.notes) < 200
 
 

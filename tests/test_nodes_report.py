@@ -108,7 +108,7 @@ def test_a_diagnostic_build_is_flagged_on_the_page(switches, shown):
 def test_the_diagnostic_banner_is_bounded_and_falls_back_to_the_switches_set():
     """Without the engine's record of the switch (older results) machine.switches (what was set)
     decides; with it, the engine's record does (it says what ran); a long value is cut to 40
-    characters with "...", control characters dropped."""
+    characters with "…", control and format characters shown as escapes (reports.fmt.visible)."""
     d = _result()
     d["nodes"]["engine"]["switches_effective"] = {"GGUF_HARNESS_GEMV": "q16"}
     d["machine"] = {"switches": {"GGUF_HARNESS_DIAG": "nowait"}}
@@ -117,4 +117,5 @@ def test_the_diagnostic_banner_is_bounded_and_falls_back_to_the_switches_set():
     assert "Diagnostic build" not in render_nodes_html(d)
     d["nodes"]["engine"]["switches_effective"] = {"GGUF_HARNESS_DIAG": "n\x00o\u202e" + "w" * 100}
     html = render_nodes_html(d)
-    assert "GGUF_HARNESS_DIAG=no" + "w" * 38 + "...:" in html and "\x00" not in html and "\u202e" not in html
+    assert "GGUF_HARNESS_DIAG=n\\u0000o\\u202e" + "w" * 36 + "…:" in html
+    assert "\x00" not in html and "\u202e" not in html

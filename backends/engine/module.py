@@ -49,12 +49,19 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
 DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE"}
 
 
+def _diag_words(value: str) -> list[str] | None:
+    """The DIAG_DEFINES words of a GGUF_HARNESS_DIAG value in their fixed order, None when it
+    holds another word."""
+    words = {w.strip() for w in value.split(",")} - {""}
+    return [w for w in DIAG_DEFINES if w in words] if words <= set(DIAG_DEFINES) else None
+
+
 def diag_canonical(value: str) -> str:
     """GGUF_HARNESS_DIAG in one spelling: its known words in DIAG_DEFINES' order, comma-joined
     ("nostage, nowait" -> "nowait,nostage"; "" or "," -> ""), so results record what the build
     is; a value with another word is returned as it is (diag_defines refuses it)."""
-    words = [w.strip() for w in value.split(",") if w.strip()]
-    return ",".join(w for w in DIAG_DEFINES if w in words) if set(words) <= set(DIAG_DEFINES) else value
+    words = _diag_words(value)
+    return value if words is None else ",".join(words)
 
 
 DIAG = diag_canonical(os.environ.get("GGUF_HARNESS_DIAG", ""))
@@ -65,10 +72,10 @@ def diag_defines(value: str | None = None) -> tuple[str, ...]:
     call time): ("DIAG_NOWAIT",) for "nowait", both for "nowait,nostage"; () when unset.
     Raises ValueError on another word (words are lower case)."""
     value = DIAG if value is None else value
-    words = [w.strip() for w in value.split(",") if w.strip()]
-    if not set(words) <= set(DIAG_DEFINES):
+    words = _diag_words(value)
+    if words is None:
         raise ValueError(f"GGUF_HARNESS_DIAG={value!r}: expected a comma list of {', '.join(DIAG_DEFINES)}")
-    return tuple(DIAG_DEFINES[w] for w in DIAG_DEFINES if w in words)
+    return tuple(DIAG_DEFINES[w] for w in words)
 
 
 # the rooflines' sources (harness/roofline.py, harness/step_roofline.py): never a diagnostic build,

@@ -61,7 +61,15 @@ def check() -> None:
                              ("GGUF_HARNESS_GEMV_KQ_Q0", ops.GEMV_KQ_Q0, ("0", "1")),
                              ("GGUF_HARNESS_GEMV_KQ_IQ3S", ops.GEMV_KQ_IQ3S, ("0", "1")),
                              ("GGUF_HARNESS_GEMV_KQ_IQ3S_GRID", ops.GEMV_KQ_IQ3S_GRID, ("",) + ops.KQ_IQ3S_GRIDS),
-                             ("GGUF_HARNESS_GEMV_TMA", ops.GEMV_TMA, ("", "0", "1"))):
+                             ("GGUF_HARNESS_GEMV_TMA", ops.GEMV_TMA, ("", "0", "1")),
+                             ("GGUF_HARNESS_PDL", launch.MODE, ("on", "off")),
+                             ("GGUF_HARNESS_GDN_CSPLIT", deltanet_ops.GDN_CSPLIT, ("", "0", "1")),
+                             ("GGUF_HARNESS_GEMV", ops.GEMV_IMPL, ops.GEMV_IMPLS),
+                             ("GGUF_HARNESS_GEMV_ARGS", ops.GEMV_ARGS, ("value", "pointer")),
+                             ("GGUF_HARNESS_GEMV_KQ", ops.GEMV_KQ, ops.GEMV_KQ_MODES),
+                             ("GGUF_HARNESS_ATTN", ops.ATTN_IMPL, ("head", "gqa", "v3")),
+                             ("GGUF_HARNESS_GEMV_KQ_SPLIT", ops.GEMV_KQ_SPLIT,
+                              ("auto",) + tuple(str(s) for s in ops.KV9_SPLITS))):
             if val not in ok:
                 raise ValueError(f"{env}={val!r}: expected one of {', '.join(repr(v) for v in ok)}")
         for env, val in (("GGUF_HARNESS_GEMV_TMA_MIN_K", ops.GEMV_TMA_MIN_K), ("GGUF_HARNESS_GEMV_TMA_RING", ops.GEMV_TMA_RING),
@@ -69,18 +77,6 @@ def check() -> None:
                          ("GGUF_HARNESS_GEMV_MMA_MIN_ROWS", gemv_mma.GEMV_MMA_MIN_ROWS)):
             if val and not (val.isascii() and val.isdigit()):
                 raise ValueError(f"{env}={val!r}: expected a whole number")
-        if launch.MODE not in ("on", "off"):
-            raise ValueError(f"GGUF_HARNESS_PDL={launch.MODE!r}: expected on or off")
-        if deltanet_ops.GDN_CSPLIT not in ("", "0", "1"):
-            raise ValueError(f"GGUF_HARNESS_GDN_CSPLIT={deltanet_ops.GDN_CSPLIT!r}: expected 0 or 1")
-        for env, val, ok in (("GGUF_HARNESS_GEMV", ops.GEMV_IMPL, ops.GEMV_IMPLS),
-                             ("GGUF_HARNESS_GEMV_ARGS", ops.GEMV_ARGS, ("value", "pointer")),
-                             ("GGUF_HARNESS_GEMV_KQ", ops.GEMV_KQ, ops.GEMV_KQ_MODES),
-                             ("GGUF_HARNESS_ATTN", ops.ATTN_IMPL, ("head", "gqa", "v3")),
-                             ("GGUF_HARNESS_GEMV_KQ_SPLIT", ops.GEMV_KQ_SPLIT,
-                              ("auto",) + tuple(str(s) for s in ops.KV9_SPLITS))):
-            if val not in ok:
-                raise ValueError(f"{env}={val!r}: expected one of {', '.join(ok)}")
         try:
             ops.head_splitting()
         except ValueError:
