@@ -1215,43 +1215,52 @@ def test_gemv_routes_gsplit(monkeypatch):
 
 
 def test_first_row_prefetch_switch(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_PF0 (kernels/gemv_kq.cu KQ_PF0): unset or "1" keeps the kernel's default
-    (the first row asked for before the PDL wait: no define), "0" / "2" / "3" build KQ_PF0=0 / 2 / 3 into every
-    v9 GEMV node, "3w" KQ_PF0=3 into the wide and queue builds only (not the nodes below 8192 rows); any other value is refused before a build; results record and report it."""
+    """GGUF_HARNESS_GEMV_KQ_PF0 (kernels/gemv_kq.cu KQ_PF0): unset or "3" keeps the kernel's default
+    (the first round asked for before the PDL wait: no define), "0" / "1" / "2" build KQ_PF0=0 / 1 / 2
+    into every v9 GEMV node (the wide, queue and cluster builds too); GGUF_HARNESS_GEMV_KQ_PF0_SB=n
+    builds KQ_PF0_SB=n (4, the kernel's default, none) and only with PF0 3; any other value is
+    refused before a build; results record it."""
     from backends.engine import switches
     _fake_module(monkeypatch)
     for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"),
-                    ("GEMV_KQ_WIDE_MIN_ROWS", ""), ("GEMV_KQ_XPF", ""), ("GEMV_KQ_CONV", "0")):
+                    ("GEMV_KQ_WIDE_MIN_ROWS", ""), ("GEMV_KQ_XPF", ""), ("GEMV_KQ_CONV", "0"), ("GEMV_KQ_PF0_SB", "")):
         monkeypatch.setattr(ops, knob, v)
-    for v in ("", "1"):
+    for v in ("", "3"):
         monkeypatch.setattr(ops, "GEMV_KQ_PF0", v)
         assert not any(d.startswith("KQ_PF0") for d in ops.kv9_defines())
-    for v in ("0", "2", "3"):
+    IQ4_XS, Q4_K, Q5_K = 23, 12, 13
+    ptr = lambda i: 1 << 20 + i
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "")
+    for v in ("0", "1", "2"):
         monkeypatch.setattr(ops, "GEMV_KQ_PF0", v)
         assert f"KQ_PF0={v}" in ops.kv9_defines()
-        Q4_K = 12
         (src, _, defines), = _v9_launches(monkeypatch, [("store", [Q4_K])])
         assert src == "gemv_kq.cu" and f"KQ_PF0={v}" in defines
         assert switches.effective()["GGUF_HARNESS_GEMV_KQ_PF0"] == v
-    monkeypatch.setattr(ops, "GEMV_KQ_PF0", "3w")  # the wide (and queue) builds only
-    assert not any(d.startswith("KQ_PF0") for d in ops.kv9_defines())
-    assert ops.kv9_wide_defines(ops.kv9_defines()).count("KQ_PF0=3") == 1
-    assert "KQ_PF0=3" in ops.kv9_dq_defines(ops.kv9_wide_defines(ops.kv9_defines()))
-    IQ4_XS, Q4_K = 23, 12
-    ptr = lambda i: 1 << 20 + i
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "")
-    pair = _gemv_node("swiglu", [IQ4_XS, IQ4_XS], 5120, 17408, ptr)
-    assert "KQ_PF0=3" in pair.defines and "KQ_DQ=1" in pair.defines  # wide, queued
-    assert "KQ_PF0=3" in _gemv_node("store", [Q4_K], 5120, 10240, ptr).defines  # wide
-    assert not any(d.startswith("KQ_PF0") for d in _gemv_node("store", [Q4_K], 5120, 4096, ptr).defines)
-    Q5_K = 13  # the 27B's ssm_out / attn_output ([5120x6144] add) and ffn_down: split nodes, not wide
-    for K in (6144, 17408):
-        part = _gemv_node("add", [Q5_K], K, 5120, ptr)
-        assert part.kernel.name[-3:-1] in ("_s", "_c") and "KQ_BLOCK_WARPS=32" not in part.defines, (K, part.kernel.name)
-        assert not any(d.startswith("KQ_PF0") for d in part.defines), (K, part.kernel.name, part.defines)
-    assert switches.effective()["GGUF_HARNESS_GEMV_KQ_PF0"] == "3w"
-    for bad in ("4", "on", " 0", "3W"):
+        pair = _gemv_node("swiglu", [IQ4_XS, IQ4_XS], 5120, 17408, ptr)
+        assert f"KQ_PF0={v}" in pair.defines and "KQ_DQ=1" in pair.defines  # wide, queued
+        assert f"KQ_PF0={v}" in _gemv_node("store", [Q4_K], 5120, 10240, ptr).defines  # wide
+        part = _gemv_node("add", [Q5_K], 6144, 5120, ptr)  # the 27B's ssm_out: a split node
+        assert part.kernel.name[-3:-1] in ("_s", "_c") and f"KQ_PF0={v}" in part.defines, (part.kernel.name, part.defines)
+    for v in ("", "3"):
+        monkeypatch.setattr(ops, "GEMV_KQ_PF0", v)
+        for sb, define in (("4", None), ("2", "KQ_PF0_SB=2"), ("16", "KQ_PF0_SB=16"), ("1", "KQ_PF0_SB=1")):
+            monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", sb)
+            got = [d for d in ops.kv9_defines() if d.startswith("KQ_PF0")]
+            assert got == ([define] if define else []), (v, sb, got)
+        assert "KQ_PF0_SB=1" in _gemv_node("swiglu", [IQ4_XS, IQ4_XS], 5120, 17408, ptr).defines
+        assert switches.effective()["GGUF_HARNESS_GEMV_KQ_PF0_SB"] == "1"
+    for bad in ("0", "17", "x", " 2"):
+        monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PF0_SB"):
+            ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", "2")
+    monkeypatch.setattr(ops, "GEMV_KQ_PF0", "1")  # whole rows: SB would not be used
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PF0_SB needs"):
+        ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", "")
+    for bad in ("4", "on", " 0", "3W", "3w"):
         monkeypatch.setattr(ops, "GEMV_KQ_PF0", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PF0"):
             ops.kv9_defines()
-    assert "GGUF_HARNESS_GEMV_KQ_PF0" in machine.ENGINE_SWITCHES
+    assert {"GGUF_HARNESS_GEMV_KQ_PF0", "GGUF_HARNESS_GEMV_KQ_PF0_SB"} <= set(machine.ENGINE_SWITCHES)

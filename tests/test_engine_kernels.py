@@ -1071,11 +1071,12 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch,value,define", [("GEMV_KQ_XPF", "8", "KQ_XPF=1"), ("GEMV_KQ_PF0", "0", "KQ_PF0=0"),
-                                                 ("GEMV_KQ_PF0", "2", "KQ_PF0=2"), ("GEMV_KQ_PF0", "3", "KQ_PF0=3")])
+                                                 ("GEMV_KQ_PF0", "1", "KQ_PF0=1"), ("GEMV_KQ_PF0", "2", "KQ_PF0=2"),
+                                                 ("GEMV_KQ_PF0_SB", "2", "KQ_PF0_SB=2")])
 def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_XPF (kernels/gemv_kq.cu KQ_XPF, backends/engine/xpf.py) only adds L2
-    prefetches of the next node's rows, and GGUF_HARNESS_GEMV_KQ_PF0 (KQ_PF0) only drops or moves
-    each warp's first-row prefetch, so a chain of v9 nodes (linked by xpf.link for XPF) must give
+    prefetches of the next node's rows, and GGUF_HARNESS_GEMV_KQ_PF0 (KQ_PF0) and _PF0_SB only drop,
+    move or resize each warp's first-row prefetch, so a chain of v9 nodes (linked by xpf.link for XPF) must give
     the outputs of the default build bit for bit, also when run again; each output also against
     the oracle. The chain covers the routes of the 27B step: a normed wide store (warp-major), a
     normed SwiGLU pair (the row queue), a cluster-split add, an S-split Q6_K store and a Q6_K
@@ -1085,6 +1086,8 @@ def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkey
     if eops.GEMV_IMPL != "q16":
         pytest.skip("q16 kernels")
     _v9_default_routes(monkeypatch, eops)
+    for knob in ("GEMV_KQ_XPF", "GEMV_KQ_PF0", "GEMV_KQ_PF0_SB"):  # the default build on the "" side
+        monkeypatch.setattr(eops, knob, "")
     rng = np.random.default_rng(47)
     keep = []
     K = 5120

@@ -120,10 +120,13 @@ def compile_source(lib, name: str, defines: tuple[str, ...] = (), ptx: list | No
 # session 24: the timing-only diagnostic builds (module.diag_defines, GGUF_HARNESS_DIAG)
 # (KQ_P2=1 DIAG_NOSTAGE alone: test_diag_nostage_skips_the_loads_of_x compiles it)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "DIAG_NOWAIT", "DIAG_NOSTAGE")), ("deltanet.cu", ("DIAG_NOWAIT",))]
-# session 24: the first-row prefetch cut to the first round (ops GGUF_HARNESS_GEMV_KQ_PF0=3), in the
-# default, the queue and the group builds
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_PF0=3")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_PF0=3")),
-            ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PF0=3"))]
+# session 25: the first-row prefetch cut to the first round is the default (KQ_PF0 3); the whole row
+# (KQ_PF0=1, the default before) and the first prefetch's super-blocks per part
+# (ops GGUF_HARNESS_GEMV_KQ_PF0_SB) in the default, the queue and the group builds
+SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_PF0=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_PF0=1")),
+            ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PF0=1")),
+            ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_PF0_SB=2")),
+            ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PF0_SB=16"))]
 
 
 @pytest.mark.parametrize("name,defines", SOURCES)

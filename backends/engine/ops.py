@@ -275,11 +275,8 @@ def kv9_wide(rows: int, split: int) -> bool:
 
 def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the wide build: `defines` (kv9_defines() + ...) with 32 warps per
-    block and warp-major row groups in place of their own settings of those two (and KQ_PF0=3
-    with GGUF_HARNESS_GEMV_KQ_PF0=3w)."""
+    block and warp-major row groups in place of their own settings of those two."""
     keep = tuple(d for d in defines if not d.startswith(("KQ_BLOCK_WARPS=", "KQ_WMAJ=")))
-    if GEMV_KQ_PF0 == "3w":  # the first round's prefetch in the wide (and queue) builds only
-        keep = tuple(d for d in keep if not d.startswith("KQ_PF0=")) + ("KQ_PF0=3",)
     return keep + ("KQ_BLOCK_WARPS=32", "KQ_WMAJ=1")
 
 
@@ -318,11 +315,15 @@ def kv9_xpf_bytes() -> int:
     return int(v) << 20
 
 
-# KQ_PF0: where a v9 GEMV's warps ask L2 for their first row (kernels/gemv_kq.cu KQ_PF0): "1" or
-# unset before the PDL wait (the default), "0" never, "2" right after the wait (A/Bs of session 23),
-# "3" before the wait but only the row's first round, "3w" that in the wide and queue builds only
-# (kv9_wide_defines; the 2-part cluster nodes lost 1.1 % with it) (A/Bs of session 24).
+# KQ_PF0: where a v9 GEMV's warps ask L2 for their first row (kernels/gemv_kq.cu KQ_PF0): "3" or
+# unset before the PDL wait but only the row's first round (the default since session 25), "1"
+# before the wait the whole row (the default before), "0" never, "2" right after the wait (A/Bs
+# of session 23). Session 24's "3w" (3 in the wide and queue builds only) lost to 3 on the 27B step
+# (session 25: first replay samples 6111.0 / 6112.2 against 6097.1 / 6096.8 us) and is gone.
 GEMV_KQ_PF0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0", "")
+# KQ_PF0_SB: with KQ_PF0 3, the super-blocks per part of that first prefetch (1..16; unset: the
+# kernel's 4, one round). A/B (session 25).
+GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB", "")
 
 
 # KQ_CONV: qwen35's ssm_in node also runs its layer's causal conv (kernels/gemv_kq.cu KQ_CONV), so
@@ -474,7 +475,7 @@ def kv9_defines() -> tuple[str, ...]:
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
     KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1,
-    GEMV_KQ_PF0=0|2|3 -> KQ_PF0=0|2|3 (3w: kv9_wide_defines), GEMV_KQ_CONV=1 -> KQ_CONV=1, then
+    GEMV_KQ_PF0=0|1|2 -> KQ_PF0=0|1|2, GEMV_KQ_PF0_SB=<n> -> KQ_PF0_SB=<n>, GEMV_KQ_CONV=1 -> KQ_CONV=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
     both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
@@ -526,10 +527,18 @@ def kv9_defines() -> tuple[str, ...]:
     kv9_dq("")  # likewise GGUF_HARNESS_GEMV_KQ_DQ / _DQ_P / _DQ_T / _DQ_MAP (the wide nodes' queue build)
     if kv9_xpf_bytes():  # GGUF_HARNESS_GEMV_KQ_XPF: every v9 build with the next node's prefetch
         out.append("KQ_XPF=1")
-    if GEMV_KQ_PF0 not in ("", "0", "1", "2", "3", "3w"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0={GEMV_KQ_PF0!r}: expected 0, 1, 2, 3 or 3w")
-    if GEMV_KQ_PF0 in ("0", "2", "3"):  # "1" / "": the kernel's default (KQ_PF0 1)
+    if GEMV_KQ_PF0 not in ("", "0", "1", "2", "3"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0={GEMV_KQ_PF0!r}: expected 0, 1, 2 or 3")
+    if GEMV_KQ_PF0 in ("0", "1", "2"):  # "3" / "": the kernel's default (KQ_PF0 3)
         out.append(f"KQ_PF0={GEMV_KQ_PF0}")
+    if GEMV_KQ_PF0_SB:
+        v = GEMV_KQ_PF0_SB
+        if not (v.isascii() and v.isdigit()) or not 1 <= int(v) <= 16:
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0_SB={v!r}: expected super-blocks 1..16")
+        if GEMV_KQ_PF0 not in ("", "3"):  # the other prefetches take whole rows: the build would not use it
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0_SB needs GGUF_HARNESS_GEMV_KQ_PF0=3 (it is {GEMV_KQ_PF0!r})")
+        if int(v) != 4:  # 4: the kernel's default (one round)
+            out.append(f"KQ_PF0_SB={int(v)}")
     _switch01("GGUF_HARNESS_GEMV_KQ_CONV", GEMV_KQ_CONV)
     if GEMV_KQ_CONV == "1":  # every v9 build with the conv fields (only ssm_in nodes set them)
         out.append("KQ_CONV=1")

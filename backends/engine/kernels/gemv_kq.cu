@@ -72,24 +72,31 @@ constexpr int kKqPf = KQ_PF;
 constexpr int kKqPipe = KQ_PIPE;
 static_assert(kKqPipe >= 0 && kKqPipe <= 2, "KQ_PIPE is 0, 1 or 2");
 #ifndef KQ_PF0
-// Where each warp asks L2 for its first row (ops GGUF_HARNESS_GEMV_KQ_PF0): 1 before the PDL wait
-// (the default since engine v5: weights are constants, so the request overlaps the previous
-// kernel's tail), 0 never, 2 right after the wait (during the x staging, no longer competing with
-// the previous kernel's last loads). Why the A/B (session 23): in the step's chain roofline
-// (harness/step_roofline.py, H200) a chain of streaming reads of the step's node sizes took 4219
-// us with its first pass prefetched before the wait against 4029 us without (+4.7 %): the
-// previous node's tail is not idle DRAM time, and the prefetches delay its completion, which
-// the next node's wait is for (session 18's XPF lesson, again). Values do not depend on it.
-// 3 (A/B, session 24): before the wait, but only the row's first round (4 super-blocks per part)
-// instead of the whole row: the traces put staging x at 2.7 us behind prefetches still in flight
-// when the wait returns ([10240x5120] Q4_K, entry p50 -0.5 us), ~1 us more than a plain copy.
-#define KQ_PF0 1
+// Where each warp asks L2 for its first row (ops GGUF_HARNESS_GEMV_KQ_PF0): 3 before the PDL wait,
+// the row's first round only (KQ_PF0_SB super-blocks per part; the default since session 25), 1
+// before the wait, the whole row (the default of engine v5 to session 24: weights are constants,
+// so the request overlaps the previous kernel's tail), 0 never, 2 right after the wait (during
+// the x staging, no longer competing with the previous kernel's last loads). Why: in the step's
+// chain roofline (harness/step_roofline.py, H200, session 23) a chain of streaming reads of the
+// step's node sizes took 4219 us with its first pass prefetched before the wait against 4029 us
+// without (+4.7 %): the previous node's tail is not idle DRAM time, and the prefetches delay its
+// completion, which the next node's wait is for (session 18's XPF lesson, again); but PF0=0 cost
+// the engine +1.8 % (session 23). The traces put staging x at 2.7 us behind prefetches still in
+// flight when the wait returns ([10240x5120] Q4_K, entry p50 -0.5 us). Measured, H200: 3 against
+// 1 cold back to back (session 24) [10240x5120] Q4_K -8.8 %, the IQ4_XS gate/up pair -3.9 %,
+// [5120x6144] Q5_K 2-part +1.1 %; the 27B step (session 25, first replay samples of two rounds)
+// 6181.3 / 6182.0 -> 6097.1 / 6096.8 us (-1.4 %), gate/up -88 us. Values do not depend on it.
+#define KQ_PF0 3
 #endif
 static_assert(KQ_PF0 >= 0 && KQ_PF0 <= 3, "KQ_PF0: 0, 1, 2 or 3");
-// Bytes of a row the first-row prefetch asks for: the whole row, or (KQ_PF0 3) its first round
-// of each of `nparts` parts (4 super-blocks of ts bytes each).
+#ifndef KQ_PF0_SB
+#define KQ_PF0_SB 4  // KQ_PF0 3: super-blocks per part asked for (4: one round; ops GGUF_HARNESS_GEMV_KQ_PF0_SB)
+#endif
+static_assert(KQ_PF0_SB >= 1 && KQ_PF0_SB <= 16, "KQ_PF0_SB: 1..16");
+// Bytes of a row the first-row prefetch asks for: the whole row, or (KQ_PF0 3) the first
+// KQ_PF0_SB super-blocks (of ts bytes) of each of `nparts` parts.
 __device__ __forceinline__ int kq_pf0_bytes(int row_bytes, int ts, int nparts) {
-    return KQ_PF0 == 3 ? min(row_bytes, 4 * ts * nparts) : row_bytes;
+    return KQ_PF0 == 3 ? min(row_bytes, KQ_PF0_SB * ts * nparts) : row_bytes;
 }
 #ifndef KQ_L1PF
 #define KQ_L1PF 0  // rounds ahead whose bytes each warp asks L1 for (prefetch.global.L1), across rows
@@ -781,8 +788,8 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         if (MODE == 2)
             prefetch_bytes((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, t.row_bytes[1], l + LPR * wpart, LPR * nparts);
     };
-    // The warp's first row: whole (prefetch_row, as before KQ_PF0 3 existed: the same PTX), or with
-    // KQ_PF0 3 each part's first round only; the KQ_PF rows ahead below stay whole rows.
+    // The warp's first row: whole (KQ_PF0 1: prefetch_row), or (KQ_PF0 3, the default) each part's
+    // first round only; the KQ_PF rows ahead below stay whole rows.
     auto prefetch_first_row = [&](int r) {
         if constexpr (KQ_PF0 == 3) {
             if (r >= total_rows) return;
