@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     from .layerdiff_cmd import add_layerdiff_parser
     add_layerdiff_parser(sub)
+    from .prewarm_cmd import add_prewarm_parser
+    add_prewarm_parser(sub)
     return ap
 
 
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "layerdiff":
             from .layerdiff_cmd import run_layerdiff
             return run_layerdiff(args, console)
+        if args.cmd == "prewarm":
+            from .prewarm_cmd import run_prewarm
+            return run_prewarm(args, console)
         from .main_job import run_job
         return run_job(args, console)
     except HarnessError as e:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ci" / "gpu-nightly.sh"
 PAIRS = ROOT / "ci" / "gate_pairs.py"
 WORKFLOW = ROOT / ".github" / "workflows" / "gpu-nightly.yml"
-STAGES = ["setup", "gpu-tests", "verify", "synth-27b", "bench", "report", "gate"]
+STAGES = ["setup", "prewarm", "gpu-tests", "verify", "synth-27b", "bench", "report", "gate"]
 Q05, Q15 = "qwen2.5-coder-0.5b-q4_k_m", "qwen2.5-coder-1.5b-q4_k_m"
 KNOBS = ("OUT", "VENV", "CUDA_ARCH", "GATE_THRESHOLD", "GATE_SLOWER_BACKENDS", "MODELS", "EXTRAS",
          "WORK", "KEEP_SYNTH", "SYNTH_QUANTS", "MAKE", "HARNESS", "RUNNER_TEMP")
@@ -239,10 +239,11 @@ def test_nightly_gate_compares_with_previous_run(fake):
     _result(runs / "c-other-gpu", Q05, "2026-01-03T00:00:00+00:00", gpu="NVIDIA A100")
     r = _script("--skip", "setup,gpu-tests", **env)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert _stages(env["OUT"]) == {"setup": "not-selected", "gpu-tests": "not-selected",
+    assert _stages(env["OUT"]) == {"setup": "not-selected", "prewarm": "skipped", "gpu-tests": "not-selected",
                                    "verify": "ok", "synth-27b": "ok", "bench": "skipped",
                                    "report": "ok", "gate": "ok"}
     assert "bench: skipped: not implemented" in r.stdout
+    assert "prewarm: skipped: not implemented" in r.stdout
     log = calls()
     verified = [c[c.index("--model") + 1] for c in log if c[0] == "verify"]
     assert verified == [Q05, Q15, str(env["WORK"] / "qwen35-27b.gguf")]
@@ -305,6 +306,18 @@ def test_nightly_failed_gate_and_stage_do_not_stop_later_stages(fake):
     assert any(c[:1] == ["synth"] for c in calls())  # ran after the failed verify
     rows = _gate_rows(env["OUT"])
     assert [r[:2] for r in rows if r[0] != "baseline"] == [["FAIL", "1"]]
+
+
+def test_prewarm_stage_runs_harness_prewarm_when_listed(fake):
+    """The prewarm stage calls `harness prewarm` (no arguments: the builds of the environment's
+    switches) when `harness --help` lists it; the dry run shows that command."""
+    env, calls = fake
+    r = _script("--only", "prewarm", FAKE_SUBS="run,verify,prewarm", **env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _stages(env["OUT"])["prewarm"] == "ok"
+    assert ["prewarm"] in calls()
+    dry = _script("--dry-run", "--only", "prewarm", **env)
+    assert re.search(r"^\+ \S*harness prewarm$", dry.stdout, re.MULTILINE), dry.stdout
 
 
 def test_nightly_bad_ab_input_fails_the_gate(fake):

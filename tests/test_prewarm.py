@@ -131,3 +131,41 @@ def test_dq_build_only_when_switched_on(monkeypatch):
     for knob, value in (("GEMV_KQ_DQ", "0"), ("GEMV_KQ_WIDE_MIN_ROWS", "off"), ("GEMV_KQ_PIPE", "2")):
         monkeypatch.setattr(ops, knob, value)
         assert not any("KQ_DQ=1" in d for _, d, _ in prewarm.builds()), knob
+
+
+def test_harness_prewarm_lists_compiles_and_refuses(capsys, monkeypatch):
+    """`harness prewarm` (harness/prewarm_cmd.py): --list prints one line per build of builds()
+    ("source -Ddefine ...") without a GPU; --only filters by source name and an --only that keeps
+    nothing, --jobs 0 or a bad engine switch is an error line with exit 2 before any compile; a
+    run hands every selected build to compile_builds (jobs: one per build, at most the CPUs) and
+    exits 1 when one failed, 0 when none did."""
+    import harness.gpu
+    from harness import cli
+    want = [s + "".join(f" -D{d}" for d in defs) for s, defs, _ in prewarm.builds()]
+    assert cli.main(["prewarm", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == want and any("KQ_DQ=1" in line for line in lines)  # the 27B's gate/up build
+    assert cli.main(["prewarm", "--list", "--only", "deltanet"]) == 0
+    assert capsys.readouterr().out.split() == ["deltanet.cu"]
+    seen = []
+
+    def fake_compile(todo, jobs, log):
+        seen.append((list(todo), jobs))
+        return fail
+    monkeypatch.setattr(prewarm, "compile_builds", fake_compile)
+    monkeypatch.setattr(harness.gpu, "require_cupy", lambda: None)  # as if a GPU were here
+    for fail, rc in ((0, 0), (2, 1)):
+        assert cli.main(["prewarm", "--only", "gemv_kq", "--jobs", "3"]) == rc
+        assert seen[-1] == ([b for b in prewarm.builds() if b[0] == "gemv_kq.cu"], 3)
+    fail = 0
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert cli.main(["prewarm"]) == 0 and seen[-1][1] == 2  # fewer CPUs than builds
+    n = len(seen)
+    capsys.readouterr()
+    for argv in (["prewarm", "--only", "nope"], ["prewarm", "--jobs", "0"]):
+        assert cli.main(argv) == 2
+        assert "error:" in capsys.readouterr().err
+    monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", "99")
+    assert cli.main(["prewarm", "--list"]) == 2
+    assert "GGUF_HARNESS_GEMV_KQ_PF0_SB='99'" in capsys.readouterr().err
+    assert len(seen) == n  # nothing compiled after a refusal

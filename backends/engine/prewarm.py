@@ -9,6 +9,7 @@ test. Here each build compiles in its own process
 (spawned: no CUDA context is shared), so the wall time is about the slowest build; later
 processes find every module in the cache.
 
+    harness prewarm [--jobs N] [--only gemv] [--list]     (harness/prewarm_cmd.py)
     python -m backends.engine.prewarm [--jobs N] [--only gemv]
 
 Prints one line per build (seconds, ok or the compile error's first line); exit status 1 if
@@ -107,6 +108,21 @@ def _compile(build: tuple[str, tuple[str, ...], str]) -> tuple[str, float, str]:
     return label, time.perf_counter() - t0, status
 
 
+def compile_builds(todo, jobs: int, log=print) -> int:
+    """Compile `todo` (builds() entries) in up to `jobs` spawned processes, one line per build
+    through `log` as each finishes in order ("<s> s  <source -Ddefines>: ok" or the compile
+    error's first line), then a summary line; returns the number that failed. Needs CuPy and a
+    GPU in the children (the caller checks: harness.gpu.require_cupy)."""
+    t0 = time.perf_counter()
+    failed = 0
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=get_context("spawn")) as ex:
+        for label, secs, status in ex.map(_compile, todo):
+            failed += status != "ok"
+            log(f"{secs:7.1f} s  {label}: {status}")
+    log(f"prewarm: {len(todo)} builds, {failed} failed, {time.perf_counter() - t0:.1f} s wall")
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m backends.engine.prewarm", description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=len(BUILDS), help="compiles at once (default: all)")
@@ -124,14 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a bad engine switch value: say which, like a missing GPU
         print(f"prewarm: {e}", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
-    failed = 0
-    with ProcessPoolExecutor(max_workers=max(1, a.jobs), mp_context=get_context("spawn")) as ex:
-        for label, secs, status in ex.map(_compile, todo):
-            failed += status != "ok"
-            print(f"{secs:7.1f} s  {label}: {status}", flush=True)
-    print(f"prewarm: {len(todo)} builds, {failed} failed, {time.perf_counter() - t0:.1f} s wall")
-    return 1 if failed else 0
+    return 1 if compile_builds(todo, a.jobs, lambda m: print(m, flush=True)) else 0
 
 
 if __name__ == "__main__":
