@@ -15,7 +15,8 @@ Seven handshakes (stream_chain.cu `mode`):
                kernels`, summed over a step);
   dependent    each node reads nothing until its predecessor has finished (a GEMV needs its x);
   prefetch     as dependent, after asking L2 for its first pass's lines before the wait (as the
-               engine's GEMVs prefetch their first rows);
+               engine's GEMVs prefetched their first rows until session 24; since session 25
+               they ask for only each first row's first round, kernels/gemv_kq.cu KQ_PF0);
   staged       as dependent, then every block copies 20 KiB of an L2-resident x into shared
                memory and passes a barrier before its first load (a GEMV's x staging, without
                the quantisation arithmetic);

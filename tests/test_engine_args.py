@@ -1218,8 +1218,8 @@ def test_first_row_prefetch_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_PF0 (kernels/gemv_kq.cu KQ_PF0): unset or "3" keeps the kernel's default
     (the first round asked for before the PDL wait: no define), "0" / "1" / "2" build KQ_PF0=0 / 1 / 2
     into every v9 GEMV node (the wide, queue and cluster builds too); GGUF_HARNESS_GEMV_KQ_PF0_SB=n
-    builds KQ_PF0_SB=n (4, the kernel's default, none) and only with PF0 3; any other value is
-    refused before a build; results record it."""
+    builds KQ_PF0_SB=n (4, the kernel's default, none) and n != 4 only with PF0 3; any other value
+    is refused before a build; results record both, the defaults too (test below)."""
     from backends.engine import switches
     _fake_module(monkeypatch)
     for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"),
@@ -1256,11 +1256,27 @@ def test_first_row_prefetch_switch(monkeypatch):
             ops.kv9_defines()
     monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", "2")
     monkeypatch.setattr(ops, "GEMV_KQ_PF0", "1")  # whole rows: SB would not be used
-    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PF0_SB needs"):
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PF0_SB=2 needs"):
         ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", "4")  # the default's value: nothing to refuse
+    assert [d for d in ops.kv9_defines() if d.startswith("KQ_PF0")] == ["KQ_PF0=1"]
     monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", "")
     for bad in ("4", "on", " 0", "3W", "3w"):
         monkeypatch.setattr(ops, "GEMV_KQ_PF0", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PF0"):
             ops.kv9_defines()
     assert {"GGUF_HARNESS_GEMV_KQ_PF0", "GGUF_HARNESS_GEMV_KQ_PF0_SB"} <= set(machine.ENGINE_SWITCHES)
+
+
+def test_first_row_prefetch_defaults_are_recorded():
+    """Unset, GGUF_HARNESS_GEMV_KQ_PF0 and _PF0_SB read as the kernel's defaults ("3", "4"), so a
+    result's switches_effective tells the session-25 default from the PF0=1 default before it
+    (whose unset value read "") (a fresh interpreter: the module reads the environment at import)."""
+    import json
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_HARNESS_GEMV_KQ_PF0")}
+    code = ("import json; from backends.engine import ops, switches; e = switches.effective(); "
+            "print(json.dumps([e['GGUF_HARNESS_GEMV_KQ_PF0'], e['GGUF_HARNESS_GEMV_KQ_PF0_SB'], "
+            "[d for d in ops.kv9_defines() if d.startswith('KQ_PF0')]]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == ["3", "4", []]

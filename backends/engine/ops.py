@@ -320,10 +320,13 @@ def kv9_xpf_bytes() -> int:
 # before the wait the whole row (the default before), "0" never, "2" right after the wait (A/Bs
 # of session 23). Session 24's "3w" (3 in the wide and queue builds only) lost to 3 on the 27B step
 # (session 25: first replay samples 6111.0 / 6112.2 against 6097.1 / 6096.8 us) and is gone.
-GEMV_KQ_PF0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0", "")
-# KQ_PF0_SB: with KQ_PF0 3, the super-blocks per part of that first prefetch (1..16; unset: the
-# kernel's 4, one round). A/B (session 25).
-GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB", "")
+# The unset value is the default's ("3"), so results record which prefetch ran (switches.effective).
+GEMV_KQ_PF0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0", "3")
+# KQ_PF0_SB: with KQ_PF0 3, how much of the row that first prefetch asks for: its first SB x parts
+# super-blocks (1..16; unset "4": each part's first round, the kernel's default; other values are
+# whole rounds of every part only as multiples of 4, and cover part 0's first round alone on split
+# rows when below 4). A/B (session 25).
+GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB", "4")
 
 
 # KQ_CONV: qwen35's ssm_in node also runs its layer's causal conv (kernels/gemv_kq.cu KQ_CONV), so
@@ -475,13 +478,14 @@ def kv9_defines() -> tuple[str, ...]:
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
     KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1,
-    GEMV_KQ_PF0=0|1|2 -> KQ_PF0=0|1|2, GEMV_KQ_PF0_SB=<n> -> KQ_PF0_SB=<n>, GEMV_KQ_CONV=1 -> KQ_CONV=1, then
+    GEMV_KQ_PF0=0|1|2 -> KQ_PF0=0|1|2 (3: none), GEMV_KQ_PF0_SB=<n> -> KQ_PF0_SB=<n> (4: none), GEMV_KQ_CONV=1 -> KQ_CONV=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
     both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
     2, for a BW other than 16 or 32, for a
     WIDE_MIN_ROWS other than a row count or off, for F32_XPERM with XLANE=0 (it
-    would build the default), and as kv9_p2_types, kv9_p2_max_k, kv9_p2_min_rows, kv9_dq and
+    would build the default), for a PF0 other than empty or 0..3, a PF0_SB other than empty or
+    1..16, a PF0_SB other than 4 with a PF0 other than 3 (the build would not use it), and as kv9_p2_types, kv9_p2_max_k, kv9_p2_min_rows, kv9_dq and
     kv9_xpf_bytes."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
@@ -531,13 +535,13 @@ def kv9_defines() -> tuple[str, ...]:
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0={GEMV_KQ_PF0!r}: expected 0, 1, 2 or 3")
     if GEMV_KQ_PF0 in ("0", "1", "2"):  # "3" / "": the kernel's default (KQ_PF0 3)
         out.append(f"KQ_PF0={GEMV_KQ_PF0}")
-    if GEMV_KQ_PF0_SB:
-        v = GEMV_KQ_PF0_SB
+    v = GEMV_KQ_PF0_SB
+    if v:  # "" / "4": the kernel's default (each part's first round)
         if not (v.isascii() and v.isdigit()) or not 1 <= int(v) <= 16:
             raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0_SB={v!r}: expected super-blocks 1..16")
-        if GEMV_KQ_PF0 not in ("", "3"):  # the other prefetches take whole rows: the build would not use it
-            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0_SB needs GGUF_HARNESS_GEMV_KQ_PF0=3 (it is {GEMV_KQ_PF0!r})")
-        if int(v) != 4:  # 4: the kernel's default (one round)
+        if int(v) != 4:
+            if GEMV_KQ_PF0 not in ("", "3"):  # the other prefetches take whole rows: the build would not use it
+                raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0_SB={v} needs GGUF_HARNESS_GEMV_KQ_PF0=3 (it is {GEMV_KQ_PF0!r})")
             out.append(f"KQ_PF0_SB={int(v)}")
     _switch01("GGUF_HARNESS_GEMV_KQ_CONV", GEMV_KQ_CONV)
     if GEMV_KQ_CONV == "1":  # every v9 build with the conv fields (only ssm_in nodes set them)

@@ -73,7 +73,7 @@ constexpr int kKqPipe = KQ_PIPE;
 static_assert(kKqPipe >= 0 && kKqPipe <= 2, "KQ_PIPE is 0, 1 or 2");
 #ifndef KQ_PF0
 // Where each warp asks L2 for its first row (ops GGUF_HARNESS_GEMV_KQ_PF0): 3 before the PDL wait,
-// the row's first round only (KQ_PF0_SB super-blocks per part; the default since session 25), 1
+// the row's first round only (KQ_PF0_SB below; the default since session 25), 1
 // before the wait, the whole row (the default of engine v5 to session 24: weights are constants,
 // so the request overlaps the previous kernel's tail), 0 never, 2 right after the wait (during
 // the x staging, no longer competing with the previous kernel's last loads). Why: in the step's
@@ -90,11 +90,14 @@ static_assert(kKqPipe >= 0 && kKqPipe <= 2, "KQ_PIPE is 0, 1 or 2");
 #endif
 static_assert(KQ_PF0 >= 0 && KQ_PF0 <= 3, "KQ_PF0: 0, 1, 2 or 3");
 #ifndef KQ_PF0_SB
-#define KQ_PF0_SB 4  // KQ_PF0 3: super-blocks per part asked for (4: one round; ops GGUF_HARNESS_GEMV_KQ_PF0_SB)
+// KQ_PF0 3: the row's first KQ_PF0_SB x nparts super-blocks are asked for (ops GGUF_HARNESS_GEMV_KQ_PF0_SB).
+// 4: each part's first round (part p's rounds take super-blocks 4p..4p+3 + 4 nparts i); other values
+// cover whole rounds of every part only as multiples of 4 (below 4 on split rows: part 0's alone).
+#define KQ_PF0_SB 4
 #endif
 static_assert(KQ_PF0_SB >= 1 && KQ_PF0_SB <= 16, "KQ_PF0_SB: 1..16");
-// Bytes of a row the first-row prefetch asks for: the whole row, or (KQ_PF0 3) the first
-// KQ_PF0_SB super-blocks (of ts bytes) of each of `nparts` parts.
+// Bytes of a row the first-row prefetch asks for: the whole row, or (KQ_PF0 3) its first
+// KQ_PF0_SB x nparts super-blocks of ts bytes (one contiguous range from the row's start).
 __device__ __forceinline__ int kq_pf0_bytes(int row_bytes, int ts, int nparts) {
     return KQ_PF0 == 3 ? min(row_bytes, KQ_PF0_SB * ts * nparts) : row_bytes;
 }

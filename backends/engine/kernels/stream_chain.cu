@@ -14,8 +14,9 @@
 //   1 dependent: griddepcontrol.wait before the first load, then launch_dependents: a node
 //     reads nothing until its predecessor has finished (as a GEMV needs its x);
 //   2 dependent + prefetch: as 1, but before the wait every thread asks L2 for the 128-byte
-//     lines of its first pass (prefetch.global.L2), as the engine's GEMVs prefetch their
-//     first rows (weights are constants);
+//     lines of its first pass (prefetch.global.L2), as the engine's GEMVs prefetched their
+//     first rows until session 24 (weights are constants; since session 25 only each first
+//     row's first round, gemv_kq.cu KQ_PF0 3);
 //   3 staged: as 1, then every block copies nx16 16-byte words of x (one small buffer for every
 //     node, so L2-resident, as a GEMV's input vector is) into shared memory and passes a block
 //     barrier before its first load of p: the shape of a GEMV's x staging, without its arithmetic;
