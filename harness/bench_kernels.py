@@ -173,7 +173,7 @@ def run_kernels(shapes: list[Shape], cfg: KernelsConfig, log=print, advance=lamb
     part of the result: {schema, settings, device, rows}. Raises UnsupportedError without
     CuPy or a GPU. ggml: add llama.cpp's kernel per row (row["ggml"], settings["ggml"]:
     harness.bench_kernels_ggml)."""
-    from backends.engine import launch, ops
+    from backends.engine import launch, ops, switches
 
     from . import gpu, gpu_timing
     cp = gpu.require_cupy()
@@ -201,7 +201,7 @@ def run_kernels(shapes: list[Shape], cfg: KernelsConfig, log=print, advance=lamb
                     gemv_kq_pf=ops.GEMV_KQ_PF or "default", gemv_kq_pipe=ops.GEMV_KQ_PIPE or "default",
                     gemv_kq_l1pf=ops.GEMV_KQ_L1PF or "default",
                     gemv_kq_iq3s=ops.GEMV_KQ_IQ3S, gemv_kq_iq3s_grid=ops.GEMV_KQ_IQ3S_GRID or "default",
-                    pdl=launch.pdl_available())
+                    pdl=launch.pdl_available(), switches_effective=switches.effective())
     if ggml:
         from .bench_kernels_ggml import settings as ggml_settings
         settings["ggml"] = ggml_settings()

@@ -1,4 +1,4 @@
-"""Command line: `harness run | verify | models | report | synth | ab | bench-table | bench | plan | layerdiff`.
+"""Command line: `harness run | verify | models | report | synth | ab | bench-table | bench | plan | layerdiff | prewarm`.
 
 Top-down map of the project:
   harness run     -> harness.run.verify_model (reference + backends, step by step)
@@ -14,6 +14,7 @@ Top-down map of the project:
   harness plan    -> harness.plan_cmd -> harness.plan (GPU memory capacity plan)
   harness layerdiff -> harness.layerdiff_cmd -> harness.layerdiff / harness.engine_layerdiff
                      (oracle vs llama.cpp or the engine, node by node)
+  harness prewarm -> harness.prewarm_cmd -> backends.engine.prewarm (kernel builds compiled in parallel)
 Errors of the user's input (HarnessError) print one line and exit 2; no traceback.
 """
 from __future__ import annotations

@@ -1269,7 +1269,7 @@ def test_first_row_prefetch_switch(monkeypatch):
 
 
 def test_first_row_prefetch_defaults_are_recorded():
-    """Unset, GGUF_HARNESS_GEMV_KQ_PF0 and _PF0_SB read as the kernel's defaults ("3", "4"), so a
+    """Unset or empty, GGUF_HARNESS_GEMV_KQ_PF0 and _PF0_SB read as the kernel's defaults ("3", "4"), so a
     result's switches_effective tells the session-25 default from the PF0=1 default before it
     (whose unset value read "") (a fresh interpreter: the module reads the environment at import)."""
     import json
@@ -1277,6 +1277,9 @@ def test_first_row_prefetch_defaults_are_recorded():
     code = ("import json; from backends.engine import ops, switches; e = switches.effective(); "
             "print(json.dumps([e['GGUF_HARNESS_GEMV_KQ_PF0'], e['GGUF_HARNESS_GEMV_KQ_PF0_SB'], "
             "[d for d in ops.kv9_defines() if d.startswith('KQ_PF0')]]))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[1],
-                         capture_output=True, text=True, check=True).stdout
-    assert json.loads(out) == ["3", "4", []]
+    for pf0, sb in ((None, None), ("", "")):
+        run_env = env | {k: v for k, v in (("GGUF_HARNESS_GEMV_KQ_PF0", pf0), ("GGUF_HARNESS_GEMV_KQ_PF0_SB", sb))
+                         if v is not None}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, check=True).stdout
+        assert json.loads(out) == ["3", "4", []], (pf0, sb)

@@ -320,13 +320,14 @@ def kv9_xpf_bytes() -> int:
 # before the wait the whole row (the default before), "0" never, "2" right after the wait (A/Bs
 # of session 23). Session 24's "3w" (3 in the wide and queue builds only) lost to 3 on the 27B step
 # (session 25: first replay samples 6111.0 / 6112.2 against 6097.1 / 6096.8 us) and is gone.
-# The unset value is the default's ("3"), so results record which prefetch ran (switches.effective).
-GEMV_KQ_PF0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0", "3")
+# Unset or empty reads as the default's value ("3"), so results record which prefetch ran
+# (switches.effective), whatever the default was when they ran.
+GEMV_KQ_PF0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0") or "3"
 # KQ_PF0_SB: with KQ_PF0 3, how much of the row that first prefetch asks for: its first SB x parts
 # super-blocks (1..16; unset "4": each part's first round, the kernel's default; other values are
 # whole rounds of every part only as multiples of 4, and cover part 0's first round alone on split
 # rows when below 4). A/B (session 25).
-GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB", "4")
+GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB") or "4"
 
 
 # KQ_CONV: qwen35's ssm_in node also runs its layer's causal conv (kernels/gemv_kq.cu KQ_CONV), so
