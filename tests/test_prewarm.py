@@ -169,3 +169,38 @@ def test_harness_prewarm_lists_compiles_and_refuses(capsys, monkeypatch):
     assert cli.main(["prewarm", "--list"]) == 2
     assert "GGUF_HARNESS_GEMV_KQ_PF0_SB='99'" in capsys.readouterr().err
     assert len(seen) == n  # nothing compiled after a refusal
+
+
+def test_prewarm_covers_every_gemv_build_of_the_27b_step(monkeypatch):
+    """Every gemv_kq.cu build the 27B ud-q4_k_m step's GEMV nodes take (the node kinds, formats and
+    shapes of its `harness bench nodes` table: docs/results/sweeps/2026-12-01-h200-nodes-27b-s25-*)
+    is one `harness prewarm` compiles, so a prewarmed machine compiles none of them at load; the
+    shapes are SEEDS.md's (n_embd 5120, n_ff 17408, d_inner 6144, q|gate 12288 rows, k / v 1024,
+    vocab 248320). ops.gemv runs on a fake module (no GPU) that records each compile."""
+    from test_engine_args import _fake_module
+    from types import SimpleNamespace as NS
+
+    from backends.engine.arena import DeviceTensor
+    from backends.engine.formats import FORMATS
+    asked = _fake_module(monkeypatch)
+    F32, Q4_K, Q5_K, Q6_K, IQ3_S, IQ4_XS = 0, 12, 13, 14, 21, 23
+    addr = iter(range(1 << 20, 1 << 40, 1 << 30))
+
+    def seg(t, K, rows):
+        rb = K * 4 if t == F32 else K // FORMATS[t].block_size * FORMATS[t].type_size
+        w = DeviceTensor(f"w{t}", next(addr), t, (K, rows), rb, rb * rows)
+        return ops.Seg(w, NS(size=rows, data=NS(ptr=next(addr))))
+    nodes = [("ssm_in", "store", 5120, [(Q5_K, 10240), (Q5_K, 6144), (F32, 48), (F32, 48)]),
+             ("ssm_out", "add", 6144, [(Q5_K, 5120)]), ("attn_output", "add", 6144, [(Q5_K, 5120)]),
+             ("gate_up", "swiglu", 5120, [(IQ4_XS, 17408), (IQ4_XS, 17408)]),
+             ("gate_up", "swiglu", 5120, [(IQ3_S, 17408), (IQ3_S, 17408)]),
+             ("ffn_down", "add", 17408, [(Q4_K, 5120)]), ("ffn_down", "add", 17408, [(Q5_K, 5120)]),
+             ("qkv", "store", 5120, [(Q4_K, 12288), (Q6_K, 1024), (Q6_K, 1024)]),
+             ("output", "store", 5120, [(Q6_K, 248320)])]
+    for name, mode, K, segs in nodes:
+        ops.gemv_nodes(name, mode, [seg(t, K, rows) for t, rows in segs], NS(), K)
+    used = {(src, defs) for src, _, defs in asked}
+    assert {src for src, _ in used} == {"gemv_kq.cu"}, used  # every 27B GEMV is a v9 node
+    assert len(used) >= 4  # the plain, wide, queue and group-split builds at least
+    prewarmed = {(src, defs) for src, defs, _ in prewarm.builds()}
+    assert used <= prewarmed, used - prewarmed
