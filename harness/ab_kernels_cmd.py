@@ -101,8 +101,9 @@ def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:
            "a": _side(args.a, a), "b": _side(args.b, b)}
     if not nodes:  # (compare_nodes notes the nodes results' switch changes itself)
         wa, wb = _switches(a.get("machine") or {}), _switches(b.get("machine") or {})
-        doc["notes"] = list(doc["notes"]) + [f"engine switch {k}: {wa.get(k, '(unset)')} -> {wb.get(k, '(unset)')}"
-                                             for k in sorted(set(wa) | set(wb)) if wa.get(k) != wb.get(k)]
+        changed = [k for k in sorted(set(wa) | set(wb)) if wa.get(k) != wb.get(k)]
+        doc["notes"] = (list(doc["notes"]) + [f"engine switch {k}: {wa.get(k, '(unset)')} -> {wb.get(k, '(unset)')}"
+                                              for k in changed] + ab_nodes.effective_notes(a, b, set(changed)))
         if diag := diag_sides(a, b):  # nowait overlaps the back-to-back copies: rows no decode step has
             doc["notes"].append(f"diagnostic build (timing only): {diag}; its rows bound a cost, "
                                 f"they are not a kernel's speed")

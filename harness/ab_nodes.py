@@ -96,6 +96,32 @@ def groups(rows: list[dict]) -> dict[str, tuple[int, float, float | None]]:
     return {k: (len(v), sum(_finite(r.get("us")) or 0.0 for r in v), group_noise(v)) for k, v in acc.items()}
 
 
+def effective_switches(d: dict) -> dict | None:
+    """The engine switches' values as run (backends/engine/switches.effective) recorded in a nodes
+    result (nodes.engine.switches_effective) or a kernels result (settings.switches_effective,
+    since session 25); None when the result has none (older results)."""
+    body = d.get("nodes") if isinstance(d.get("nodes"), dict) else {}
+    for holder in (body.get("engine"), d.get("settings")):
+        if isinstance(holder, dict) and isinstance(holder.get("switches_effective"), dict):
+            return holder["switches_effective"]
+    return None
+
+
+def effective_notes(a: dict, b: dict, noted: set[str]) -> list[str]:
+    """"engine switch K as run: VA -> VB" for each switch whose effective value differs between
+    two results that both record them, except the names in `noted` (already noted from
+    machine.switches, the variables set). Catches a changed default: session 25 made
+    GGUF_HARNESS_GEMV_KQ_PF0 3 where it had been 1, with the variable unset on both sides. At
+    most 40 notes, names and values cut to 60 characters (hand-edited files hold anything)."""
+    ea, eb = effective_switches(a), effective_switches(b)
+    if ea is None or eb is None:
+        return []
+    cut = lambda t: visible(t, 60, spaces=False)  # noqa: E731
+    shown = lambda d, k: "(not recorded)" if k not in d else "(the default then)" if d[k] == "" else cut(d[k])  # noqa: E731
+    keys = [k for k in sorted(set(ea) | set(eb), key=str) if cut(k) not in noted and ea.get(k) != eb.get(k)]
+    return [f"engine switch {cut(k)} as run: {shown(ea, k)} -> {shown(eb, k)}" for k in keys[:40]]
+
+
 def _both(na: float | None, nb: float | None) -> float | None:
     return None if na is None or nb is None else max(na, nb)
 
@@ -122,9 +148,9 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
     sw_a = ((a.get("machine") or {}).get("switches")) or {}
     sw_b = ((b.get("machine") or {}).get("switches")) or {}
     cut = lambda t: visible(t, 60, spaces=False)  # hand-edited files hold anything
-    for k in sorted(set(sw_a) | set(sw_b), key=str)[:40]:
-        if sw_a.get(k) != sw_b.get(k):
-            notes.append(f"engine switch {cut(k)}: {cut(sw_a.get(k, '(unset)'))} -> {cut(sw_b.get(k, '(unset)'))}")
+    changed = [k for k in sorted(set(sw_a) | set(sw_b), key=str)[:40] if sw_a.get(k) != sw_b.get(k)]
+    notes += [f"engine switch {cut(k)}: {cut(sw_a.get(k, '(unset)'))} -> {cut(sw_b.get(k, '(unset)'))}" for k in changed]
+    notes += effective_notes(a, b, {cut(k) for k in changed})
     # a GPU that slowed its clocks in one run (harness/gpu_state.py) explains a step change
     notes += ab_notes("step", na.get("gpu_state"), nb.get("gpu_state"))
     # the step's energy (bench_nodes step_j, from session 22): information, not a verdict

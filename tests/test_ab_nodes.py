@@ -202,3 +202,35 @@ def test_cli_kernels_ab_of_a_diagnostic_build_says_so(tmp_path, capsys):
     assert _cli(["ab", str(pa), str(pb), "--format", "json"]) == 0
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert any("diagnostic build (timing only): B GGUF_HARNESS_DIAG=nowait" in n for n in notes), notes
+
+
+def test_a_changed_default_is_noted_from_the_switches_as_run(tmp_path, capsys):
+    """Session 24 (GGUF_HARNESS_GEMV_KQ_PF0 unset: 1 then) against session 25 (unset: 3): the set
+    variables are equal, so only the values as run (nodes.engine.switches_effective; a kernels
+    result's settings.switches_effective) tell the builds apart, and the A/B notes them once; a
+    switch that was also set differently is noted from machine.switches only; a result without
+    the record (older kernels results) adds no such note."""
+    old = {"GGUF_HARNESS_GEMV_KQ_PF0": "", "GGUF_HARNESS_GEMV_KQ_DQ": "1"}
+    new = {"GGUF_HARNESS_GEMV_KQ_PF0": "3", "GGUF_HARNESS_GEMV_KQ_PF0_SB": "4", "GGUF_HARNESS_GEMV_KQ_DQ": "1"}
+    a, b = _doc(BASE, 500.0), _doc(BASE, 500.0)
+    a["nodes"]["engine"], b["nodes"]["engine"] = {"switches_effective": old}, {"switches_effective": new}
+    notes = ab_nodes.compare_nodes(a, b).notes
+    assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0 as run: (the default then) -> 3" in notes, notes
+    assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0_SB as run: (not recorded) -> 4" in notes, notes
+    assert not any("KQ_DQ" in n for n in notes), notes
+    b["machine"]["switches"] = {"GGUF_HARNESS_GEMV_KQ_PF0": "3"}
+    notes = ab_nodes.compare_nodes(a, b).notes
+    assert [n for n in notes if "KQ_PF0:" in n or "KQ_PF0 as run" in n] == [
+        "engine switch GGUF_HARNESS_GEMV_KQ_PF0: (unset) -> 3"], notes
+    ka = json.loads((SWEEPS / "2026-12-01-h200-kernels-s24-1-default.json").read_text())
+    kb = copy.deepcopy(ka)
+    paths = [tmp_path / n for n in ("a.json", "b.json", "c.json")]
+    kb["settings"]["switches_effective"] = new
+    kc = copy.deepcopy(kb)
+    kc["settings"]["switches_effective"] = dict(new, GGUF_HARNESS_GEMV_KQ_PF0="1")
+    for p, d in zip(paths, (ka, kb, kc)):
+        p.write_text(json.dumps(d))
+    assert _cli(["ab", str(paths[0]), str(paths[1]), "--format", "json"]) == 0  # A records none
+    assert not any("as run" in n for n in json.loads(capsys.readouterr().out)["notes"])
+    assert _cli(["ab", str(paths[2]), str(paths[1]), "--format", "json"]) == 0
+    assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0 as run: 1 -> 3" in json.loads(capsys.readouterr().out)["notes"]
