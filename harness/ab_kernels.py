@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .jsonread import as_dict, as_list
+
 KERNELS_SCHEMA = "gguf-harness/kernels/1"
 MODES = ("cold_b2b", "cold_single", "hot")
 MIN_SAMPLES = 3
@@ -90,6 +92,11 @@ def _finite(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _rows(doc: dict) -> list[dict]:
+    """A kernels result's rows that are mappings (a hand-edited file holds anything)."""
+    return [r for r in as_list(doc.get("rows")) if isinstance(r, dict)]
+
+
 def _key(row: dict) -> str:
     return str(row.get("name") or row.get("spec") or "?")
 
@@ -138,15 +145,15 @@ def compare_kernels(a: dict, b: dict, threshold: float = 0.02) -> KernelsAB:
     either is not a kernel result."""
     if not (is_kernels_result(a) and is_kernels_result(b)):
         raise ValueError(f"not two {KERNELS_SCHEMA} results")
-    rows_b = {_key(r): r for r in b.get("rows") or []}
+    rows_b = {_key(r): r for r in _rows(b)}
     perf, checks, notes = [], [], []
-    sa, sb = a.get("settings") or {}, b.get("settings") or {}
+    sa, sb = as_dict(a.get("settings")), as_dict(b.get("settings"))
     for k in ("gemv_impl", "gemv_args", "gemv_kq", "pdl"):
         if sa.get(k) != sb.get(k):
             notes.append(f"settings differ: {k} {sa.get(k)!r} -> {sb.get(k)!r}")
-    if (a.get("device") or {}).get("sm_count") != (b.get("device") or {}).get("sm_count"):
+    if as_dict(a.get("device")).get("sm_count") != as_dict(b.get("device")).get("sm_count"):
         notes.append("devices differ (SM count)")
-    for ra in a.get("rows") or []:
+    for ra in _rows(a):
         name = _key(ra)
         rb = rows_b.pop(name, None)
         checks += _row_checks(name, ra, rb)

@@ -19,6 +19,7 @@ from rich.text import Text
 from . import ab_kernels as abk
 from . import ab_nodes
 from .bench_nodes import diag_sides
+from .jsonread import as_dict
 
 DASH = "–"
 PERF_HEAD = ("shape", "mode", "A us", "B us", "Δ", "noise", "verdict", "note")
@@ -60,24 +61,15 @@ def summary_line(doc: dict) -> str:
             f"exit {doc['exit_code']}")
 
 
-def _switches(m: dict) -> dict[str, str]:
-    """machine.switches (the GGUF_HARNESS_* variables set for the run) as short strings: at most
-    40 names, values cut to 60 characters (a hand-edited file can hold anything)."""
-    from reports.fmt import visible
-    sw = m.get("switches") if isinstance(m.get("switches"), dict) else {}
-    cut = lambda t: visible(t, 60, spaces=False)
-    return {cut(k): cut(v) for k, v in sorted(sw.items(), key=lambda kv: str(kv[0]))[:40]}
-
-
 def _side(path: Path, d: dict) -> dict:
-    m = d.get("machine") or {}
-    git = m.get("git") or {}
+    m = as_dict(d.get("machine"))
+    git = as_dict(m.get("git"))
     gpu = m.get("gpu") or {}
-    sw = " ".join(f"{k}={v}" for k, v in _switches(m).items())
+    sw = " ".join(f"{k}={v}" for k, v in list(ab_nodes.set_switches(d).items())[:40])
     if ab_nodes.is_nodes_result(d):  # the engine switches the step was taken with
         settings = sw or "(default switches)"
     else:  # a kernels result: its GEMV settings, and any A/B switch of the engine's builds
-        settings = " ".join(f"{k}={(d.get('settings') or {}).get(k)}"
+        settings = " ".join(f"{k}={as_dict(d.get('settings')).get(k)}"
                             for k in ("gemv_impl", "gemv_args", "gemv_kq", "pdl")) + (f" {sw}" if sw else "")
     return {"path": str(path), "created": d.get("created"), "git": git.get("sha"),
             "dirty": git.get("dirty"), "source": git.get("source_sha256"),
@@ -100,10 +92,7 @@ def build_doc(args, a: dict, b: dict) -> tuple[dict, int]:
            "threshold": args.threshold, "fail_on_slower": slower, "exit_code": code,
            "a": _side(args.a, a), "b": _side(args.b, b)}
     if not nodes:  # (compare_nodes notes the nodes results' switch changes itself)
-        wa, wb = _switches(a.get("machine") or {}), _switches(b.get("machine") or {})
-        changed = [k for k in sorted(set(wa) | set(wb)) if wa.get(k) != wb.get(k)]
-        doc["notes"] = (list(doc["notes"]) + [f"engine switch {k}: {wa.get(k, '(unset)')} -> {wb.get(k, '(unset)')}"
-                                              for k in changed] + ab_nodes.effective_notes(a, b, set(changed)))
+        doc["notes"] = list(doc["notes"]) + ab_nodes.switch_notes(a, b)
         if diag := diag_sides(a, b):  # nowait overlaps the back-to-back copies: rows no decode step has
             doc["notes"].append(f"diagnostic build (timing only): {diag}; its rows bound a cost, "
                                 f"they are not a kernel's speed")

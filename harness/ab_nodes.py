@@ -35,6 +35,8 @@ from .ab_kernels import KernelCheck, KernelPerf, KernelsAB, _finite
 from .bench_nodes import SCHEMA as NODES_SCHEMA
 from reports.fmt import visible
 
+from .jsonread import as_dict, as_list
+
 from .bench_nodes import diag_sides, split_name
 from .gpu_state import ab_notes
 
@@ -52,7 +54,7 @@ def _body(doc: dict) -> dict:
 
 def spread(samples) -> float | None:
     """(max - min) / median of >= 3 finite positive samples, else None."""
-    xs = sorted(x for x in (_finite(s) for s in samples or []) if x is not None and x > 0)
+    xs = sorted(x for x in (_finite(s) for s in as_list(samples)) if x is not None and x > 0)
     if len(xs) < 3:
         return None
     return (xs[-1] - xs[0]) / xs[len(xs) // 2]
@@ -96,30 +98,53 @@ def groups(rows: list[dict]) -> dict[str, tuple[int, float, float | None]]:
     return {k: (len(v), sum(_finite(r.get("us")) or 0.0 for r in v), group_noise(v)) for k, v in acc.items()}
 
 
-def effective_switches(d: dict) -> dict | None:
+def _cut(t) -> str:
+    """A name or value of a result file, made visible and cut to 60 characters (hand-edited files
+    hold anything)."""
+    return visible(t, 60, spaces=False)
+
+
+def _short(sw, n: int = 400) -> dict[str, str]:
+    """A {name: value} record as {cut name: cut value}, its first n names in name order; {} when
+    it is not a mapping."""
+    return {_cut(k): _cut(v) for k, v in sorted(as_dict(sw).items(), key=lambda kv: str(kv[0]))[:n]}
+
+
+def set_switches(d: dict) -> dict[str, str]:
+    """machine.switches (the GGUF_HARNESS_* variables set for the run), as _short."""
+    return _short(as_dict(d.get("machine")).get("switches"))
+
+
+def effective_switches(d: dict) -> dict[str, str] | None:
     """The engine switches' values as run (backends/engine/switches.effective) recorded in a nodes
     result (nodes.engine.switches_effective) or a kernels result (settings.switches_effective,
-    since session 25); None when the result has none (older results)."""
-    body = d.get("nodes") if isinstance(d.get("nodes"), dict) else {}
-    for holder in (body.get("engine"), d.get("settings")):
-        if isinstance(holder, dict) and isinstance(holder.get("switches_effective"), dict):
-            return holder["switches_effective"]
+    from session 25), as _short; None when the result has no such mapping (older results)."""
+    for holder in (as_dict(_body(d).get("engine")), as_dict(d.get("settings"))):
+        if isinstance(holder.get("switches_effective"), dict):
+            return _short(holder["switches_effective"])
     return None
 
 
-def effective_notes(a: dict, b: dict, noted: set[str]) -> list[str]:
-    """"engine switch K as run: VA -> VB" for each switch whose effective value differs between
-    two results that both record them, except the names in `noted` (already noted from
-    machine.switches, the variables set). Catches a changed default: session 25 made
-    GGUF_HARNESS_GEMV_KQ_PF0 3 where it had been 1, with the variable unset on both sides. At
-    most 40 notes, names and values cut to 60 characters (hand-edited files hold anything)."""
+def switch_notes(a: dict, b: dict, most: int = 40) -> list[str]:
+    """The A/B notes of the engine switches: "engine switch K: VA -> VB" for each variable set
+    differently (machine.switches; "(unset)" on a side without it), then "engine switch K as run:
+    VA -> VB" for each other switch whose value as run differs when both results record them
+    (effective_switches): a changed default, as session 25 made GGUF_HARNESS_GEMV_KQ_PF0 3 where it
+    had been 1 with the variable unset on both sides. A switch one side does not record and the
+    other records as "" (the kernel's default of its version) is not a difference anyone can read,
+    and is left out. At most `most` notes, the last saying how many more there were."""
+    wa, wb = set_switches(a), set_switches(b)
+    changed = [k for k in sorted(set(wa) | set(wb)) if wa.get(k) != wb.get(k)]
+    notes = [f"engine switch {k}: {wa.get(k, '(unset)')} -> {wb.get(k, '(unset)')}" for k in changed]
     ea, eb = effective_switches(a), effective_switches(b)
-    if ea is None or eb is None:
-        return []
-    cut = lambda t: visible(t, 60, spaces=False)  # noqa: E731
-    shown = lambda d, k: "(not recorded)" if k not in d else "(the default then)" if d[k] == "" else cut(d[k])  # noqa: E731
-    keys = [k for k in sorted(set(ea) | set(eb), key=str) if cut(k) not in noted and ea.get(k) != eb.get(k)]
-    return [f"engine switch {cut(k)} as run: {shown(ea, k)} -> {shown(eb, k)}" for k in keys[:40]]
+    if ea is not None and eb is not None:
+        shown = lambda d, k: "(not recorded)" if k not in d else "(the default then)" if d[k] == "" else d[k]  # noqa: E731
+        notes += [f"engine switch {k} as run: {shown(ea, k)} -> {shown(eb, k)}"
+                  for k in sorted(set(ea) | set(eb))
+                  if k not in changed and ea.get(k) != eb.get(k) and (ea.get(k) or eb.get(k))]
+    if len(notes) > most:
+        notes = notes[:most - 1] + [f"... and {len(notes) - most + 1} more engine switch differences"]
+    return notes
 
 
 def _both(na: float | None, nb: float | None) -> float | None:
@@ -136,7 +161,7 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
     perf: list[KernelPerf] = []
     checks: list[KernelCheck] = []
     notes: list[str] = []
-    sha_a, sha_b = ((d.get("model") or {}).get("sha256") for d in (a, b))
+    sha_a, sha_b = (as_dict(d.get("model")).get("sha256") for d in (a, b))
     if sha_a != sha_b:
         why = f"the nodes results are of different models ({str(sha_a)[:12]} vs {str(sha_b)[:12]})"
         if not force:
@@ -145,12 +170,7 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
     for k in ("n_ctx", "n_prompt"):
         if na.get(k) != nb.get(k):
             notes.append(f"{k} differs: {na.get(k)} -> {nb.get(k)}")
-    sw_a = ((a.get("machine") or {}).get("switches")) or {}
-    sw_b = ((b.get("machine") or {}).get("switches")) or {}
-    cut = lambda t: visible(t, 60, spaces=False)  # hand-edited files hold anything
-    changed = [k for k in sorted(set(sw_a) | set(sw_b), key=str)[:40] if sw_a.get(k) != sw_b.get(k)]
-    notes += [f"engine switch {cut(k)}: {cut(sw_a.get(k, '(unset)'))} -> {cut(sw_b.get(k, '(unset)'))}" for k in changed]
-    notes += effective_notes(a, b, {cut(k) for k in changed})
+    notes += switch_notes(a, b)
     # a GPU that slowed its clocks in one run (harness/gpu_state.py) explains a step change
     notes += ab_notes("step", na.get("gpu_state"), nb.get("gpu_state"))
     # the step's energy (bench_nodes step_j, from session 22): information, not a verdict
@@ -173,12 +193,12 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
         notes.append(f"diagnostic build (timing only, values wrong by design): {diag}; "
                      f"only the decode step is compared")
         return KernelsAB(perf, checks, notes, kind="nodes")
-    ma, mb = na.get("methods") or {}, nb.get("methods") or {}
-    method = next((m for m in ("graph", "eager") if m in ma and m in mb), None)
+    ma, mb = as_dict(na.get("methods")), as_dict(nb.get("methods"))
+    method = next((m for m in ("graph", "eager") if isinstance(ma.get(m), dict) and isinstance(mb.get(m), dict)), None)
     if method is None:
         notes.append("no node timing method in both files: only the step is compared")
         return KernelsAB(perf, checks, notes, kind="nodes")
-    ra, rb = ma[method].get("nodes") or [], mb[method].get("nodes") or []
+    ra, rb = ([r for r in as_list(m[method].get("nodes")) if isinstance(r, dict)] for m in (ma, mb))
     sn = _both(group_noise(ra), group_noise(rb))
     perf.append(KernelPerf("sum", "sum of nodes", method,
                            **verdict(ma[method].get("sum_us"), mb[method].get("sum_us"), sn, threshold),

@@ -29,7 +29,8 @@ def add_prewarm_parser(sub) -> None:
                    help="compiles at once (default: one per build, at most the CPU count)")
     p.add_argument("--only", default="", help="only builds whose source name contains this text")
     p.add_argument("--list", action="store_true",
-                   help="print the builds the current switches select and exit (no GPU needed)")
+                   help="print the builds and exit (no GPU needed): the fixed ones and the gemv_kq.cu "
+                   "builds the current GGUF_HARNESS_* switches select")
 
 
 def run_prewarm(args, console: Console) -> int:

@@ -234,3 +234,34 @@ def test_a_changed_default_is_noted_from_the_switches_as_run(tmp_path, capsys):
     assert not any("as run" in n for n in json.loads(capsys.readouterr().out)["notes"])
     assert _cli(["ab", str(paths[2]), str(paths[1]), "--format", "json"]) == 0
     assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0 as run: 1 -> 3" in json.loads(capsys.readouterr().out)["notes"]
+
+
+def test_malformed_fields_of_either_side_give_no_traceback(tmp_path, capsys):
+    """Result files are untrusted: `harness ab` of a nodes or kernels result with a field of the
+    wrong JSON type (a string, list or number where a mapping or list belongs: machine,
+    machine.switches, settings, settings.switches_effective, rows, model, nodes.engine,
+    nodes.methods.graph, step_samples_us) compares what it can with exit 0 or 1, or refuses with
+    one error line and exit 2 (a model without its SHA256 is another model), never a traceback (review of session 25: machine.switches as a string crashed the nodes A/B)."""
+    k = json.loads((SWEEPS / "2026-12-01-h200-kernels-s25-table-run1.json").read_text())
+    n = json.loads((SWEEPS / "2026-12-01-h200-nodes-27b-s25-start2-1-default-pf0-3.json").read_text())
+    cases = [(k, ("machine",)), (k, ("machine", "switches")), (k, ("settings",)), (k, ("rows",)),
+             (k, ("device",)), (n, ("machine", "switches")), (n, ("model",)), (n, ("nodes", "engine")),
+             (n, ("nodes", "methods", "graph")), (n, ("nodes", "step_samples_us"))]
+    good = tmp_path / "good.json"
+    for base, path in cases:
+        good.write_text(json.dumps(base))
+        for bad in ("text", [1, "x"], 7):
+            d = copy.deepcopy(base)
+            holder = d
+            for key in path[:-1]:
+                holder = holder[key]
+            holder[path[-1]] = bad
+            p = tmp_path / "bad.json"
+            p.write_text(json.dumps(d))
+            for argv in (["ab", str(good), str(p)], ["ab", str(p), str(good)]):
+                try:
+                    rc = _cli(argv + ["--format", "json"])
+                except Exception as e:  # noqa: BLE001 - the point: nothing may escape
+                    raise AssertionError(f"{path} = {bad!r}: {type(e).__name__}: {e}") from e
+                err = capsys.readouterr().err
+                assert rc in (0, 1) or (rc == 2 and err.startswith("error:")), (path, bad, rc, err)

@@ -325,8 +325,8 @@ def kv9_xpf_bytes() -> int:
 GEMV_KQ_PF0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0") or "3"
 # KQ_PF0_SB: with KQ_PF0 3, how much of the row that first prefetch asks for: its first SB x parts
 # super-blocks (1..16; unset "4": each part's first round, the kernel's default; other values are
-# whole rounds of every part only as multiples of 4, and cover part 0's first round alone on split
-# rows when below 4). A/B (session 25).
+# whole rounds of every part only as multiples of 4; below 4, on a split row, the first rounds of
+# the first SB x parts / 4 parts only: part p's first round is super-blocks 4p..4p+3). A/B (session 25).
 GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB") or "4"
 
 

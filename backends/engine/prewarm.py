@@ -14,11 +14,10 @@ processes find every module in the cache.
 
 Prints one line per build (seconds, ok or the compile error's first line); exit status 1 if
 any build failed, 2 without a GPU (CuPy needs a device to compile for its architecture) or on a
-bad engine switch value.
+bad engine switch value. `python -m backends.engine.prewarm` is `harness prewarm`.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -124,23 +123,9 @@ def compile_builds(todo, jobs: int, log=print) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m backends.engine.prewarm", description=__doc__.split("\n")[0])
-    ap.add_argument("--jobs", type=int, default=len(BUILDS), help="compiles at once (default: all)")
-    ap.add_argument("--only", default="", help="builds whose source name contains this text")
-    a = ap.parse_args(argv)
-    from harness.errors import UnsupportedError
-    from harness.gpu import require_cupy
-    try:
-        require_cupy()  # CuPy compiles for the device's architecture
-    except UnsupportedError as e:
-        print(f"prewarm: {e}", file=sys.stderr)
-        return 2
-    try:
-        todo = [b for b in builds() if a.only in b[0]]
-    except ValueError as e:  # a bad engine switch value: say which, like a missing GPU
-        print(f"prewarm: {e}", file=sys.stderr)
-        return 2
-    return 1 if compile_builds(todo, a.jobs, lambda m: print(m, flush=True)) else 0
+    """`python -m backends.engine.prewarm [ARGS]`: `harness prewarm [ARGS]` (harness/prewarm_cmd.py)."""
+    from harness import cli
+    return cli.main(["prewarm", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

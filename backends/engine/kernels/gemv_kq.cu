@@ -92,7 +92,8 @@ static_assert(KQ_PF0 >= 0 && KQ_PF0 <= 3, "KQ_PF0: 0, 1, 2 or 3");
 #ifndef KQ_PF0_SB
 // KQ_PF0 3: the row's first KQ_PF0_SB x nparts super-blocks are asked for (ops GGUF_HARNESS_GEMV_KQ_PF0_SB).
 // 4: each part's first round (part p's rounds take super-blocks 4p..4p+3 + 4 nparts i); other values
-// cover whole rounds of every part only as multiples of 4 (below 4 on split rows: part 0's alone).
+// cover whole rounds of every part only as multiples of 4 (below 4 on split rows: the first rounds of
+// the first KQ_PF0_SB x nparts / 4 parts only).
 #define KQ_PF0_SB 4
 #endif
 static_assert(KQ_PF0_SB >= 1 && KQ_PF0_SB <= 16, "KQ_PF0_SB: 1..16");
