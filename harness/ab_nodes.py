@@ -30,15 +30,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from reports.fmt import visible
+
 from .ab import energy_note
 from .ab_kernels import KernelCheck, KernelPerf, KernelsAB, _finite
 from .bench_nodes import SCHEMA as NODES_SCHEMA
-from reports.fmt import visible
-
-from .jsonread import as_dict, as_list
-
 from .bench_nodes import diag_sides, split_name
 from .gpu_state import ab_notes
+from .jsonread import as_dict, as_list
 
 NO_SPREAD = "no spread recorded: threshold only"
 

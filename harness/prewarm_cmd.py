@@ -43,8 +43,8 @@ def run_prewarm(args, console: Console) -> int:
     if not todo:
         raise ConfigError(f"--only {args.only!r}: no build's source name contains it")
     if args.list:
-        for source, defines, _ in todo:  # stdout, one build per line (progress and errors: stderr)
-            print(source + "".join(f" -D{d}" for d in defines))
+        for build in todo:  # stdout, one build per line (progress and errors: stderr)
+            print(prewarm.label(build))
         return 0
     require_cupy()  # UnsupportedError (exit 2): CuPy compiles for the device's architecture
     jobs = args.jobs or min(len(todo), os.cpu_count() or 1)

@@ -93,18 +93,24 @@ def builds() -> list[tuple[str, tuple[str, ...], str]]:
     return out
 
 
+def label(build: tuple[str, tuple[str, ...], str]) -> str:
+    """"source -Ddefine ..." of a builds() entry (the compile lines, `harness prewarm --list`)."""
+    source, defines, _ = build
+    return source + "".join(f" -D{d}" for d in defines)
+
+
 def _compile(build: tuple[str, tuple[str, ...], str]) -> tuple[str, float, str]:
     """Child process: compile one build; (label, seconds, "ok" or the error's first line)."""
     from . import module
     source, defines, name = build
-    label = source + "".join(f" -D{d}" for d in defines)
+    text = label(build)
     t0 = time.perf_counter()
     try:
         module.kernel_in(source, name, defines)
         status = "ok"
     except Exception as e:  # a compile error names the build; the others still run
         status = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-    return label, time.perf_counter() - t0, status
+    return text, time.perf_counter() - t0, status
 
 
 def compile_builds(todo, jobs: int, log=print) -> int:
