@@ -1268,6 +1268,47 @@ def test_first_row_prefetch_switch(monkeypatch):
     assert {"GGUF_HARNESS_GEMV_KQ_PF0", "GGUF_HARNESS_GEMV_KQ_PF0_SB"} <= set(machine.ENGINE_SWITCHES)
 
 
+def test_first_round_preload_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_PRE (kernels/gemv_kq.cu KQ_PRE): unset or "0" builds no define, "1"
+    KQ_PRE=1 into every v9 GEMV node of the 27B step's routes (the wide queue build of a SwiGLU pair
+    and of a wide store, the 16-warp split and P2 builds, the group-split build); with KQ_PIPE or
+    KQ_L1PF (their own carried registers / prefetches) and any value but 0 / 1 it is refused before
+    a build; results record it."""
+    from backends.engine import switches
+    _fake_module(monkeypatch)
+    for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"),
+                    ("GEMV_KQ_WIDE_MIN_ROWS", ""), ("GEMV_KQ_XPF", ""), ("GEMV_KQ_CONV", "0"), ("GEMV_KQ_PF0_SB", ""),
+                    ("GEMV_KQ_PF0", ""), ("GEMV_KQ_PIPE", ""), ("GEMV_KQ_L1PF", ""), ("GEMV_KQ_DQ", ""),
+                    ("GEMV_KQ_P2", "q6_k"), ("GEMV_KQ_P2_MIN_ROWS", "2048")):
+        monkeypatch.setattr(ops, knob, v)
+    IQ4_XS, Q4_K, Q5_K, Q6_K = 23, 12, 13, 14
+    ptr = lambda i: 1 << 20 + i
+    routes = lambda: [_gemv_node("swiglu", [IQ4_XS, IQ4_XS], 5120, 17408, ptr), _gemv_node("store", [Q4_K], 5120, 10240, ptr),
+                      _gemv_node("add", [Q5_K], 6144, 5120, ptr), _gemv_node("add", [Q4_K], 17408, 5120, ptr),
+                      _gemv_node("store", [Q6_K], 5120, 4096, ptr), _gemv_node("store", [Q6_K], 5120, 1024, ptr)]
+    for v in ("", "0"):
+        monkeypatch.setattr(ops, "GEMV_KQ_PRE", v)
+        assert not any(d.startswith("KQ_PRE") for d in ops.kv9_defines())
+        assert not any(d.startswith("KQ_PRE") for n in routes() for d in n.defines)
+    monkeypatch.setattr(ops, "GEMV_KQ_PRE", "1")
+    nodes = routes()
+    assert all("KQ_PRE=1" in n.defines for n in nodes), [(n.kernel.name, n.defines) for n in nodes]
+    names = [n.kernel.name for n in nodes]
+    assert "KQ_DQ=1" in nodes[0].defines and any("_p2" in k for k in names), names
+    assert any(k.endswith(("_c2", "_c4")) for k in names) and any(k.endswith(("_s2", "_s4")) for k in names), names
+    assert switches.effective()["GGUF_HARNESS_GEMV_KQ_PRE"] == "1"
+    for other in ("GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
+        with monkeypatch.context() as m:
+            m.setattr(ops, other, "1")
+            with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PRE=1 with"):
+                ops.kv9_defines()
+    for bad in ("2", "on", " 1", "true"):
+        monkeypatch.setattr(ops, "GEMV_KQ_PRE", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PRE"):
+            ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_PRE" in machine.ENGINE_SWITCHES
+
+
 def test_first_row_prefetch_defaults_are_recorded():
     """Unset or empty, GGUF_HARNESS_GEMV_KQ_PF0 and _PF0_SB read as the kernel's defaults ("3", "4"), so a
     result's switches_effective tells the session-25 default from the PF0=1 default before it

@@ -1072,21 +1072,24 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch)
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch,value,define", [("GEMV_KQ_XPF", "8", "KQ_XPF=1"), ("GEMV_KQ_PF0", "0", "KQ_PF0=0"),
                                                  ("GEMV_KQ_PF0", "1", "KQ_PF0=1"), ("GEMV_KQ_PF0", "2", "KQ_PF0=2"),
-                                                 ("GEMV_KQ_PF0_SB", "2", "KQ_PF0_SB=2")])
+                                                 ("GEMV_KQ_PF0_SB", "2", "KQ_PF0_SB=2"), ("GEMV_KQ_PRE", "1", "KQ_PRE=1")])
 def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_XPF (kernels/gemv_kq.cu KQ_XPF, backends/engine/xpf.py) only adds L2
     prefetches of the next node's rows, and GGUF_HARNESS_GEMV_KQ_PF0 (KQ_PF0) and _PF0_SB only drop,
-    move or resize each warp's first-row prefetch, so a chain of v9 nodes (linked by xpf.link for XPF) must give
+    move or resize each warp's first-row prefetch, and _PRE only loads each warp's first round before
+    the PDL wait and adds it first, so a chain of v9 nodes (linked by xpf.link for XPF) must give
     the outputs of the default build bit for bit, also when run again; each output also against
     the oracle. The chain covers the routes of the 27B step: a normed wide store (warp-major), a
-    normed SwiGLU pair (the row queue), a cluster-split add, an S-split Q6_K store and a Q6_K
-    store through P2; with XPF on every node but the last must have been given a target."""
+    normed SwiGLU pair (the row queue), a cluster-split add, an S-split Q6_K store, a Q6_K
+    store through P2, and two ssm_in-like normed stores of Q5_K rows with F32 rows after them (the
+    queue build, and a 16-warp split build), where some warps' first rows are F32 rows; with XPF on
+    every node but the last must have been given a target."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops, xpf
     if eops.GEMV_IMPL != "q16":
         pytest.skip("q16 kernels")
     _v9_default_routes(monkeypatch, eops)
-    for knob in ("GEMV_KQ_XPF", "GEMV_KQ_PF0", "GEMV_KQ_PF0_SB"):  # the default build on the "" side
+    for knob in ("GEMV_KQ_XPF", "GEMV_KQ_PF0", "GEMV_KQ_PF0_SB", "GEMV_KQ_PRE"):  # the default build on the "" side
         monkeypatch.setattr(eops, knob, "")
     rng = np.random.default_rng(47)
     keep = []
@@ -1098,22 +1101,30 @@ def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkey
     x6 = (rng.normal(size=6144) * 0.7).astype(np.float32)
     mats = {}
     for key, (name, rows, k) in {"q4": ("Q4_K", 9001, K), "g": ("IQ4_XS", 8777, K), "u": ("IQ4_XS", 8777, K),
-                                 "q5": ("Q5_K", 5120, 6144), "q6s": ("Q6_K", 1024, K), "q6p": ("Q6_K", 4096, K)}.items():
+                                 "q5": ("Q5_K", 5120, 6144), "q6s": ("Q6_K", 1024, K), "q6p": ("Q6_K", 4096, K),
+                                 "si": ("Q5_K", 9001, K), "sj": ("Q5_K", 700, K)}.items():
         raw, w = _matrix(TYPES[name], rows, k, seed=rows + len(key))
         mats[key] = (device_tensor(cp, key, raw, TYPES[name], (k, rows), keep), w)
+    f32 = (rng.normal(size=(29, K)) * 0.05).astype(np.float32)  # ssm_in's beta / alpha rows
+    f_dev = device_tensor(cp, "f", f32.view(np.uint8), 0, (K, 29), keep)
     base = rng.normal(size=5120).astype(np.float32)
     got, kernels = {}, {}
     for on in ("", value):
         monkeypatch.setattr(eops, switch, on)
         outs = {"q4": nan_poisoned(cp, 9001), "g": nan_poisoned(cp, 8777), "q5": cp.asarray(base),
-                "q6s": nan_poisoned(cp, 1024), "q6p": nan_poisoned(cp, 4096)}
+                "q6s": nan_poisoned(cp, 1024), "q6p": nan_poisoned(cp, 4096), "si": nan_poisoned(cp, 9001),
+                "sj": nan_poisoned(cp, 700), "sif": nan_poisoned(cp, 29), "sjf": nan_poisoned(cp, 29)}
         S = eops.Seg
         nodes = [eops.gemv("s", "store", [S(mats["q4"][0], outs["q4"])], cp.asarray(x), K, nw_dev, 1e-6),
                  eops.gemv("f", "swiglu", [S(mats["g"][0], outs["g"]), S(mats["u"][0], outs["g"])], cp.asarray(x), K,
                            nw_dev, 1e-6),
                  eops.gemv("o", "add", [S(mats["q5"][0], outs["q5"])], cp.asarray(x6), 6144),
                  eops.gemv("q6", "store", [S(mats["q6s"][0], outs["q6s"])], cp.asarray(x), K),
-                 eops.gemv("p2", "store", [S(mats["q6p"][0], outs["q6p"])], cp.asarray(x), K)]
+                 eops.gemv("p2", "store", [S(mats["q6p"][0], outs["q6p"])], cp.asarray(x), K),
+                 eops.gemv("si", "store", [S(mats["si"][0], outs["si"]), S(f_dev, outs["sif"])], cp.asarray(x), K,
+                           nw_dev, 1e-6),
+                 eops.gemv("sj", "store", [S(mats["sj"][0], outs["sj"]), S(f_dev, outs["sjf"])], cp.asarray(x), K,
+                           nw_dev, 1e-6)]
         kernels[on] = [n.kernel.name for n in nodes]
         assert all((define in n.defines) == (on == value) for n in nodes), [n.defines for n in nodes]
         if on and switch == "GEMV_KQ_XPF":
@@ -1125,7 +1136,7 @@ def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkey
         got[on] = {k: v.get() for k, v in outs.items()}
         for n in nodes[:2] + nodes[3:]:  # again (not the add: it accumulates)
             n.launch()
-        for k in ("q4", "g", "q6s", "q6p"):
+        for k in ("q4", "g", "q6s", "q6p", "si", "sj", "sif", "sjf"):
             assert np.array_equal(got[on][k], outs[k].get()), f"XPF={on!r} {k}: changed on relaunch"
         what = f"{switch}={on!r}"
         _check_rows(got[on]["q4"].astype(np.float64), mats["q4"][1], xn, f"{what} normed wide store")
@@ -1134,6 +1145,9 @@ def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkey
         _check_rows(got[on]["q5"].astype(np.float64) - base, mats["q5"][1], x6, f"{what} cluster add")
         _check_rows(got[on]["q6s"].astype(np.float64), mats["q6s"][1], x, f"{what} S-split store")
         _check_rows(got[on]["q6p"].astype(np.float64), mats["q6p"][1], x, f"{what} P2 store")
+        for k in ("si", "sj"):
+            _check_rows(got[on][k].astype(np.float64), mats[k][1], xn, f"{what} ssm_in-like {k}")
+            _check_rows(got[on][k + "f"].astype(np.float64), f32.astype(np.float64), xn, f"{what} ssm_in-like {k} F32 rows")
     assert kernels[""] == kernels[value]  # the same routes, only the build differs
     assert any(k.endswith("_c2") for k in kernels[value]) and any(k.endswith("_s2") for k in kernels[value])
     for k in got[""]:

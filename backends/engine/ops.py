@@ -328,6 +328,9 @@ GEMV_KQ_PF0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0") or "3"
 # whole rounds of every part only as multiples of 4; below 4, on a split row, the first rounds of
 # the first SB x parts / 4 parts only: part p's first round is super-blocks 4p..4p+3). A/B (session 25).
 GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB") or "4"
+# KQ_PRE: "1" each v9 warp loads its first row's first round into registers before the PDL wait
+# (kernels/gemv_kq.cu KQ_PRE; bitwise equal; A/B, session 26); "0" or unset: not (the default).
+GEMV_KQ_PRE = os.environ.get("GGUF_HARNESS_GEMV_KQ_PRE", "0")
 
 
 # KQ_CONV: qwen35's ssm_in node also runs its layer's causal conv (kernels/gemv_kq.cu KQ_CONV), so
@@ -479,10 +482,11 @@ def kv9_defines() -> tuple[str, ...]:
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
     KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1,
-    GEMV_KQ_PF0=0|1|2 -> KQ_PF0=0|1|2 (3: none), GEMV_KQ_PF0_SB=<n> -> KQ_PF0_SB=<n> (4: none), GEMV_KQ_CONV=1 -> KQ_CONV=1, then
+    GEMV_KQ_PF0=0|1|2 -> KQ_PF0=0|1|2 (3: none), GEMV_KQ_PF0_SB=<n> -> KQ_PF0_SB=<n> (4: none),
+    GEMV_KQ_PRE=1 -> KQ_PRE=1, GEMV_KQ_CONV=1 -> KQ_CONV=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
-    integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF (the kernel has no build of
-    both), XLANE, IQ4_KREG, F32_XPERM and WMAJ unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
+    integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF or PRE=1 with either (the kernel
+    has no build of both), XLANE, IQ4_KREG, F32_XPERM, WMAJ, PRE and CONV unless empty, 0 or 1, CSPLIT unless empty, 0, 1 or
     2, for a BW other than 16 or 32, for a
     WIDE_MIN_ROWS other than a row count or off, for F32_XPERM with XLANE=0 (it
     would build the default), for a PF0 other than empty or 0..3, a PF0_SB other than empty or
@@ -544,6 +548,11 @@ def kv9_defines() -> tuple[str, ...]:
             if GEMV_KQ_PF0 not in ("", "3"):  # the other prefetches take whole rows: the build would not use it
                 raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0_SB={v} needs GGUF_HARNESS_GEMV_KQ_PF0=3 (it is {GEMV_KQ_PF0!r})")
             out.append(f"KQ_PF0_SB={int(v)}")
+    _switch01("GGUF_HARNESS_GEMV_KQ_PRE", GEMV_KQ_PRE)
+    if GEMV_KQ_PRE == "1":
+        if GEMV_KQ_PIPE or GEMV_KQ_L1PF:  # the kernel has no build of both (its static_assert)
+            raise ValueError("GGUF_HARNESS_GEMV_KQ_PRE=1 with GGUF_HARNESS_GEMV_KQ_PIPE / _L1PF: separate A/B builds, set one")
+        out.append("KQ_PRE=1")
     _switch01("GGUF_HARNESS_GEMV_KQ_CONV", GEMV_KQ_CONV)
     if GEMV_KQ_CONV == "1":  # every v9 build with the conv fields (only ssm_in nodes set them)
         out.append("KQ_CONV=1")

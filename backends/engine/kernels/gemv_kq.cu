@@ -108,6 +108,22 @@ __device__ __forceinline__ int kq_pf0_bytes(int row_bytes, int ts, int nparts) {
 constexpr int kKqL1pf = KQ_L1PF;
 // the prefetches sit in the default (unrotated) loops of the 8-lane rows only
 static_assert(!(kKqPipe > 0 && kKqL1pf > 0), "KQ_PIPE and KQ_L1PF are separate A/B builds");
+#ifndef KQ_PRE
+// KQ_PRE=1 (ops GGUF_HARNESS_GEMV_KQ_PRE=1; A/B, session 26, written before it ran): before the PDL
+// wait each warp loads its first row's first round (the lane's block of super-block sb0, both rows
+// of a gate/up pair or a KQ_P2 pair) into registers, not only into L2 (KQ_PF0 3 asks L2 for the
+// same bytes), and that row's loop starts with the dot of those registers (kq_row / kq_row2's
+// carried round). Why: after the wait a warp stages x (~1.5-2.7 us, session 22's traces) and only
+// then issues its first weight loads, whose L2 round trip (~0.4 us loaded) is on every node's
+// critical path; loaded before the wait, they arrive while x is staged. Registers: the carried
+// blocks are live from the load to the first row's first dot only (kq_body and kq_dq_body run the
+// first row outside their row loops), across stage_xq, which holds fewer than the loop. Values: the
+// same dots added in the same order (acc = 0 + round 0 + round 1 ...): bitwise the default's.
+// Not with KQ_PIPE (its carry) or KQ_L1PF.
+#define KQ_PRE 0
+#endif
+static_assert(KQ_PRE == 0 || KQ_PRE == 1, "KQ_PRE: 0 or 1");
+static_assert(!(KQ_PRE && (kKqPipe > 0 || kKqL1pf > 0)), "KQ_PRE: not with KQ_PIPE / KQ_L1PF");
 
 // F32 rows riding in a node of type T (qwen35's ssm_in: Q5_K q/k/v and gate with the F32 beta and
 // alpha rows, ops.kv9_kernel): lane l of nl lanes per row takes 8-value entries l, l + nl, ...
@@ -193,7 +209,8 @@ template <class Q> __device__ __forceinline__ void kq_l1pf(const u8* p, int pst,
     }
 }
 
-// KQ_PIPE 2: the first block(s) of the warp's next row, loaded during this row's last round.
+// KQ_PIPE 2: the first block(s) of the warp's next row, loaded during this row's last round;
+// KQ_PRE: the warp's first row's first round, loaded before the PDL wait (kq_pre_load).
 template <class Q> struct Carry {
     typename Q::Blk b[2];  // [row of a gate/up pair]
     bool have;
@@ -234,6 +251,14 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
             }
         }
         return acc;
+    }
+    if constexpr (KQ_PRE) {
+        if (c && c->have) {  // round sb0, loaded before the PDL wait: added first, as the loop would
+            c->have = false;
+            if (sb0 < nsb) acc += Q::dot(c->b[0], Q::x(xa, sb0, i, w), i, w);
+            sb0 += st;
+            p += pst;
+        }
     }
 #pragma unroll kKqUnroll
     for (int sb = sb0; sb < nsb; sb += st, p += pst) {
@@ -277,11 +302,12 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 // oracle rule, not bit for bit).
 template <class Q, int NP>
 __device__ __forceinline__ float kq_row_part(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int grp,
-                                             int wpart, int key, int i) {
+                                             int wpart, int key, int i, Carry<Q>* c = nullptr) {
     // (ops.kv9_csplit never routes a node to the cluster kernels of a PIPE / L1PF build)
     static_assert(NP == 1 || (kKqPipe == 0 && kKqL1pf == 0), "KQ_PART_ROT: not with KQ_PIPE / KQ_L1PF");
     const int ng = (nsb + 3) >> 2, F = ng / NP, L = ng - F * NP;
-    float acc = kq_row<Q>(row, xa, w, min(nsb, 4 * F * NP), grp + 4 * wpart, 4 * NP, i);
+    // (c, KQ_PRE: round grp + 4 wpart, the first full sweep's; with F = 0 not this part's: unused)
+    float acc = kq_row<Q>(row, xa, w, min(nsb, 4 * F * NP), grp + 4 * wpart, 4 * NP, i, c);
     for (int m = 0; m < L; ++m)  // one round (sb + 4 NP >= nsb); a lane past nsb adds 0
         if ((m + key) % NP == wpart) acc += kq_row<Q>(row, xa, w, nsb, 4 * (F * NP + m) + grp, 4 * NP, i);
     return acc;
@@ -291,7 +317,7 @@ __device__ __forceinline__ float kq_row_part(const u8* row, const XS& xa, const 
 template <class Q, int NP, bool ROT>
 __device__ __forceinline__ float kq_row_sel(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int sb0,
                                             int st, int i, Carry<Q>* c, const u8* next, int grp, int wpart, int key) {
-    if constexpr (ROT) return kq_row_part<Q, NP>(row, xa, w, nsb, grp, wpart, key, i);
+    if constexpr (ROT) return kq_row_part<Q, NP>(row, xa, w, nsb, grp, wpart, key, i, KQ_PRE ? c : nullptr);
     else return kq_row<Q>(row, xa, w, nsb, sb0, st, i, c, next);
 }
 
@@ -338,6 +364,19 @@ template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const
             }
         }
         return make_float2(a0, a1);
+    }
+    if constexpr (KQ_PRE) {
+        if (c && c->have) {  // as kq_row: round sb0 of both rows, loaded before the PDL wait
+            c->have = false;
+            if (sb0 < nsb) {
+                const typename Q::X x = Q::x(xa, sb0, i, w);
+                a0 += Q::dot(c->b[0], x, i, w);
+                a1 += Q::dot(c->b[1], x, i, w);
+            }
+            sb0 += st;
+            p0 += pst;
+            p1 += pst;
+        }
     }
 #pragma unroll kKq2Unroll
     for (int sb = sb0; sb < nsb; sb += st, p0 += pst, p1 += pst) {
@@ -628,6 +667,38 @@ static_assert(KQ_DQ_T >= 1 && KQ_DQ_T <= 32, "KQ_DQ_T: 1..32");
 #ifndef KQ_DQ_MAP
 #define KQ_DQ_MAP 1  // 1: block b's rows are b, b + B, ...; 0: a contiguous range
 #endif
+// KQ_PRE: round sb0 of row `row` (node-global) into c (both rows of a gate/up pair, MODE 2), when
+// the row is of the kernel's type (not an F32 row beside) and the lane has that super-block.
+template <class Q, int MODE>
+__device__ __forceinline__ void kq_pre_load(const SegTable& t, int row, int K, int sb0, int i, Carry<Q>& c) {
+    if (sb0 >= (K >> 8)) return;
+    const size_t o = (size_t)sb0 * Q::TS;
+    if constexpr (MODE == 2) {
+        Q::load((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row + o, i, c.b[0]);
+        Q::load((const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row + o, i, c.b[1]);
+        c.have = true;
+    } else {
+        const int si = find_seg(t, row);  // row: segment-local from here
+        if (t.s[si].type == Q::TYPE) {
+            Q::load((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * row + o, i, c.b[0]);
+            c.have = true;
+        }
+    }
+}
+// KQ_PRE, KQ_P2's two rows r0, r1 (kq_row2's p0, p1): only when both are of the kernel's type, as
+// kq_body then calls kq_row2.
+template <class Q>
+__device__ __forceinline__ void kq_pre_load2(const SegTable& t, int r0, int r1, int K, int sb0, int i, Carry<Q>& c) {
+    if (sb0 >= (K >> 8)) return;
+    const int s0 = find_seg(t, r0), s1 = find_seg(t, r1);
+    if (t.s[s0].type == Q::TYPE && t.s[s1].type == Q::TYPE) {
+        const size_t o = (size_t)sb0 * Q::TS;
+        Q::load((const u8*)t.s[s0].w + (size_t)t.row_bytes[s0] * r0 + o, i, c.b[0]);
+        Q::load((const u8*)t.s[s1].w + (size_t)t.row_bytes[s1] * r1 + o, i, c.b[1]);
+        c.have = true;
+    }
+}
+
 #if KQ_DQ
 template <class Q, int MODE, int NW>
 __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, const float* norm, float eps,
@@ -674,6 +745,15 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         }
     };
     if constexpr (KQ_PF0 == 1 || KQ_PF0 == 3) prefetch_first();  // before the PDL wait (KQ_PF0 above)
+    Carry<Q> pre;  // KQ_PRE: the first unit's first round (a full row's super-block grp), loaded now
+    pre.have = false;
+    if constexpr (KQ_PRE) {
+        if (warp < nunits) {
+            int row, p, np, j;
+            unit(warp, row, p, np, j);
+            if (np == 1) kq_pre_load<Q, MODE>(t, row, K, Q::grp(lane), Q::idx(lane), pre);
+        }
+    }
     Q::setup();
     KQ_CONV_PREFETCH(t);
     pdl_wait();
@@ -685,7 +765,9 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     const XS xa = xs_addr(xq, xs, xd);
     const int grp = Q::grp(lane), i = Q::idx(lane);
     const typename Q::Lane w = Q::lane(i);
-    for (int u = warp; u < nunits;) {
+    // One unit: its dots and store; returns the warp's next unit. cp: KQ_PRE's carried round (the
+    // first unit only, so the carried blocks are dead in the loop; nullptr: none).
+    auto run_unit = [&](int u, Carry<Q>* cp) -> int {
         int nu = 0;  // the warp's next unit, asked for before this one's loads
         if (lane == 0) nu = atomicAdd(&dq_next, 1);
         // (broadcast here, not after the row: measured H200 session 19, the 27B's gate/up +1.5 %
@@ -698,7 +780,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         // a full row and a part as separate calls, each with a compile-time stride
         if constexpr (MODE == 2) {
             const u8 *g = (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row, *h = (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row;
-            const float2 v = np == 1 ? kq_row2<Q>(g, h, xa, w, nsb, grp, 4, i) : kq_row2<Q>(g, h, xa, w, nsb, grp + 4 * p, 4 * P, i);
+            const float2 v = np == 1 ? kq_row2<Q>(g, h, xa, w, nsb, grp, 4, i, cp) : kq_row2<Q>(g, h, xa, w, nsb, grp + 4 * p, 4 * P, i);
             y = group_sum<32>(v.x);
             up = group_sum<32>(v.y);
         } else {
@@ -708,7 +790,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                 y = np == 1 ? f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, lane, 32)
                             : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, lane + 32 * p, 32 * P);
             else
-                y = np == 1 ? kq_row<Q>(rp, xa, w, nsb, grp, 4, i) : kq_row<Q>(rp, xa, w, nsb, grp + 4 * p, 4 * P, i);
+                y = np == 1 ? kq_row<Q>(rp, xa, w, nsb, grp, 4, i, cp) : kq_row<Q>(rp, xa, w, nsb, grp + 4 * p, 4 * P, i);
             y = group_sum<32>(y);
         }
         if (lane == 0) {
@@ -730,8 +812,15 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                 }
             }
         }
-        u = nu;
-    }
+        return nu;
+    };
+#if KQ_PRE
+    int u = warp;
+    if (u < nunits) u = run_unit(u, &pre);
+    while (u < nunits) u = run_unit(u, nullptr);
+#else
+    for (int u = warp; u < nunits;) u = run_unit(u, nullptr);
+#endif
     KQ_MARK(3);
     KQ_XPF_TAIL(t);
 }
@@ -811,6 +900,17 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // kernel's tail.
     KQ_MARK(0);
     if constexpr (KQ_PF0 == 1 || KQ_PF0 == 3) prefetch_first_row(first);  // (KQ_PF0 above)
+    // KQ_PIPE 2 (kq_row): the next row's first block(s), loaded in this row's last round; KQ_PRE:
+    // the first row's first round (super-block grp + 4 wpart), loaded now, before the PDL wait
+    Carry<Q> carry;
+    carry.have = false;
+    if constexpr (KQ_PRE) {
+        if (first < total_rows) {  // (a first row past the end: the loop computes row 0 as before)
+            if constexpr (P2) kq_pre_load2<Q>(t, first, first + 1 < total_rows ? first + 1 : first, K,
+                                              Q::grp(lane) + 4 * wpart, Q::idx(lane), carry);
+            else kq_pre_load<Q, MODE>(t, first, K, Q::grp(lane) + 4 * wpart, Q::idx(lane), carry);
+        }
+    }
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     KQ_CONV_PREFETCH(t);
     pdl_wait();     // x (and the output, for "add") come from the previous kernels
@@ -830,10 +930,9 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // warp-uniform otherwise (the lane groups iterate while any has a row), so every lane reaches
     // the shuffles; a group without a row computes on row 0 and stores nothing.
     int round = 0;
-    Carry<Q> carry;  // KQ_PIPE 2 (kq_row): the next row's first block(s), loaded in this row's last round
-    carry.have = false;
-    // S > 1: the block's first row group of the round (g = 0) bounds the loop for every warp
-    for (int base = first - h; (S > 1 ? base - Q::R * g * gstride : base) < total_rows; base += step, ++round) {
+    // One round of the row loop: the row group at `base`, the warp's round rd; cp: the carry
+    // (KQ_PRE passes it for the first round only, so the carried blocks are dead in the loop).
+    auto row_round = [&](int base, int rd, Carry<Q>* cp) {
         const int row = base + h;
         const bool live = row < total_rows;
         if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
@@ -851,7 +950,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             const u8* p0 = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
             const u8* p1 = (const u8*)t.s[si1].w + (size_t)t.row_bytes[si1] * r1;
             if (t.s[si].type == Q::TYPE && t.s[si1].type == Q::TYPE) {
-                const float2 v = kq_row2<Q>(p0, p1, xa, w, nsb, sb0, st, i);
+                const float2 v = kq_row2<Q>(p0, p1, xa, w, nsb, sb0, st, i, KQ_PRE ? cp : nullptr);
                 y = group_sum<32>(v.x);
                 up = group_sum<32>(v.y);
             } else {  // an F32 row among them (qwen35's ssm_in): one row at a time
@@ -863,7 +962,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         } else if constexpr (MODE == 2) {
             const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
                                         (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, sb0, st, i,
-                                        &carry, nlive ? (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * nr : nullptr,
+                                        cp, nlive ? (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * nr : nullptr,
                                         nlive ? (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * nr : nullptr);
             y = group_sum<LPR>(v.x);
             up = group_sum<LPR>(v.y);
@@ -877,12 +976,12 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
-            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_sel<Q, nparts, kKqPartRot<CS>>(rp, xa, w, nsb, sb0, st, i, &carry, np, grp, wpart, KQ_PART_ROT == 2 ? base / rpb : round)
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_sel<Q, nparts, kKqPartRot<CS>>(rp, xa, w, nsb, sb0, st, i, cp, np, grp, wpart, KQ_PART_ROT == 2 ? base / rpb : rd)
                                                        : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, l + LPR * ws, LPR * S));
         }
-        if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes
+        if constexpr (S > 1) {  // double-buffered by round: part 0 reads [rd & 1] before any warp passes
                       // the next round's barrier, so the round after that may overwrite it
-            float* pp = part[round & 1][warp];
+            float* pp = part[rd & 1][warp];
             if (l == 0) {
                 pp[2 * h] = y;
                 if (MODE == 2 || P2) pp[2 * h + 1] = up;
@@ -890,15 +989,15 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             __syncthreads();
             if (ws == 0)
                 for (int s = 1; s < S; ++s) {
-                    y += part[round & 1][warp + s][2 * h];
-                    if (MODE == 2 || P2) up += part[round & 1][warp + s][2 * h + 1];
+                    y += part[rd & 1][warp + s][2 * h];
+                    if (MODE == 2 || P2) up += part[rd & 1][warp + s][2 * h + 1];
                 }
         }
         if constexpr (CS > 1) {  // the part's sum into rank 0's cpart (store after the loop)
 #if KQ_GSPLIT
-            if (l == 0 && round < KQ_CS_MAXR) kq_gpart[cb][round][wpart][g] = y;
+            if (l == 0 && rd < KQ_CS_MAXR) kq_gpart[cb][rd][wpart][g] = y;
 #else
-            if (l == 0 && round < KQ_CS_MAXR) st_cluster_f32(&cpart[round][wpart][g], 0, y);
+            if (l == 0 && rd < KQ_CS_MAXR) st_cluster_f32(&cpart[rd][wpart][g], 0, y);
 #endif
         } else if constexpr (P2) {
             if (l == 0 && ws == 0) {
@@ -908,7 +1007,20 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         } else if (live && l == 0 && ws == 0) {
             KQ_STORE(MODE, t, si, r, y * rs, up * rs);
         }
+    };
+    // S > 1: the block's first row group of the round (g = 0) bounds the loop for every warp
+    auto more = [&](int base) { return (S > 1 ? base - Q::R * g * gstride : base) < total_rows; };
+    int base = first - h;
+#if KQ_PRE
+    if (more(base)) {
+        row_round(base, round, &carry);
+        base += step;
+        ++round;
     }
+    for (; more(base); base += step, ++round) row_round(base, round, nullptr);
+#else
+    for (; more(base); base += step, ++round) row_round(base, round, &carry);
+#endif
 #if KQ_GSPLIT
     if constexpr (CS > 1) {
         // every part's sums are in kq_gpart before its block counts itself in (fence, then the
