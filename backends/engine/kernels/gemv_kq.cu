@@ -109,17 +109,17 @@ constexpr int kKqL1pf = KQ_L1PF;
 // the prefetches sit in the default (unrotated) loops of the 8-lane rows only
 static_assert(!(kKqPipe > 0 && kKqL1pf > 0), "KQ_PIPE and KQ_L1PF are separate A/B builds");
 #ifndef KQ_PRE
-// KQ_PRE=1 (ops GGUF_HARNESS_GEMV_KQ_PRE=1; A/B, session 26, written before it ran): before the PDL
-// wait each warp loads its first row's first round (the lane's block of super-block sb0, both rows
-// of a gate/up pair or a KQ_P2 pair) into registers, not only into L2 (KQ_PF0 3 asks L2 for the
-// same bytes), and that row's loop starts with the dot of those registers (kq_row / kq_row2's
-// carried round). Why: after the wait a warp stages x (~1.5-2.7 us, session 22's traces) and only
-// then issues its first weight loads, whose L2 round trip (~0.4 us loaded) is on every node's
-// critical path; loaded before the wait, they arrive while x is staged. Registers: the carried
-// blocks are live from the load to the first row's first dot only (kq_body and kq_dq_body run the
-// first row outside their row loops), across stage_xq, which holds fewer than the loop. Values: the
-// same dots added in the same order (acc = 0 + round 0 + round 1 ...): bitwise the default's.
-// Not with KQ_PIPE (its carry) or KQ_L1PF.
+// KQ_PRE=1 (ops GGUF_HARNESS_GEMV_KQ_PRE=1; A/B, session 26): before the PDL wait each warp loads its
+// first row's first round (the lane's block of super-block grp + 4 part; both rows of a gate/up
+// pair or a KQ_P2 pair) into registers, not only into L2 (KQ_PF0 3 asks L2 for the same bytes);
+// once x is staged their dot is taken (kq_pre_dot) and the first row's loop starts one round later
+// from that sum (kq_row / kq_row2's init and sb0). Why: after the wait a warp stages x (~1.5-2.7
+// us, session 22's traces) and only then issues its first weight loads, whose L2 round trip (~0.4
+// us loaded) is on every node's critical path. Registers: the carried blocks live from the load to
+// that dot only; the loops carry the two sums and the skip (one copy of each loop: session 26's
+// first form ran the first row through a second inlined copy of the row loop, and the SwiGLU
+// IQ4_XS pairs lost 2.5 %). Values: the same dots added in the same order (acc = 0 + round 0,
+// then + round 1 ...): bitwise the default's. Not with KQ_PIPE (its carry) or KQ_L1PF.
 #define KQ_PRE 0
 #endif
 static_assert(KQ_PRE == 0 || KQ_PRE == 1, "KQ_PRE: 0 or 1");
@@ -223,8 +223,9 @@ template <class Q> struct Carry {
 // none; KQ_L1PF reads next too); unused by the default build.
 template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const XS& xa, const typename Q::Lane& w,
                                                            int nsb, int sb0, int st, int i,
-                                                           Carry<Q>* c = nullptr, const u8* next = nullptr) {
-    float acc = 0.f;
+                                                           Carry<Q>* c = nullptr, const u8* next = nullptr,
+                                                           float init = 0.f) {
+    float acc = init;  // (KQ_PRE: the first row's round sb0 - st, taken by kq_pre_dot)
     const u8* p = row + sb0 * Q::TS;
     const int pst = st * Q::TS;
     if constexpr (kKqPipe > 0) {  // round n + 1's loads issued before round n's arithmetic
@@ -251,14 +252,6 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
             }
         }
         return acc;
-    }
-    if constexpr (KQ_PRE) {
-        if (c && c->have) {  // round sb0, loaded before the PDL wait: added first, as the loop would
-            c->have = false;
-            if (sb0 < nsb) acc += Q::dot(c->b[0], Q::x(xa, sb0, i, w), i, w);
-            sb0 += st;
-            p += pst;
-        }
     }
 #pragma unroll kKqUnroll
     for (int sb = sb0; sb < nsb; sb += st, p += pst) {
@@ -302,12 +295,13 @@ template <class Q> __device__ __forceinline__ float kq_row(const u8* row, const 
 // oracle rule, not bit for bit).
 template <class Q, int NP>
 __device__ __forceinline__ float kq_row_part(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int grp,
-                                             int wpart, int key, int i, Carry<Q>* c = nullptr) {
+                                             int wpart, int key, int i, float init = 0.f, int skip = 0) {
     // (ops.kv9_csplit never routes a node to the cluster kernels of a PIPE / L1PF build)
     static_assert(NP == 1 || (kKqPipe == 0 && kKqL1pf == 0), "KQ_PART_ROT: not with KQ_PIPE / KQ_L1PF");
     const int ng = (nsb + 3) >> 2, F = ng / NP, L = ng - F * NP;
-    // (c, KQ_PRE: round grp + 4 wpart, the first full sweep's; with F = 0 not this part's: unused)
-    float acc = kq_row<Q>(row, xa, w, min(nsb, 4 * F * NP), grp + 4 * wpart, 4 * NP, i, c);
+    // (init, skip: KQ_PRE's first round, grp + 4 wpart, which the first sweep takes when F >= 1, as
+    // kq_pre_load requires)
+    float acc = kq_row<Q>(row, xa, w, min(nsb, 4 * F * NP), grp + 4 * wpart + skip, 4 * NP, i, nullptr, nullptr, init);
     for (int m = 0; m < L; ++m)  // one round (sb + 4 NP >= nsb); a lane past nsb adds 0
         if ((m + key) % NP == wpart) acc += kq_row<Q>(row, xa, w, nsb, 4 * (F * NP + m) + grp, 4 * NP, i);
     return acc;
@@ -316,17 +310,19 @@ __device__ __forceinline__ float kq_row_part(const u8* row, const XS& xa, const 
 // kq_body's plain row: kq_row_part when ROT, else kq_row as before (same arguments, same code).
 template <class Q, int NP, bool ROT>
 __device__ __forceinline__ float kq_row_sel(const u8* row, const XS& xa, const typename Q::Lane& w, int nsb, int sb0,
-                                            int st, int i, Carry<Q>* c, const u8* next, int grp, int wpart, int key) {
-    if constexpr (ROT) return kq_row_part<Q, NP>(row, xa, w, nsb, grp, wpart, key, i, KQ_PRE ? c : nullptr);
-    else return kq_row<Q>(row, xa, w, nsb, sb0, st, i, c, next);
+                                            int st, int i, Carry<Q>* c, const u8* next, int grp, int wpart, int key,
+                                            float init = 0.f, int skip = 0) {
+    if constexpr (ROT) return kq_row_part<Q, NP>(row, xa, w, nsb, grp, wpart, key, i, init, skip);
+    else return kq_row<Q>(row, xa, w, nsb, sb0 + skip, st, i, c, next, init);
 }
 
 // Gate and up rows: both rows' blocks loaded before any arithmetic, the activations read once.
 template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
                                                              const typename Q::Lane& w, int nsb, int sb0, int st,
                                                              int i, Carry<Q>* c = nullptr,
-                                                             const u8* n0 = nullptr, const u8* n1 = nullptr) {
-    float a0 = 0.f, a1 = 0.f;
+                                                             const u8* n0 = nullptr, const u8* n1 = nullptr,
+                                                             float init0 = 0.f, float init1 = 0.f) {
+    float a0 = init0, a1 = init1;  // (KQ_PRE: as kq_row's init)
     const int o = sb0 * Q::TS, pst = st * Q::TS;
     const u8 *p0 = r0 + o, *p1 = r1 + o;
     if constexpr (kKqPipe > 0) {  // as kq_row: the next round's two blocks before this round's dots
@@ -364,19 +360,6 @@ template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const
             }
         }
         return make_float2(a0, a1);
-    }
-    if constexpr (KQ_PRE) {
-        if (c && c->have) {  // as kq_row: round sb0 of both rows, loaded before the PDL wait
-            c->have = false;
-            if (sb0 < nsb) {
-                const typename Q::X x = Q::x(xa, sb0, i, w);
-                a0 += Q::dot(c->b[0], x, i, w);
-                a1 += Q::dot(c->b[1], x, i, w);
-            }
-            sb0 += st;
-            p0 += pst;
-            p1 += pst;
-        }
     }
 #pragma unroll kKq2Unroll
     for (int sb = sb0; sb < nsb; sb += st, p0 += pst, p1 += pst) {
@@ -685,7 +668,7 @@ __device__ __forceinline__ void kq_pre_load(const SegTable& t, int row, int K, i
         }
     }
 }
-// KQ_PRE, KQ_P2's two rows r0, r1 (kq_row2's p0, p1): only when both are of the kernel's type, as
+// KQ_PRE, KQ_P2's rows r0, r1 (kq_row2's p0, p1): only when both are of the kernel's type, as
 // kq_body then calls kq_row2.
 template <class Q>
 __device__ __forceinline__ void kq_pre_load2(const SegTable& t, int r0, int r1, int K, int sb0, int i, Carry<Q>& c) {
@@ -697,6 +680,18 @@ __device__ __forceinline__ void kq_pre_load2(const SegTable& t, int r0, int r1, 
         Q::load((const u8*)t.s[s1].w + (size_t)t.row_bytes[s1] * r1 + o, i, c.b[1]);
         c.have = true;
     }
+}
+// KQ_PRE, once x is staged: the carried round's dot(s) (of super-block sb0), as a row loop's first
+// iteration adds them (0 + d), into s0 (s1: the second row, TWO), and skip = st, the stride the
+// first row's loop then starts later by; nothing without a carried round.
+template <class Q, bool TWO>
+__device__ __forceinline__ void kq_pre_dot(const Carry<Q>& c, const XS& xa, int sb0, int st, int i,
+                                           const typename Q::Lane& w, float& s0, float& s1, int& skip) {
+    if (!c.have) return;
+    const typename Q::X x = Q::x(xa, sb0, i, w);
+    s0 = 0.f + Q::dot(c.b[0], x, i, w);
+    if constexpr (TWO) s1 = 0.f + Q::dot(c.b[1], x, i, w);
+    skip = st;
 }
 
 #if KQ_DQ
@@ -765,9 +760,10 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     const XS xa = xs_addr(xq, xs, xd);
     const int grp = Q::grp(lane), i = Q::idx(lane);
     const typename Q::Lane w = Q::lane(i);
-    // One unit: its dots and store; returns the warp's next unit. cp: KQ_PRE's carried round (the
-    // first unit only, so the carried blocks are dead in the loop; nullptr: none).
-    auto run_unit = [&](int u, Carry<Q>* cp) -> int {
+    float pre0 = 0.f, pre1 = 0.f;  // KQ_PRE: the first unit's round grp, its loop starting 4 later
+    int pre_skip = 0;
+    if constexpr (KQ_PRE) kq_pre_dot<Q, MODE == 2>(pre, xa, grp, 4, i, w, pre0, pre1, pre_skip);
+    for (int u = warp; u < nunits;) {
         int nu = 0;  // the warp's next unit, asked for before this one's loads
         if (lane == 0) nu = atomicAdd(&dq_next, 1);
         // (broadcast here, not after the row: measured H200 session 19, the 27B's gate/up +1.5 %
@@ -780,7 +776,8 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         // a full row and a part as separate calls, each with a compile-time stride
         if constexpr (MODE == 2) {
             const u8 *g = (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row, *h = (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row;
-            const float2 v = np == 1 ? kq_row2<Q>(g, h, xa, w, nsb, grp, 4, i, cp) : kq_row2<Q>(g, h, xa, w, nsb, grp + 4 * p, 4 * P, i);
+            const float2 v = np == 1 ? kq_row2<Q>(g, h, xa, w, nsb, grp + pre_skip, 4, i, nullptr, nullptr, nullptr, pre0, pre1)
+                                     : kq_row2<Q>(g, h, xa, w, nsb, grp + 4 * p, 4 * P, i);
             y = group_sum<32>(v.x);
             up = group_sum<32>(v.y);
         } else {
@@ -790,7 +787,8 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                 y = np == 1 ? f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, lane, 32)
                             : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, lane + 32 * p, 32 * P);
             else
-                y = np == 1 ? kq_row<Q>(rp, xa, w, nsb, grp, 4, i, cp) : kq_row<Q>(rp, xa, w, nsb, grp + 4 * p, 4 * P, i);
+                y = np == 1 ? kq_row<Q>(rp, xa, w, nsb, grp + pre_skip, 4, i, nullptr, nullptr, pre0)
+                            : kq_row<Q>(rp, xa, w, nsb, grp + 4 * p, 4 * P, i);
             y = group_sum<32>(y);
         }
         if (lane == 0) {
@@ -812,15 +810,12 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                 }
             }
         }
-        return nu;
-    };
-#if KQ_PRE
-    int u = warp;
-    if (u < nunits) u = run_unit(u, &pre);
-    while (u < nunits) u = run_unit(u, nullptr);
-#else
-    for (int u = warp; u < nunits;) u = run_unit(u, nullptr);
-#endif
+        if constexpr (KQ_PRE) {  // the carried round belonged to the first unit only
+            pre0 = pre1 = 0.f;
+            pre_skip = 0;
+        }
+        u = nu;
+    }
     KQ_MARK(3);
     KQ_XPF_TAIL(t);
 }
@@ -900,15 +895,15 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // kernel's tail.
     KQ_MARK(0);
     if constexpr (KQ_PF0 == 1 || KQ_PF0 == 3) prefetch_first_row(first);  // (KQ_PF0 above)
-    // KQ_PIPE 2 (kq_row): the next row's first block(s), loaded in this row's last round; KQ_PRE:
-    // the first row's first round (super-block grp + 4 wpart), loaded now, before the PDL wait
-    Carry<Q> carry;
-    carry.have = false;
+    Carry<Q> pre;  // KQ_PRE: the first row's first round (super-block grp + 4 wpart), loaded now
+    pre.have = false;
     if constexpr (KQ_PRE) {
-        if (first < total_rows) {  // (a first row past the end: the loop computes row 0 as before)
+        // (a first row past the end: none; the 4-part rotation's first sweep has that round only when
+        // every part has a full sweep, kq_row_part's F >= 1)
+        if (first < total_rows && (!kKqPartRot<CS> || (((K >> 8) + 3) >> 2) >= nparts)) {
             if constexpr (P2) kq_pre_load2<Q>(t, first, first + 1 < total_rows ? first + 1 : first, K,
-                                              Q::grp(lane) + 4 * wpart, Q::idx(lane), carry);
-            else kq_pre_load<Q, MODE>(t, first, K, Q::grp(lane) + 4 * wpart, Q::idx(lane), carry);
+                                              Q::grp(lane) + 4 * wpart, Q::idx(lane), pre);
+            else kq_pre_load<Q, MODE>(t, first, K, Q::grp(lane) + 4 * wpart, Q::idx(lane), pre);
         }
     }
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
@@ -926,13 +921,17 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     const int grp = Q::grp(lane), i = Q::idx(lane), nsb = K >> 8;
     const int sb0 = grp + 4 * wpart, st = 4 * nparts;
     const typename Q::Lane w = Q::lane(i);
+    float pre0 = 0.f, pre1 = 0.f;  // KQ_PRE: the first row's round sb0, its loop starting st later
+    int pre_skip = 0;
+    if constexpr (KQ_PRE) kq_pre_dot<Q, MODE == 2 || P2>(pre, xa, sb0, st, i, w, pre0, pre1, pre_skip);
     // The loop bound is block-uniform when S > 1 (every warp reaches each round's barrier) and
     // warp-uniform otherwise (the lane groups iterate while any has a row), so every lane reaches
     // the shuffles; a group without a row computes on row 0 and stores nothing.
     int round = 0;
-    // One round of the row loop: the row group at `base`, the warp's round rd; cp: the carry
-    // (KQ_PRE passes it for the first round only, so the carried blocks are dead in the loop).
-    auto row_round = [&](int base, int rd, Carry<Q>* cp) {
+    Carry<Q> carry;  // KQ_PIPE 2 (kq_row): the next row's first block(s), loaded in this row's last round
+    carry.have = false;
+    // S > 1: the block's first row group of the round (g = 0) bounds the loop for every warp
+    for (int base = first - h; (S > 1 ? base - Q::R * g * gstride : base) < total_rows; base += step, ++round) {
         const int row = base + h;
         const bool live = row < total_rows;
         if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
@@ -950,7 +949,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             const u8* p0 = (const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r;
             const u8* p1 = (const u8*)t.s[si1].w + (size_t)t.row_bytes[si1] * r1;
             if (t.s[si].type == Q::TYPE && t.s[si1].type == Q::TYPE) {
-                const float2 v = kq_row2<Q>(p0, p1, xa, w, nsb, sb0, st, i, KQ_PRE ? cp : nullptr);
+                const float2 v = kq_row2<Q>(p0, p1, xa, w, nsb, sb0 + pre_skip, st, i, nullptr, nullptr, nullptr, pre0, pre1);
                 y = group_sum<32>(v.x);
                 up = group_sum<32>(v.y);
             } else {  // an F32 row among them (qwen35's ssm_in): one row at a time
@@ -961,9 +960,9 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
         } else if constexpr (MODE == 2) {
             const float2 v = kq_row2<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * r,
-                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, sb0, st, i,
-                                        cp, nlive ? (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * nr : nullptr,
-                                        nlive ? (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * nr : nullptr);
+                                        (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * r, xa, w, nsb, sb0 + pre_skip, st, i,
+                                        &carry, nlive ? (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * nr : nullptr,
+                                        nlive ? (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * nr : nullptr, pre0, pre1);
             y = group_sum<LPR>(v.x);
             up = group_sum<LPR>(v.y);
         } else {
@@ -976,12 +975,12 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
             // with two rows per warp the groups may sit in different segments: they reconverge
             // before the shuffles
-            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_sel<Q, nparts, kKqPartRot<CS>>(rp, xa, w, nsb, sb0, st, i, cp, np, grp, wpart, KQ_PART_ROT == 2 ? base / rpb : rd)
+            y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_sel<Q, nparts, kKqPartRot<CS>>(rp, xa, w, nsb, sb0, st, i, &carry, np, grp, wpart, KQ_PART_ROT == 2 ? base / rpb : round, pre0, pre_skip)
                                                        : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, l + LPR * ws, LPR * S));
         }
-        if constexpr (S > 1) {  // double-buffered by round: part 0 reads [rd & 1] before any warp passes
+        if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes
                       // the next round's barrier, so the round after that may overwrite it
-            float* pp = part[rd & 1][warp];
+            float* pp = part[round & 1][warp];
             if (l == 0) {
                 pp[2 * h] = y;
                 if (MODE == 2 || P2) pp[2 * h + 1] = up;
@@ -989,15 +988,15 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             __syncthreads();
             if (ws == 0)
                 for (int s = 1; s < S; ++s) {
-                    y += part[rd & 1][warp + s][2 * h];
-                    if (MODE == 2 || P2) up += part[rd & 1][warp + s][2 * h + 1];
+                    y += part[round & 1][warp + s][2 * h];
+                    if (MODE == 2 || P2) up += part[round & 1][warp + s][2 * h + 1];
                 }
         }
         if constexpr (CS > 1) {  // the part's sum into rank 0's cpart (store after the loop)
 #if KQ_GSPLIT
-            if (l == 0 && rd < KQ_CS_MAXR) kq_gpart[cb][rd][wpart][g] = y;
+            if (l == 0 && round < KQ_CS_MAXR) kq_gpart[cb][round][wpart][g] = y;
 #else
-            if (l == 0 && rd < KQ_CS_MAXR) st_cluster_f32(&cpart[rd][wpart][g], 0, y);
+            if (l == 0 && round < KQ_CS_MAXR) st_cluster_f32(&cpart[round][wpart][g], 0, y);
 #endif
         } else if constexpr (P2) {
             if (l == 0 && ws == 0) {
@@ -1007,20 +1006,11 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         } else if (live && l == 0 && ws == 0) {
             KQ_STORE(MODE, t, si, r, y * rs, up * rs);
         }
-    };
-    // S > 1: the block's first row group of the round (g = 0) bounds the loop for every warp
-    auto more = [&](int base) { return (S > 1 ? base - Q::R * g * gstride : base) < total_rows; };
-    int base = first - h;
-#if KQ_PRE
-    if (more(base)) {
-        row_round(base, round, &carry);
-        base += step;
-        ++round;
+        if constexpr (KQ_PRE) {  // the carried round belonged to the first row only
+            pre0 = pre1 = 0.f;
+            pre_skip = 0;
+        }
     }
-    for (; more(base); base += step, ++round) row_round(base, round, nullptr);
-#else
-    for (; more(base); base += step, ++round) row_round(base, round, &carry);
-#endif
 #if KQ_GSPLIT
     if constexpr (CS > 1) {
         // every part's sums are in kq_gpart before its block counts itself in (fence, then the
