@@ -891,7 +891,7 @@ def test_part_rot_switch(monkeypatch):
     assert "constexpr bool rot = kKqPartRot<CS>;" in xs
     assert "kq_row_sel<Q, nparts, kKqPartRot<CS>>" in (kdir / "gemv_kq.cu").read_text()
     # the key: the row group under 2 (the default), the warp's round under 1
-    assert "KQ_PART_ROT == 2 ? base / rpb : round)" in (kdir / "gemv_kq.cu").read_text()
+    assert "KQ_PART_ROT == 2 ? base / rpb : round, pre0, pre_skip)" in (kdir / "gemv_kq.cu").read_text()
 
 
 def test_part_rot_row_key_takes_an_odd_group_count(monkeypatch):
@@ -1218,7 +1218,7 @@ def test_first_row_prefetch_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_PF0 (kernels/gemv_kq.cu KQ_PF0): unset or "3" keeps the kernel's default
     (the first round asked for before the PDL wait: no define), "0" / "1" / "2" build KQ_PF0=0 / 1 / 2
     into every v9 GEMV node (the wide, queue and cluster builds too); GGUF_HARNESS_GEMV_KQ_PF0_SB=n
-    builds KQ_PF0_SB=n (4, the kernel's default, none) and n != 4 only with PF0 3; any other value
+    builds KQ_PF0_SB=n (8, the kernel's default, none) and n != 8 only with PF0 3; any other value
     is refused before a build; results record both, the defaults too (test below)."""
     from backends.engine import switches
     _fake_module(monkeypatch)
@@ -1244,7 +1244,7 @@ def test_first_row_prefetch_switch(monkeypatch):
         assert part.kernel.name[-3:-1] in ("_s", "_c") and f"KQ_PF0={v}" in part.defines, (part.kernel.name, part.defines)
     for v in ("", "3"):
         monkeypatch.setattr(ops, "GEMV_KQ_PF0", v)
-        for sb, define in (("4", None), ("2", "KQ_PF0_SB=2"), ("16", "KQ_PF0_SB=16"), ("1", "KQ_PF0_SB=1")):
+        for sb, define in (("8", None), ("4", "KQ_PF0_SB=4"), ("2", "KQ_PF0_SB=2"), ("16", "KQ_PF0_SB=16"), ("1", "KQ_PF0_SB=1")):
             monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", sb)
             got = [d for d in ops.kv9_defines() if d.startswith("KQ_PF0")]
             assert got == ([define] if define else []), (v, sb, got)
@@ -1258,7 +1258,7 @@ def test_first_row_prefetch_switch(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_PF0", "1")  # whole rows: SB would not be used
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_PF0_SB=2 needs"):
         ops.kv9_defines()
-    monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", "4")  # the default's value: nothing to refuse
+    monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", "8")  # the default's value: nothing to refuse
     assert [d for d in ops.kv9_defines() if d.startswith("KQ_PF0")] == ["KQ_PF0=1"]
     monkeypatch.setattr(ops, "GEMV_KQ_PF0_SB", "")
     for bad in ("4", "on", " 0", "3W", "3w"):
@@ -1310,7 +1310,7 @@ def test_first_round_preload_switch(monkeypatch):
 
 
 def test_first_row_prefetch_defaults_are_recorded():
-    """Unset or empty, GGUF_HARNESS_GEMV_KQ_PF0 and _PF0_SB read as the kernel's defaults ("3", "4"), so a
+    """Unset or empty, GGUF_HARNESS_GEMV_KQ_PF0 and _PF0_SB read as the kernel's defaults ("3", "8"), so a
     result's switches_effective tells the session-25 default from the PF0=1 default before it
     (whose unset value read "") (a fresh interpreter: the module reads the environment at import)."""
     import json
@@ -1323,4 +1323,4 @@ def test_first_row_prefetch_defaults_are_recorded():
                          if v is not None}
         out = subprocess.run([sys.executable, "-c", code], env=run_env, cwd=Path(__file__).resolve().parents[1],
                              capture_output=True, text=True, check=True).stdout
-        assert json.loads(out) == ["3", "4", []], (pf0, sb)
+        assert json.loads(out) == ["3", "8", []], (pf0, sb)

@@ -1072,7 +1072,8 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch)
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch,value,define", [("GEMV_KQ_XPF", "8", "KQ_XPF=1"), ("GEMV_KQ_PF0", "0", "KQ_PF0=0"),
                                                  ("GEMV_KQ_PF0", "1", "KQ_PF0=1"), ("GEMV_KQ_PF0", "2", "KQ_PF0=2"),
-                                                 ("GEMV_KQ_PF0_SB", "2", "KQ_PF0_SB=2"), ("GEMV_KQ_PRE", "1", "KQ_PRE=1")])
+                                                 ("GEMV_KQ_PF0_SB", "2", "KQ_PF0_SB=2"), ("GEMV_KQ_PF0_SB", "4", "KQ_PF0_SB=4"),
+                                                 ("GEMV_KQ_PRE", "1", "KQ_PRE=1")])
 def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_XPF (kernels/gemv_kq.cu KQ_XPF, backends/engine/xpf.py) only adds L2
     prefetches of the next node's rows, and GGUF_HARNESS_GEMV_KQ_PF0 (KQ_PF0) and _PF0_SB only drop,

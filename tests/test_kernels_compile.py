@@ -125,7 +125,7 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "DIAG_NOWAIT", "DIAG_NOSTAGE")), ("deltan
 # (ops GGUF_HARNESS_GEMV_KQ_PF0_SB) in the default, the queue and the group builds
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_PF0=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_PF0=1")),
             ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PF0=1")),
-            ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_PF0_SB=2")),
+            ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_PF0_SB=4")),
             ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PF0_SB=16"))]
 # session 26: the first row's first round loaded into registers before the PDL wait (ops
 # GGUF_HARNESS_GEMV_KQ_PRE=1) in the default, the queue and the group builds

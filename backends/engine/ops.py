@@ -324,10 +324,11 @@ def kv9_xpf_bytes() -> int:
 # (switches.effective), whatever the default was when they ran.
 GEMV_KQ_PF0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0") or "3"
 # KQ_PF0_SB: with KQ_PF0 3, how much of the row that first prefetch asks for: its first SB x parts
-# super-blocks (1..16; unset "4": each part's first round, the kernel's default; other values are
-# whole rounds of every part only as multiples of 4; below 4, on a split row, the first rounds of
-# the first SB x parts / 4 parts only: part p's first round is super-blocks 4p..4p+3). A/B (session 25).
-GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB") or "4"
+# super-blocks (1..16; unset "8": each part's first two rounds, the kernel's default since session
+# 26 (the 27B step -0.35 % against 4); "4" each part's first round, session 25's default; other values
+# are whole rounds of every part only as multiples of 4; below 4, on a split row, the first rounds of
+# the first SB x parts / 4 parts only: part p's first round is super-blocks 4p..4p+3).
+GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB") or "8"
 # KQ_PRE: "1" each v9 warp loads its first row's first round into registers before the PDL wait
 # (kernels/gemv_kq.cu KQ_PRE; bitwise equal; A/B, session 26); "0" or unset: not (the default).
 GEMV_KQ_PRE = os.environ.get("GGUF_HARNESS_GEMV_KQ_PRE", "0")
@@ -482,7 +483,7 @@ def kv9_defines() -> tuple[str, ...]:
     GEMV_KQ_PIPE -> KQ_PIPE, GEMV_KQ_L1PF -> KQ_L1PF, GEMV_KQ_P2 -> KQ_P2=1, GEMV_KQ_XLANE=0 ->
     KQ_XLANE=0, GEMV_IQ4_KREG=0 -> IQ4_KREG=0, GEMV_KQ_F32_XPERM=1 -> KQ_F32_XPERM=1, GEMV_KQ_WMAJ=1 ->
     KQ_WMAJ=1, GEMV_KQ_BW=32 -> KQ_BLOCK_WARPS=32 (kv9_warps), GEMV_KQ_XPF=<MiB> -> KQ_XPF=1,
-    GEMV_KQ_PF0=0|1|2 -> KQ_PF0=0|1|2 (3: none), GEMV_KQ_PF0_SB=<n> -> KQ_PF0_SB=<n> (4: none),
+    GEMV_KQ_PF0=0|1|2 -> KQ_PF0=0|1|2 (3: none), GEMV_KQ_PF0_SB=<n> -> KQ_PF0_SB=<n> (8: none),
     GEMV_KQ_PRE=1 -> KQ_PRE=1, GEMV_KQ_CONV=1 -> KQ_CONV=1, then
     iq4_xil_defines(); unset: the kernel's defaults). Raises ValueError unless each is empty or an
     integer 1..8 (PIPE: 1 or 2; the MINBs: 0..8), for PIPE with L1PF or PRE=1 with either (the kernel
@@ -490,7 +491,7 @@ def kv9_defines() -> tuple[str, ...]:
     2, for a BW other than 16 or 32, for a
     WIDE_MIN_ROWS other than a row count or off, for F32_XPERM with XLANE=0 (it
     would build the default), for a PF0 other than empty or 0..3, a PF0_SB other than empty or
-    1..16, a PF0_SB other than 4 with a PF0 other than 3 (the build would not use it), and as kv9_p2_types, kv9_p2_max_k, kv9_p2_min_rows, kv9_dq and
+    1..16, a PF0_SB other than 8 with a PF0 other than 3 (the build would not use it), and as kv9_p2_types, kv9_p2_max_k, kv9_p2_min_rows, kv9_dq and
     kv9_xpf_bytes."""
     out = []
     for env, val, define in (("GGUF_HARNESS_GEMV_KQ_UNROLL", GEMV_KQ_UNROLL, "KQ_UNROLL"),
@@ -541,10 +542,10 @@ def kv9_defines() -> tuple[str, ...]:
     if GEMV_KQ_PF0 in ("0", "1", "2"):  # "3" / "": the kernel's default (KQ_PF0 3)
         out.append(f"KQ_PF0={GEMV_KQ_PF0}")
     v = GEMV_KQ_PF0_SB
-    if v:  # "" / "4": the kernel's default (each part's first round)
+    if v:  # "" / "8": the kernel's default (each part's first two rounds)
         if not (v.isascii() and v.isdigit()) or not 1 <= int(v) <= 16:
             raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0_SB={v!r}: expected super-blocks 1..16")
-        if int(v) != 4:
+        if int(v) != 8:
             if GEMV_KQ_PF0 not in ("", "3"):  # the other prefetches take whole rows: the build would not use it
                 raise ValueError(f"GGUF_HARNESS_GEMV_KQ_PF0_SB={v} needs GGUF_HARNESS_GEMV_KQ_PF0=3 (it is {GEMV_KQ_PF0!r})")
             out.append(f"KQ_PF0_SB={int(v)}")

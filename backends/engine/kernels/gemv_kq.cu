@@ -91,10 +91,15 @@ static_assert(kKqPipe >= 0 && kKqPipe <= 2, "KQ_PIPE is 0, 1 or 2");
 static_assert(KQ_PF0 >= 0 && KQ_PF0 <= 3, "KQ_PF0: 0, 1, 2 or 3");
 #ifndef KQ_PF0_SB
 // KQ_PF0 3: the row's first KQ_PF0_SB x nparts super-blocks are asked for (ops GGUF_HARNESS_GEMV_KQ_PF0_SB).
-// 4: each part's first round (part p's rounds take super-blocks 4p..4p+3 + 4 nparts i); other values
-// cover whole rounds of every part only as multiples of 4 (below 4 on split rows: the first rounds of
-// the first KQ_PF0_SB x nparts / 4 parts only).
-#define KQ_PF0_SB 4
+// 8 (the default since session 26): each part's first two rounds (part p's rounds take super-blocks
+// 4p..4p+3 + 4 nparts i); 4 (session 25's default) the first round; other values cover whole rounds
+// of every part only as multiples of 4 (below 4 on split rows: the first rounds of the first
+// KQ_PF0_SB x nparts / 4 parts only). Measured, H200, the 27B step (graph replay, us): session 25's
+// start 1 (a capped GPU, first samples) 4: 6097.4 / 6097.6, 8: 6076.7; session 26 (uncapped, two
+// rounds in one start) 4: 6079.8 / 6079.8, 8: 6058.9 / 6056.9 (-0.35 %), 12: 6067.4 / 6066.9. The
+// eager per-node sum rose (gate/up +25 us): the gain is in the overlap of a node's start with the
+// previous node's tail. Values do not depend on it.
+#define KQ_PF0_SB 8
 #endif
 static_assert(KQ_PF0_SB >= 1 && KQ_PF0_SB <= 16, "KQ_PF0_SB: 1..16");
 // Bytes of a row the first-row prefetch asks for: the whole row, or (KQ_PF0 3) its first
