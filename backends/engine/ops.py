@@ -330,7 +330,8 @@ GEMV_KQ_PF0 = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0") or "3"
 # the first SB x parts / 4 parts only: part p's first round is super-blocks 4p..4p+3).
 GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB") or "8"
 # KQ_PRE: "1" each v9 warp loads its first row's first round into registers before the PDL wait
-# (kernels/gemv_kq.cu KQ_PRE; bitwise equal; A/B, session 26); "0" or unset: not (the default).
+# (kernels/gemv_kq.cu KQ_PRE; bitwise equal; A/B, measured slower in session 26: the 27B step
+# +0.7 %); "0" or unset: not (the default).
 GEMV_KQ_PRE = os.environ.get("GGUF_HARNESS_GEMV_KQ_PRE", "0")
 
 

@@ -125,6 +125,9 @@ static_assert(!(kKqPipe > 0 && kKqL1pf > 0), "KQ_PIPE and KQ_L1PF are separate A
 // first form ran the first row through a second inlined copy of the row loop, and the SwiGLU
 // IQ4_XS pairs lost 2.5 %). Values: the same dots added in the same order (acc = 0 + round 0,
 // then + round 1 ...): bitwise the default's. Not with KQ_PIPE (its carry) or KQ_L1PF.
+// Measured (H200, session 26, the 27B step, three pairs in one machine start): +0.7 %; the 2-part
+// K = 6144 nodes -2.9 % (3 rounds per part), but the IQ4_XS gate/up pairs +1.4 % and ffn_down Q5_K
+// +3.7 % (the group add Q5_K _c4 instance spills 20 bytes with it). Off by default.
 #define KQ_PRE 0
 #endif
 static_assert(KQ_PRE == 0 || KQ_PRE == 1, "KQ_PRE: 0 or 1");
