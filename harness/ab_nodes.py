@@ -126,16 +126,23 @@ def effective_switches(d: dict) -> dict[str, str] | None:
 
 def switch_notes(a: dict, b: dict, most: int = 40) -> list[str]:
     """The A/B notes of the engine switches: "engine switch K: VA -> VB" for each variable set
-    differently (machine.switches; "(unset)" on a side without it), then "engine switch K as run:
-    VA -> VB" for each other switch whose value as run differs when both results record them
-    (effective_switches): a changed default, as session 25 made GGUF_HARNESS_GEMV_KQ_PF0 3 where it
-    had been 1 with the variable unset on both sides. A switch one side does not record and the
-    other records as "" (the kernel's default of its version) is not a difference anyone can read,
-    and is left out. At most `most` notes, the last saying how many more there were."""
+    differently (machine.switches; "(unset)" on a side without it, followed by "(ran V)" where that
+    side records running another, non-empty value V: session 26's "(unset) (ran 4) -> 8", when the
+    unset default was 4), then "engine switch K as run: VA -> VB" for each other switch whose value
+    as run differs when both results record them (effective_switches): a changed default, as
+    session 25 made GGUF_HARNESS_GEMV_KQ_PF0 3 where it had been 1 with the variable unset on both
+    sides. A switch one side does not record and the other records as "" (the kernel's default of
+    its version) is not a difference anyone can read, and is left out. At most `most` notes, the
+    last saying how many more there were."""
     wa, wb = set_switches(a), set_switches(b)
-    changed = [k for k in sorted(set(wa) | set(wb)) if wa.get(k) != wb.get(k)]
-    notes = [f"engine switch {k}: {wa.get(k, '(unset)')} -> {wb.get(k, '(unset)')}" for k in changed]
     ea, eb = effective_switches(a), effective_switches(b)
+    changed = [k for k in sorted(set(wa) | set(wb)) if wa.get(k) != wb.get(k)]
+
+    def side(w: dict, e: dict | None, k: str) -> str:
+        ran = (e or {}).get(k)
+        v = w.get(k, "(unset)")
+        return f"{v} (ran {ran})" if ran and ran != w.get(k) else v
+    notes = [f"engine switch {k}: {side(wa, ea, k)} -> {side(wb, eb, k)}" for k in changed]
     if ea is not None and eb is not None:
         shown = lambda d, k: "(not recorded)" if k not in d else "(the default then)" if d[k] == "" else d[k]  # noqa: E731
         notes += [f"engine switch {k} as run: {shown(ea, k)} -> {shown(eb, k)}"

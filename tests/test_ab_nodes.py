@@ -204,6 +204,19 @@ def test_cli_kernels_ab_of_a_diagnostic_build_says_so(tmp_path, capsys):
     assert any("diagnostic build (timing only): B GGUF_HARNESS_DIAG=nowait" in n for n in notes), notes
 
 
+def test_a_switch_set_on_one_side_notes_what_the_unset_side_ran():
+    """Session 26's stored pair (start 2: GGUF_HARNESS_GEMV_KQ_PF0_SB unset, which ran 4 then,
+    against =8) and a later default run (unset, running 8): the set-variable note says what an
+    unset side ran, so neither reads as "no change" once the default is 8."""
+    sweep = lambda n: json.loads((SWEEPS / f"2026-12-01-h200-nodes-27b-s26-{n}.json").read_text())
+    a, b, c = sweep("start2-7-default-sb4"), sweep("start2-8-sb8"), sweep("start3-1-default-sb8")
+    assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0_SB: (unset) (ran 4) -> 8" in ab_nodes.compare_nodes(a, b).notes
+    assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0_SB: 8 -> (unset) (ran 8)" in ab_nodes.compare_nodes(b, c).notes
+    d = copy.deepcopy(a)
+    d["nodes"]["engine"].pop("switches_effective")  # an older result: no record, no "(ran ...)"
+    assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0_SB: (unset) -> 8" in ab_nodes.compare_nodes(d, b).notes
+
+
 def test_a_changed_default_is_noted_from_the_switches_as_run(tmp_path, capsys):
     """Session 24 (GGUF_HARNESS_GEMV_KQ_PF0 unset: 1 then) against session 25 (unset: 3): the set
     variables are equal, so only the values as run (nodes.engine.switches_effective; a kernels

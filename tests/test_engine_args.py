@@ -1310,17 +1310,18 @@ def test_first_round_preload_switch(monkeypatch):
 
 
 def test_first_row_prefetch_defaults_are_recorded():
-    """Unset or empty, GGUF_HARNESS_GEMV_KQ_PF0 and _PF0_SB read as the kernel's defaults ("3", "8"), so a
+    """Unset or empty, GGUF_HARNESS_GEMV_KQ_PF0, _PF0_SB and _PRE read as the kernel's defaults ("3", "8", "0"), so a
     result's switches_effective tells the session-25 default from the PF0=1 default before it
     (whose unset value read "") (a fresh interpreter: the module reads the environment at import)."""
     import json
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_HARNESS_GEMV_KQ_PF0")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GGUF_HARNESS_GEMV_KQ_PF0", "GGUF_HARNESS_GEMV_KQ_PRE"))}
     code = ("import json; from backends.engine import ops, switches; e = switches.effective(); "
-            "print(json.dumps([e['GGUF_HARNESS_GEMV_KQ_PF0'], e['GGUF_HARNESS_GEMV_KQ_PF0_SB'], "
+            "print(json.dumps([e['GGUF_HARNESS_GEMV_KQ_PF0'], e['GGUF_HARNESS_GEMV_KQ_PF0_SB'], e['GGUF_HARNESS_GEMV_KQ_PRE'], "
             "[d for d in ops.kv9_defines() if d.startswith('KQ_PF0')]]))")
     for pf0, sb in ((None, None), ("", "")):
-        run_env = env | {k: v for k, v in (("GGUF_HARNESS_GEMV_KQ_PF0", pf0), ("GGUF_HARNESS_GEMV_KQ_PF0_SB", sb))
+        run_env = env | {k: v for k, v in (("GGUF_HARNESS_GEMV_KQ_PF0", pf0), ("GGUF_HARNESS_GEMV_KQ_PF0_SB", sb),
+                                           ("GGUF_HARNESS_GEMV_KQ_PRE", sb))
                          if v is not None}
         out = subprocess.run([sys.executable, "-c", code], env=run_env, cwd=Path(__file__).resolve().parents[1],
                              capture_output=True, text=True, check=True).stdout
-        assert json.loads(out) == ["3", "8", []], (pf0, sb)
+        assert json.loads(out) == ["3", "8", "0", []], (pf0, sb)

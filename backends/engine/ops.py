@@ -332,7 +332,7 @@ GEMV_KQ_PF0_SB = os.environ.get("GGUF_HARNESS_GEMV_KQ_PF0_SB") or "8"
 # KQ_PRE: "1" each v9 warp loads its first row's first round into registers before the PDL wait
 # (kernels/gemv_kq.cu KQ_PRE; bitwise equal; A/B, measured slower in session 26: the 27B step
 # +0.7 %); "0" or unset: not (the default).
-GEMV_KQ_PRE = os.environ.get("GGUF_HARNESS_GEMV_KQ_PRE", "0")
+GEMV_KQ_PRE = os.environ.get("GGUF_HARNESS_GEMV_KQ_PRE") or "0"  # (empty reads as "0", as PF0 / PF0_SB)
 
 
 # KQ_CONV: qwen35's ssm_in node also runs its layer's causal conv (kernels/gemv_kq.cu KQ_CONV), so

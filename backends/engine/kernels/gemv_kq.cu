@@ -94,9 +94,10 @@ static_assert(KQ_PF0 >= 0 && KQ_PF0 <= 3, "KQ_PF0: 0, 1, 2 or 3");
 // 8 (the default since session 26): each part's first two rounds (part p's rounds take super-blocks
 // 4p..4p+3 + 4 nparts i); 4 (session 25's default) the first round; other values cover whole rounds
 // of every part only as multiples of 4 (below 4 on split rows: the first rounds of the first
-// KQ_PF0_SB x nparts / 4 parts only). Measured, H200, the 27B step (graph replay, us): session 25's
-// start 1 (a capped GPU, first samples) 4: 6097.4 / 6097.6, 8: 6076.7; session 26 (uncapped, two
-// rounds in one start) 4: 6079.8 / 6079.8, 8: 6058.9 / 6056.9 (-0.35 %), 12: 6067.4 / 6066.9. The
+// KQ_PF0_SB x nparts / 4 parts only). Measured, H200, the 27B step (graph replay, us), session 26:
+// start 1 (a capped GPU, first samples) 4: 6097.4 / 6097.6, 8: 6076.7; start 2 (uncapped, medians
+// of two rounds) 4: 6079.8 / 6079.8, 8: 6058.9 / 6056.9 (-0.35 %), 12: 6067.4 / 6066.9; start 3
+// (capped, first samples) 8: 6068.7 / 6070.4, 4: 6090.0 / 6090.6. The
 // eager per-node sum rose (gate/up +25 us): the gain is in the overlap of a node's start with the
 // previous node's tail. Values do not depend on it.
 #define KQ_PF0_SB 8
