@@ -1082,9 +1082,12 @@ def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkey
     the outputs of the default build bit for bit, also when run again; each output also against
     the oracle. The chain covers the routes of the 27B step: a normed wide store (warp-major), a
     normed SwiGLU pair (the row queue), a cluster-split add, an S-split Q6_K store, a Q6_K
-    store through P2, and two ssm_in-like normed stores of Q5_K rows with F32 rows after them (the
-    queue build, and a 16-warp split build), where some warps' first rows are F32 rows; with XPF on
-    every node but the last must have been given a target."""
+    store through P2, two ssm_in-like normed stores of Q5_K rows with F32 rows after them (the
+    wide warp-major build, and a 16-warp split build where some warps' first rows are F32 rows),
+    the 4-part group add of the 27B's ffn_down ([5120x17408], rotated leftovers) and two adds at
+    K = 1280 forced to 2 and 4 parts (5 super-blocks: lanes whose part has no first super-block,
+    and a 4-part rotation without a full sweep, where PRE loads nothing); with XPF on every node
+    but the last must have been given a target."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops, xpf
     if eops.GEMV_IMPL != "q16":
@@ -1100,21 +1103,26 @@ def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkey
     x = (rng.normal(size=K) * 0.7).astype(np.float32)
     xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
     x6 = (rng.normal(size=6144) * 0.7).astype(np.float32)
+    x17 = (rng.normal(size=17408) * 0.7).astype(np.float32)
+    x12 = (rng.normal(size=1280) * 0.7).astype(np.float32)
     mats = {}
     for key, (name, rows, k) in {"q4": ("Q4_K", 9001, K), "g": ("IQ4_XS", 8777, K), "u": ("IQ4_XS", 8777, K),
                                  "q5": ("Q5_K", 5120, 6144), "q6s": ("Q6_K", 1024, K), "q6p": ("Q6_K", 4096, K),
-                                 "si": ("Q5_K", 9001, K), "sj": ("Q5_K", 700, K)}.items():
+                                 "si": ("Q5_K", 9001, K), "sj": ("Q5_K", 700, K), "d4": ("Q4_K", 5120, 17408),
+                                 "k2": ("Q4_K", 700, 1280), "k4": ("Q4_K", 700, 1280)}.items():
         raw, w = _matrix(TYPES[name], rows, k, seed=rows + len(key))
         mats[key] = (device_tensor(cp, key, raw, TYPES[name], (k, rows), keep), w)
     f32 = (rng.normal(size=(29, K)) * 0.05).astype(np.float32)  # ssm_in's beta / alpha rows
     f_dev = device_tensor(cp, "f", f32.view(np.uint8), 0, (K, 29), keep)
     base = rng.normal(size=5120).astype(np.float32)
+    base7 = rng.normal(size=700).astype(np.float32)
     got, kernels = {}, {}
     for on in ("", value):
         monkeypatch.setattr(eops, switch, on)
         outs = {"q4": nan_poisoned(cp, 9001), "g": nan_poisoned(cp, 8777), "q5": cp.asarray(base),
                 "q6s": nan_poisoned(cp, 1024), "q6p": nan_poisoned(cp, 4096), "si": nan_poisoned(cp, 9001),
-                "sj": nan_poisoned(cp, 700), "sif": nan_poisoned(cp, 29), "sjf": nan_poisoned(cp, 29)}
+                "sj": nan_poisoned(cp, 700), "sif": nan_poisoned(cp, 29), "sjf": nan_poisoned(cp, 29),
+                "d4": cp.asarray(base), "k2": cp.asarray(base7), "k4": cp.asarray(base7)}
         S = eops.Seg
         nodes = [eops.gemv("s", "store", [S(mats["q4"][0], outs["q4"])], cp.asarray(x), K, nw_dev, 1e-6),
                  eops.gemv("f", "swiglu", [S(mats["g"][0], outs["g"]), S(mats["u"][0], outs["g"])], cp.asarray(x), K,
@@ -1125,7 +1133,12 @@ def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkey
                  eops.gemv("si", "store", [S(mats["si"][0], outs["si"]), S(f_dev, outs["sif"])], cp.asarray(x), K,
                            nw_dev, 1e-6),
                  eops.gemv("sj", "store", [S(mats["sj"][0], outs["sj"]), S(f_dev, outs["sjf"])], cp.asarray(x), K,
-                           nw_dev, 1e-6)]
+                           nw_dev, 1e-6),
+                 eops.gemv("d4", "add", [S(mats["d4"][0], outs["d4"])], cp.asarray(x17), 17408)]
+        for key, split in (("k2", "2"), ("k4", "4")):  # forced splits (auto leaves K = 1280 whole)
+            monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
+            nodes.append(eops.gemv(key, "add", [S(mats[key][0], outs[key])], cp.asarray(x12), 1280))
+        monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", "auto")
         kernels[on] = [n.kernel.name for n in nodes]
         assert all((define in n.defines) == (on == value) for n in nodes), [n.defines for n in nodes]
         if on and switch == "GEMV_KQ_XPF":
@@ -1135,7 +1148,7 @@ def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkey
         for n in nodes:
             n.launch()
         got[on] = {k: v.get() for k, v in outs.items()}
-        for n in nodes[:2] + nodes[3:]:  # again (not the add: it accumulates)
+        for n in nodes[:2] + nodes[3:7]:  # again (not the adds: they accumulate)
             n.launch()
         for k in ("q4", "g", "q6s", "q6p", "si", "sj", "sif", "sjf"):
             assert np.array_equal(got[on][k], outs[k].get()), f"XPF={on!r} {k}: changed on relaunch"
@@ -1146,11 +1159,15 @@ def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkey
         _check_rows(got[on]["q5"].astype(np.float64) - base, mats["q5"][1], x6, f"{what} cluster add")
         _check_rows(got[on]["q6s"].astype(np.float64), mats["q6s"][1], x, f"{what} S-split store")
         _check_rows(got[on]["q6p"].astype(np.float64), mats["q6p"][1], x, f"{what} P2 store")
+        _check_rows(got[on]["d4"].astype(np.float64) - base, mats["d4"][1], x17, f"{what} 4-part group add")
+        for k in ("k2", "k4"):
+            _check_rows(got[on][k].astype(np.float64) - base7, mats[k][1], x12, f"{what} K = 1280 add, {k}")
         for k in ("si", "sj"):
             _check_rows(got[on][k].astype(np.float64), mats[k][1], xn, f"{what} ssm_in-like {k}")
             _check_rows(got[on][k + "f"].astype(np.float64), f32.astype(np.float64), xn, f"{what} ssm_in-like {k} F32 rows")
     assert kernels[""] == kernels[value]  # the same routes, only the build differs
     assert any(k.endswith("_c2") for k in kernels[value]) and any(k.endswith("_s2") for k in kernels[value])
+    assert kernels[value][-3:] == ["gemvkq_add_q4_k_c4", "gemvkq_add_q4_k_c2", "gemvkq_add_q4_k_c4"], kernels[value]
     for k in got[""]:
         assert np.array_equal(got[""][k], got[value][k]), f"{k}: {switch}={value} changed the output"
 

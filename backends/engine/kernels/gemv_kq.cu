@@ -98,7 +98,7 @@ static_assert(KQ_PF0 >= 0 && KQ_PF0 <= 3, "KQ_PF0: 0, 1, 2 or 3");
 // start 1 (a capped GPU, first samples) 4: 6097.4 / 6097.6, 8: 6076.7; start 2 (uncapped, medians
 // of two rounds) 4: 6079.8 / 6079.8, 8: 6058.9 / 6056.9 (-0.35 %), 12: 6067.4 / 6066.9; start 3
 // (capped, first samples) 8: 6068.7 / 6070.4, 4: 6090.0 / 6090.6. The
-// eager per-node sum rose (gate/up +25 us): the gain is in the overlap of a node's start with the
+// sum of the per-node graph replays rose (gate/up +18 to +33 us): the gain is in the overlap of a node's start with the
 // previous node's tail. Values do not depend on it.
 #define KQ_PF0_SB 8
 #endif
@@ -124,11 +124,12 @@ static_assert(!(kKqPipe > 0 && kKqL1pf > 0), "KQ_PIPE and KQ_L1PF are separate A
 // us loaded) is on every node's critical path. Registers: the carried blocks live from the load to
 // that dot only; the loops carry the two sums and the skip (one copy of each loop: session 26's
 // first form ran the first row through a second inlined copy of the row loop, and the SwiGLU
-// IQ4_XS pairs lost 2.5 %). Values: the same dots added in the same order (acc = 0 + round 0,
+// IQ4_XS pairs lost 2.6 / 3.2 %). Values: the same dots added in the same order (acc = 0 + round 0,
 // then + round 1 ...): bitwise the default's. Not with KQ_PIPE (its carry) or KQ_L1PF.
-// Measured (H200, session 26, the 27B step, three pairs in one machine start): +0.7 %; the 2-part
-// K = 6144 nodes -2.9 % (3 rounds per part), but the IQ4_XS gate/up pairs +1.4 % and ffn_down Q5_K
-// +3.7 % (the group add Q5_K _c4 instance spills 20 bytes with it). Off by default.
+// Measured (H200, session 26, the 27B step at KQ_PF0_SB 4, three pairs in one machine start): +0.7 %;
+// the 2-part K = 6144 nodes -1.9 to -2.9 % (3 rounds per part), but the IQ4_XS gate/up pairs +1.4 to
+// +2.0 % and ffn_down Q5_K +3.7 % (the group add Q5_K _c4 instance spills 20 bytes with it). Off by
+// default.
 #define KQ_PRE 0
 #endif
 static_assert(KQ_PRE == 0 || KQ_PRE == 1, "KQ_PRE: 0 or 1");
@@ -661,6 +662,8 @@ static_assert(KQ_DQ_T >= 1 && KQ_DQ_T <= 32, "KQ_DQ_T: 1..32");
 #endif
 // KQ_PRE: round sb0 of row `row` (node-global) into c (both rows of a gate/up pair, MODE 2), when
 // the row is of the kernel's type (not an F32 row beside) and the lane has that super-block.
+// Called before the PDL wait: the weights must be constants (no kernel of the step writes them),
+// as every caller's are; unlike the L2 prefetch, a register load could return stale data.
 template <class Q, int MODE>
 __device__ __forceinline__ void kq_pre_load(const SegTable& t, int row, int K, int sb0, int i, Carry<Q>& c) {
     if (sb0 >= (K >> 8)) return;
