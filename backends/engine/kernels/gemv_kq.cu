@@ -97,9 +97,9 @@ static_assert(KQ_PF0 >= 0 && KQ_PF0 <= 3, "KQ_PF0: 0, 1, 2 or 3");
 // KQ_PF0_SB x nparts / 4 parts only). Measured, H200, the 27B step (graph replay, us), session 26:
 // start 1 (a capped GPU, first samples) 4: 6097.4 / 6097.6, 8: 6076.7; start 2 (uncapped, medians
 // of two rounds) 4: 6079.8 / 6079.8, 8: 6058.9 / 6056.9 (-0.35 %), 12: 6067.4 / 6066.9; start 3
-// (capped, first samples) 8: 6068.7 / 6070.4, 4: 6090.0 / 6090.6. The
-// sum of the per-node graph replays rose (gate/up +18 to +33 us): the gain is in the overlap of a node's start with the
-// previous node's tail. Values do not depend on it.
+// (capped, first samples) 8: 6068.7 / 6070.4, 4: 6090.0 / 6090.6. The sum of the per-node graph
+// replays rose (gate/up +18 to +33 us): the gain is in how a node's start overlaps the previous
+// node's tail. Values do not depend on it.
 #define KQ_PF0_SB 8
 #endif
 static_assert(KQ_PF0_SB >= 1 && KQ_PF0_SB <= 16, "KQ_PF0_SB: 1..16");
