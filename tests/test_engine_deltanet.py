@@ -155,8 +155,11 @@ def _nodes(d, L, rows):
     return conv, step
 
 
-def _run_steps(cp, L, d, run, steps, what):
-    """Feed `steps` random tokens; run() launches the two nodes; check every step."""
+def _run_steps(cp, L, d, run, steps, what, conv_state=None):
+    """Feed `steps` random tokens; run() launches the two nodes; check every step. conv_state:
+    a function giving the conv state as conv_step keeps it ([K-1, C], oldest first), default
+    d["conv"] itself."""
+    conv_state = conv_state or (lambda: d["conv"].get())
     for t in range(steps):
         x, z, alpha, beta = L.inputs(t)
         for key, val in (("x", x), ("z", z), ("alpha", alpha), ("beta", beta)):
@@ -169,7 +172,7 @@ def _run_steps(cp, L, d, run, steps, what):
         y = d["y"].get()
         y_ref, mag = L.conv_ref(x)
         _close(y, y_ref, 8 * U * (mag + np.abs(y_ref)), f"{what} step {t}: conv y")
-        assert np.array_equal(d["conv"].get().astype(np.float64), L.conv), f"{what} step {t}: conv state"
+        assert np.array_equal(conv_state().astype(np.float64), L.conv), f"{what} step {t}: conv state"
         out_ref, tol = L.step_ref(y, z, alpha, beta)
         _close(d["out"].get(), out_ref, tol, f"{what} step {t}: out")
         _state_check(L, d["state"].get(), f"{what} step {t}")
@@ -467,3 +470,135 @@ def test_gdn_csplit_is_bitwise_equal_to_the_step_kernel(monkeypatch):
     for t, ((o0, s0), (o1, s1)) in enumerate(zip(got["0"], got["1"])):
         assert np.array_equal(o0, o1), f"token {t}: out differs"
         assert np.array_equal(s0, s1), f"token {t}: state differs"
+
+
+def _ring_node(cp, G, d, L, p0):
+    """gdn_conv_step on d's buffers with the conv state d["conv"] laid out as the ring at position
+    p0: slots (p0 + 1 + i) % K hold conv state row i, slot p0 % K (never read at p0) NaN.
+    Returns (node, ring, step state)."""
+    K = L.K
+    ring = cp.full((K, L.C), np.nan, cp.float32)
+    for i in range(K - 1):
+        ring[(p0 + 1 + i) % K] = cp.asarray(L.conv0[i])
+    st = cp.asarray(np.array([0, p0, 0, 0], np.int32))
+    node = G.gdn_conv_step("gdn", d["x"], ring, d["w"], d["y"], d["z"], d["alpha"], d["beta"],
+                           d["dt_bias"], d["ssm_a"], d["norm_w"], d["state"], d["out"], st,
+                           Hk=L.Hk, Hv=L.Hv, S=L.S, eps=EPS, K=K)
+    return node, ring, st
+
+
+@pytest.mark.gpu
+def test_gdn_early_and_conv_builds_are_bitwise_equal_to_the_cluster_step(monkeypatch):
+    """GGUF_HARNESS_GDN_EARLY=1 (state rows in registers before the PDL wait, z early) and
+    GGUF_HARNESS_GDN_CONV=1 (the conv inside the step, its state a ring of K slots indexed by the
+    position; kernels/deltanet.cu 3.) change when values are loaded, not how they are computed:
+    over 6 tokens at the 27B widths from a random delta-rule and conv state, starting at position
+    5 so the ring wraps, out, the state, y and the conv state (the ring read oldest first) must
+    equal gdn_step_cs4_s128's and conv_step's bit for bit, and each step passes the oracle checks
+    of _run_steps. The ring's unread slot starts as NaN: a read of the wrong slot fails."""
+    cp = cupy_or_skip()
+    from backends.engine import deltanet_ops as G
+    p0, steps = 5, 6
+    got = {}
+    for early, conv in (("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")):
+        monkeypatch.setattr(G, "GDN_EARLY", early)
+        monkeypatch.setattr(G, "GDN_CONV", conv)
+        L = Layer(**SHAPES["27b"], seed=78, state_scale=0.3)
+        d = _device(cp, L)
+        outs, pos = [], [p0]
+        if conv == "1":
+            node, ring, st = _ring_node(cp, G, d, L, p0)
+            assert node.kernel.name == "gdn_convstep_cs4_s128" + ("_e" if early == "1" else "")
+
+            def ordered():  # after the step at pos[0] - 1: slots (pos[0] + i) % K, oldest first
+                r = ring.get()
+                return np.stack([r[(pos[0] + i) % L.K] for i in range(L.K - 1)])
+
+            def run():
+                st[1] = pos[0]
+                node.launch()
+                pos[0] += 1
+                outs.append((d["out"].get(), d["state"].get(), d["y"].get(), ordered()))
+            _run_steps(cp, L, d, run, steps, f"27b EARLY={early} CONV={conv}", conv_state=ordered)
+        else:
+            cnode, step = _nodes(d, L, G.DEFAULT_ROWS)
+            assert step.kernel.name == "gdn_step_cs4_s128" + ("_e" if early == "1" else "")
+
+            def run():
+                cnode.launch()
+                step.launch()
+                outs.append((d["out"].get(), d["state"].get(), d["y"].get(), d["conv"].get()))
+            _run_steps(cp, L, d, run, steps, f"27b EARLY={early} CONV={conv}")
+        got[early, conv] = outs
+    for key, outs in got.items():
+        for t, (a, b) in enumerate(zip(got["0", "0"], outs)):
+            for what, x, y in zip(("out", "state", "y", "conv state"), a, b):
+                assert np.array_equal(x, y), f"EARLY, CONV = {key}: token {t}: {what} differs"
+
+
+def test_gdn_early_and_conv_routing(monkeypatch):
+    """GGUF_HARNESS_GDN_EARLY / _CONV (deltanet_ops): the cluster step's _e build; the conv in the
+    step only at S = 128, K = 4 with the cluster step (conv_in_step), its node's kernel, grid and
+    argument order (x, ring, w, y, step state, C, then gdn_step's); the ring must be [K, C] and
+    the step state int32; bad values and CSPLIT=0 with either switch are refused."""
+    from types import SimpleNamespace as NS
+    from backends.engine import deltanet_ops as G
+    monkeypatch.setattr(G, "kernel", lambda name: NS(name=name))
+    monkeypatch.setattr(G, "_arg", lambda t: t)
+    Hk, Hv, S, K = 16, 48, 128, 4
+    C, conv, step = _cpu_args(Hk, Hv, S, K)
+    ring, st = np.zeros((K, C), np.float32), np.zeros(4, np.int32)
+    monkeypatch.setattr(G, "GDN_EARLY", "1")
+    assert G.gdn_step("g", **step, Hk=Hk, Hv=Hv, S=S, eps=EPS).kernel.name == "gdn_step_cs4_s128_e"
+    small = _cpu_args(2, 4, 64, 4)[2]
+    assert G.gdn_step("g", **small, Hk=2, Hv=4, S=64, eps=EPS).kernel.name == "gdn_step_s64_r2"
+    assert not G.conv_in_step(S, K)
+    monkeypatch.setattr(G, "GDN_CONV", "1")
+    assert G.conv_in_step(128, 4) and not G.conv_in_step(64, 4) and not G.conv_in_step(128, 3)
+    for early, name in (("0", "gdn_convstep_cs4_s128"), ("1", "gdn_convstep_cs4_s128_e"), ("", "gdn_convstep_cs4_s128")):
+        monkeypatch.setattr(G, "GDN_EARLY", early)
+        n = G.gdn_conv_step("g", conv["x"], ring, conv["w"], step["y"], step["z"], step["alpha"],
+                            step["beta"], step["dt_bias"], step["ssm_a"], step["norm_w"], step["state"],
+                            step["out"], st, Hk=Hk, Hv=Hv, S=S, eps=EPS)
+        assert (n.kernel.name, n.grid, n.block) == (name, (4 * Hv,), (4 * S,))
+        assert n.args[0] is conv["x"] and n.args[1] is ring and n.args[3] is step["y"] and n.args[4] is st
+        assert int(n.args[5]) == C and n.args[6] is step["z"] and int(n.args[-2]) == Hk
+    args = lambda **ch: {**dict(x=conv["x"], ring=ring, w=conv["w"], step_state=st), **{k: step[k] for k in  # noqa: E731
+                         ("y", "z", "alpha", "beta", "dt_bias", "ssm_a", "norm_w", "state", "out")}, **ch}
+    for change, msg in ((dict(ring=np.zeros((K - 1, C), np.float32)), "conv ring"),
+                        (dict(step_state=np.zeros(4, np.int64)), "step state"),
+                        (dict(step_state=np.zeros(1, np.int32)), "step state"),
+                        (dict(x=np.zeros(C - 1, np.float32)), "conv x")):
+        with pytest.raises(ValueError, match=msg):
+            G.gdn_conv_step("g", **args(**change), Hk=Hk, Hv=Hv, S=S, eps=EPS)
+    small_args = {**args(), **{k: v for k, v in _cpu_args(2, 4, 64, 4)[2].items()}}
+    small_c = 2 * 2 * 64 + 4 * 64
+    small_args.update(x=np.zeros(small_c, np.float32), w=np.zeros((small_c, 4), np.float32),
+                      ring=np.zeros((4, small_c), np.float32))
+    with pytest.raises(ValueError, match="needs S = 128"):
+        G.gdn_conv_step("g", **small_args, Hk=2, Hv=4, S=64, eps=EPS)
+    for attr, bad in (("GDN_EARLY", "2"), ("GDN_CONV", "yes")):
+        with monkeypatch.context() as m:
+            m.setattr(G, attr, bad)
+            with pytest.raises(ValueError, match="GGUF_HARNESS_" + attr + "="):
+                G.check_switches()
+    monkeypatch.setattr(G, "GDN_CSPLIT", "0")
+    with pytest.raises(ValueError, match="GDN_CSPLIT=0"):
+        G.check_switches()
+    monkeypatch.setattr(G, "GDN_CONV", "0")
+    monkeypatch.setattr(G, "GDN_EARLY", "0")
+    G.check_switches()
+
+
+def test_cluster_step_kernels_pass_the_pdl_contract_scan():
+    """The cluster step's body (gdn_step_cs_body) carries the wait of all four of its kernels: without
+    it the scan flags exactly gdn_step_cs4_s128[_e] and gdn_convstep_cs4_s128[_e] (one macro)."""
+    from test_pdl_contract import _engine_sources, kernels_missing_wait
+    src = _engine_sources()
+    text = src["deltanet.cu"]
+    headers = {n: t for n, t in src.items() if n.endswith(".cuh")}
+    broken = re.sub(r"(void gdn_step_cs_body\(.*?)pdl_wait\(\);", r"\1", text, count=1, flags=re.S)
+    assert broken != text
+    missing = sorted(kernels_missing_wait({"deltanet.cu": broken, **headers}))
+    # the two conv kernels come from one macro, named by its pattern
+    assert missing == ["gdn_convstep_cs4_s128##SUFFIX", "gdn_step_cs4_s128", "gdn_step_cs4_s128_e"], missing

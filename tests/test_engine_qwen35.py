@@ -90,6 +90,30 @@ def test_buffer_layout_27b():
     assert lay["z"][0] == lay["o"][0] == (6144,) and lay["beta"][0] == (48,)
 
 
+def test_conv_in_the_step_plan_and_layout(monkeypatch):
+    """GGUF_HARNESS_GDN_CONV=1 (deltanet_ops.conv_in_step): at the 27B's S = 128 a DeltaNet layer
+    is ssm_in, ssm_step (gdn_conv_step), ssm_out and the conv state a ring [K, C] per layer; the
+    S = 64 tiny shape keeps the conv node and [K-1, C]; with GGUF_HARNESS_GEMV_KQ_CONV=1 too,
+    switches.check refuses the pair."""
+    from backends.engine import deltanet_ops, qwen35, switches
+    from backends.engine import ops as eops
+    from harness.errors import ConfigError
+    monkeypatch.setattr(deltanet_ops, "GDN_CONV", "1")
+    p = _params(**P27B)
+    plan = qwen35.node_plan(p)
+    n_rec = sum(p.recurrent)
+    assert len(plan) == 4 + 5 * n_rec + 5 * (p.n_layer - n_rec)
+    assert plan[1:6] == [("blk.0.ssm_in", "gemv"), ("blk.0.ssm_step", "gdn_conv_step"),
+                         ("blk.0.ssm_out", "gemv"), ("blk.0.ffn_gate_up", "gemv"), ("blk.0.ffn_down", "gemv")]
+    assert qwen35.layout(p, 248320, 4096)["conv"] == ((48, 4, 10240), "float32")
+    tiny = _params()
+    assert qwen35.layout(tiny, 512, 128)["conv"][0][1] == tiny.ssm_d_conv - 1
+    assert ("blk.0.ssm_conv", "conv_step") in qwen35.node_plan(tiny)
+    monkeypatch.setattr(eops, "GEMV_KQ_CONV", "1")
+    with pytest.raises(ConfigError, match="GGUF_HARNESS_GDN_CONV=1"):
+        switches.check()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_tensor_names_are_the_oracles(tied):
     from backends.engine import qwen35
@@ -338,6 +362,53 @@ def test_engine_matches_oracle(fixture, kq, request, monkeypatch):
         assert mine[i] == ids[i], f"greedy id {i}: engine {mine[i]} oracle {ids[i]}"
     assert len(set(ids)) > 1, "degenerate greedy output (synthetic model)"
     eng.close()
+
+
+@pytest.mark.gpu
+def test_gdn_early_and_conv_builds_are_bitwise_equal_in_the_step(synth_dir, monkeypatch):
+    """GGUF_HARNESS_GDN_EARLY / GGUF_HARNESS_GDN_CONV (deltanet_ops; the cluster step, so S = 128:
+    a 4-layer qwen35 of 3 DeltaNet layers + 1 attention layer at 256 wide, Hk 2, Hv 4, F32)
+    inside the whole step: the logits of prefill and 4 steps, after a reset, and of an eager run
+    equal the default build's bit for bit (the conv ring carried through the graph replays and
+    restarted by reset), and the default's prefill logits match the float64 oracle."""
+    from backends.engine import deltanet_ops as G
+    from harness.synth.qwen35 import Qwen35Shape, write_qwen35
+    path = synth_dir / "qwen35-s128-f32.gguf"
+    if not path.exists():
+        write_qwen35(path, Qwen35Shape(n_layer=4, n_embd=256, n_ff=512, n_vocab=512, n_head=4,
+                                       n_head_kv=2, head_dim=64, n_rot=16, rope_sections=(3, 3, 2, 0),
+                                       ssm_d_state=128, ssm_n_group=2, ssm_dt_rank=4), "F32", seed=3)
+    out = {}
+    for early, conv in (("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")):
+        monkeypatch.setattr(G, "GDN_EARLY", early)
+        monkeypatch.setattr(G, "GDN_CONV", conv)
+        eng = _engine(path)
+        kernels = [str(getattr(n.kernel, "name", "")) for n in eng.step_exec.nodes]
+        want = ("gdn_convstep_cs4_s128" if conv == "1" else "gdn_step_cs4_s128") + ("_e" if early == "1" else "")
+        assert kernels.count(want) == 3 and (kernels.count("gdn_conv_step_k4") == 3) == (conv == "0"), kernels
+        assert eng.bufs.arrays["conv"].shape == (3, 4 if conv == "1" else 3, 2 * 2 * 128 + 4 * 128)
+        logits0 = eng.prefill(PROMPT)
+        shas = [metrics.logits_sha256(logits0)]
+        for t in (5, 11, 200, 3):
+            shas.append(metrics.logits_sha256(eng.step(t)))
+        eng.reset()
+        again = [metrics.logits_sha256(eng.prefill(PROMPT))] + [metrics.logits_sha256(eng.step(t))
+                                                                 for t in (5, 11, 200, 3)]
+        assert again == shas, f"EARLY={early} CONV={conv}: not the same after a reset"
+        eng.bufs.state.set(np.array([7, eng.pos, 0, 0], np.int32), stream=eng.stream)
+        eng.step_exec.run_eager()
+        eng.stream.synchronize()
+        shas.append(metrics.logits_sha256(eng.bufs.logits.get()))
+        out[early, conv] = shas
+        eng.close()
+        if (early, conv) == ("0", "0"):
+            orc = _oracle(path)
+            orc.prefill(PROMPT)
+            r = orc.last_logits64
+            c = metrics.compare(r, np.asarray(logits0, np.float32))
+            assert c["max_abs"] <= 3e-4 * (r.max() - r.min()), c  # test_engine_matches_oracle's bound
+    for key, shas in out.items():
+        assert shas == out["0", "0"], f"EARLY, CONV = {key}: logits differ from the default's"
 
 
 @pytest.mark.gpu

@@ -46,7 +46,7 @@ def kernels_missing_wait(sources: dict[str, str]) -> list[str]:
         if not name_cu.endswith(".cu"):
             continue
         bodies = _bodies(text + "\n" + headers)
-        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)[\s\\]*)?([\w#]+)\s*\(", text):
+        for m in re.finditer(r"__global__\s+void\s+(?:__(?:launch_bounds|cluster_dims)__\([^)]*\)[\s\\]*)*([\w#]+)\s*\(", text):
             name = m.group(1)
             if name in PLAIN_ONLY:
                 continue

@@ -45,6 +45,41 @@ F32 = 0                       # GGML type id
 # 6403.9 us, -0.9 %; "" as unset); "0": gdn_step_s<S>_r<rows> (S = 64 always takes that).
 GDN_CSPLIT = os.environ.get("GGUF_HARNESS_GDN_CSPLIT", "1")
 GDN_CS = 4                    # blocks per head of gdn_step_cs4_s128
+# A/B builds of the cluster step (kernels/deltanet.cu 3.; same arithmetic, bitwise equal outputs
+# and states; "" reads as "0"):
+# GDN_EARLY "1": gdn_step_cs4_s128_e, the block's state rows loaded into registers before the PDL
+#   wait (not just prefetched into L2) and z with the other inputs, two L2 trips off the path.
+# GDN_CONV "1": the causal conv inside the step (gdn_convstep_cs4_s128[_e], gdn_conv_step below):
+#   the conv node goes, the conv state becomes a ring of K slots [K, C] indexed by the position.
+# Both need the cluster step (S = 128, GDN_CSPLIT on) and CONV K = 4; other shapes keep the
+# plain kernels and the conv node (qwen35-tiny, S = 64).
+GDN_EARLY = os.environ.get("GGUF_HARNESS_GDN_EARLY", "0")
+GDN_CONV = os.environ.get("GGUF_HARNESS_GDN_CONV", "0")
+
+
+def check_switches() -> None:
+    """Refuse bad GGUF_HARNESS_GDN_* values (backends/engine/switches.check calls this).
+    Raises ValueError naming the variable."""
+    for env, val in (("GGUF_HARNESS_GDN_CSPLIT", GDN_CSPLIT), ("GGUF_HARNESS_GDN_EARLY", GDN_EARLY),
+                     ("GGUF_HARNESS_GDN_CONV", GDN_CONV)):
+        if val not in ("", "0", "1"):
+            raise ValueError(f"{env}={val!r}: expected 0 or 1")
+    if GDN_CSPLIT == "0" and "1" in (GDN_EARLY, GDN_CONV):
+        raise ValueError("GGUF_HARNESS_GDN_EARLY / GGUF_HARNESS_GDN_CONV build the cluster step: "
+                         "not with GGUF_HARNESS_GDN_CSPLIT=0")
+
+
+def _cluster(S: int) -> bool:
+    """True when the S-wide step runs on the cluster kernels (GDN_CSPLIT on, S = 128)."""
+    return GDN_CSPLIT in ("", "1") and S == 128
+
+
+def conv_in_step(S: int, K: int) -> bool:
+    """True when GGUF_HARNESS_GDN_CONV=1 applies to a layer of head size S and conv width K:
+    the conv runs inside the step (gdn_conv_step) and the conv state is a ring [K, C]; False:
+    conv_step's node and its shifted state [K-1, C]. Raises ValueError on a bad switch value."""
+    check_switches()
+    return GDN_CONV == "1" and _cluster(S) and K == 4
 
 
 def kernel(name: str):
@@ -151,16 +186,16 @@ def gdn_step(name: str, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *
     o = M q / sqrt(S); out = o / rms(o) * norm_w * silu(z) (oracles.qwen35 _deltanet,
     llama.cpp qwen35.cpp build_layer_attn_linear, ggml ops.cpp gated_delta_net_one_chunk).
     Grid Hv blocks of 4*S threads (GGUF_HARNESS_GDN_CSPLIT unset or 1, the default, and S = 128: 4 Hv, a cluster of 4
-    blocks per head, `rows` unused). Raises ValueError on inconsistent shapes, dtypes,
-    alignment, S or rows not instantiated, Hv % Hk != 0, a GGUF_HARNESS_GDN_CSPLIT other than 0
-    or 1.
+    blocks per head, `rows` unused; GGUF_HARNESS_GDN_EARLY=1 takes its _e build). Raises
+    ValueError on inconsistent shapes, dtypes, alignment, S or rows not instantiated,
+    Hv % Hk != 0, a bad GGUF_HARNESS_GDN_* value (check_switches).
     """
     check_gdn_step(y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, Hk=Hk, Hv=Hv, S=S,
                    rows=rows)
-    if GDN_CSPLIT not in ("", "0", "1"):
-        raise ValueError(f"GGUF_HARNESS_GDN_CSPLIT={GDN_CSPLIT!r}: expected 0 or 1")
-    cs = GDN_CS if GDN_CSPLIT in ("", "1") and S == 128 else 1  # GGUF_HARNESS_GDN_CSPLIT ("": the default, on)
-    k = kernel(f"gdn_step_cs{cs}_s{S}" if cs > 1 else f"gdn_step_s{S}_r{rows}")
+    check_switches()
+    cs = GDN_CS if _cluster(S) else 1  # GGUF_HARNESS_GDN_CSPLIT ("": the default, on)
+    early = "_e" if GDN_EARLY == "1" else ""
+    k = kernel(f"gdn_step_cs{cs}_s{S}{early}" if cs > 1 else f"gdn_step_s{S}_r{rows}")
     state_bytes = 4 * Hv * S * S
     # state read + written; q, k (per value head, L2 hits after the first), v, z, out, gates
     nbytes = 2 * state_bytes + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S)
@@ -169,3 +204,41 @@ def gdn_step(name: str, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *
     return Node(name, "deltanet", k, (cs * Hv,), (step_threads(S),),
                 (y, z, alpha, beta, _arg(dt_bias), _arg(ssm_a), _arg(norm_w), state, out,
                  np.int32(Hk), np.float32(eps)), bytes=nbytes, flops=flops, out=out, fmt="F32")
+
+
+def gdn_conv_step(name: str, x, ring, w, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out,
+                  step_state, *, Hk: int, Hv: int, S: int, eps: float, K: int = 4) -> Node:
+    """conv_step and gdn_step in one node (GGUF_HARNESS_GDN_CONV=1; kernels/deltanet.cu 3.,
+    gdn_convstep_cs4_s128[_e]): the same values, bitwise, with the conv state kept as a ring.
+
+    x: float32 [C] attn_qkv projection; ring: float32 [K, C] conv state, slot s = the input of
+    the last position p with p % K == s (zeros after a reset; positions must advance by one per
+    step, as the engine's finish_step and prefill do), updated in place (slot step_state[1] % K);
+    w: ssm_conv1d.weight as conv_step; y: float32 [C], written = silu(conv) (as conv_step's y;
+    read by captures only); z .. out: as gdn_step; step_state: int32 [>= 2], step_state[1] the
+    position. Only S = 128, K = 4 and the cluster step (conv_in_step). Grid 4 Hv blocks of 4 S
+    threads. Raises ValueError as conv_step and gdn_step do, for a ring that is not [K, C], a
+    step state that is not int32 [>= 2], or a shape conv_in_step does not take.
+    """
+    C = 2 * Hk * S + Hv * S
+    check_array(ring, K * C, f"conv ring [K={K}, C={C}]")
+    check_conv_step(x, np.empty((K - 1) * C, np.float32), w, y, C=C, K=K)  # x, w, y (not the state)
+    pr = device_ptr(ring)
+    if pr is not None and pr in (device_ptr(x), device_ptr(y)):
+        raise ValueError("conv ring must not alias x or y")
+    check_gdn_step(y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, Hk=Hk, Hv=Hv, S=S)
+    if getattr(step_state, "dtype", None) != np.int32 or int(step_state.size) < 2:
+        raise ValueError(f"step state: expected an int32 array of >= 2 elements, got "
+                         f"{type(step_state).__name__} {getattr(step_state, 'dtype', None)}")
+    if not conv_in_step(S, K):
+        raise ValueError(f"gdn_conv_step: S={S}, K={K} with GGUF_HARNESS_GDN_CONV={GDN_CONV!r}, "
+                         f"GGUF_HARNESS_GDN_CSPLIT={GDN_CSPLIT!r}: needs S = 128, K = 4, both on")
+    k = kernel("gdn_convstep_cs4_s128" + ("_e" if GDN_EARLY == "1" else ""))
+    state_bytes = 4 * Hv * S * S
+    # the step's bytes (gdn_step) + the conv's: x, taps, K-1 ring slots read, one written, y
+    nbytes = 2 * state_bytes + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S) + 4 * C * (1 + K + K - 1 + 1 + 1)
+    flops = 2 * 4 * Hv * S * S + 2 * K * C
+    return Node(name, "deltanet", k, (GDN_CS * Hv,), (step_threads(S),),
+                (x, ring, _arg(w), y, step_state, np.int32(C), z, alpha, beta, _arg(dt_bias),
+                 _arg(ssm_a), _arg(norm_w), state, out, np.int32(Hk), np.float32(eps)),
+                bytes=nbytes, flops=flops, out=out, fmt="F32")

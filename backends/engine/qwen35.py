@@ -17,9 +17,10 @@ float64 reference oracles/qwen35.py, whose module doc lists the graph with llama
     logits = Wout . rmsnorm(x)*output_norm (Wout = token_embd when the file has no output.weight)
     next token = argmax(logits) on the device; position + 1.
 4 nodes per DeltaNet layer + 2 FFN (3 + 2 with GGUF_HARNESS_GEMV_KQ_CONV=1: the conv inside the
-ssm_in GEMV), 3 per attention layer + 2 FFN, + 4 (embed, head, argmax,
+ssm_in GEMV; 3 + 2 with GGUF_HARNESS_GDN_CONV=1: the conv inside the step, its state a ring
+[K, C]), 3 per attention layer + 2 FFN, + 4 (embed, head, argmax,
 finish). MTP blocks (n_nextn, after n_layer) are not loaded. The recurrent states (conv
-[Lr, K-1, C], delta rule [Lr, Hv, S, S], float32) are updated in place by their nodes, so the
+[Lr, K-1, C] or the ring [Lr, K, C], delta rule [Lr, Hv, S, S], float32) are updated in place by their nodes, so the
 step graph replays unchanged; Buffers.clear_recurrent zeroes them (load and reset).
 Buffer sizes and the node list come from Qwen35Params alone (layout(), node_plan(): no CuPy).
 """
@@ -111,7 +112,10 @@ def layout(p: Qwen35Params, n_vocab: int, n_ctx: int) -> dict[str, tuple]:
         # DeltaNet layers
         "qkv": ((C,), "float32"), "z": ((p.d_inner,), "float32"), "beta": ((hv,), "float32"),
         "alpha": ((hv,), "float32"), "y": ((C,), "float32"), "o": ((p.d_inner,), "float32"),
-        "conv": ((n_rec, p.ssm_d_conv - 1, C), "float32"),
+        # the conv state: shifted [K-1, C] (conv_step), or a ring [K, C] when the conv runs in the
+        # step (GGUF_HARNESS_GDN_CONV=1, deltanet_ops.gdn_conv_step)
+        "conv": ((n_rec, p.ssm_d_conv - (0 if deltanet_ops.conv_in_step(s, p.ssm_d_conv) else 1), C),
+                 "float32"),
         "ssm": ((n_rec, hv, s, s), "float32"),
     }
 
@@ -122,8 +126,10 @@ def node_plan(p: Qwen35Params) -> list[tuple[str, str]]:
     for il in range(p.n_layer):
         b = f"blk.{il}."
         if p.recurrent[il]:
-            out += [(b + "ssm_in", "gemv"), (b + "ssm_conv", "conv_step"),
-                    (b + "ssm_step", "gdn_step"), (b + "ssm_out", "gemv")]
+            out += [(b + "ssm_in", "gemv"), (b + "ssm_step", "gdn_conv_step"), (b + "ssm_out", "gemv")] \
+                if deltanet_ops.conv_in_step(p.ssm_d_state, p.ssm_d_conv) else \
+                [(b + "ssm_in", "gemv"), (b + "ssm_conv", "conv_step"),
+                 (b + "ssm_step", "gdn_step"), (b + "ssm_out", "gemv")]
         else:
             out += [(b + "qkv", "gemv"), (b + "attn", "gated_attention"),
                     (b + "attn_output", "gemv")]
@@ -173,6 +179,18 @@ def _deltanet(il: int, r: int, p: Qwen35Params, a: Arena, b: Buffers) -> list[No
     hk, hv, s, C = p.ssm_n_group, p.ssm_dt_rank, p.ssm_d_state, p.conv_dim
     proj = [ops.Seg(t("attn_qkv.weight"), b.qkv), ops.Seg(t("attn_gate.weight"), b.z),
             ops.Seg(t("ssm_beta.weight"), b.beta), ops.Seg(t("ssm_alpha.weight"), b.alpha)]
+    ssm_out = ops.gemv(pre + "ssm_out", "add", [ops.Seg(t("ssm_out.weight"), b.x)], b.o, p.d_inner)
+    if deltanet_ops.conv_in_step(s, p.ssm_d_conv):  # GGUF_HARNESS_GDN_CONV=1: the conv in the step
+        if ops.GEMV_KQ_CONV == "1":
+            raise ValueError("GGUF_HARNESS_GEMV_KQ_CONV=1 and GGUF_HARNESS_GDN_CONV=1 both move the "
+                             "conv (into ssm_in / into the step): set one")
+        ssm_in = ops.gemv(pre + "ssm_in", "store", proj, b.x, p.n_embd, t("attn_norm.weight"), p.eps)
+        return [ssm_in,
+                deltanet_ops.gdn_conv_step(pre + "ssm_step", b.qkv, b.conv[r], t("ssm_conv1d.weight"),
+                                           b.y, b.z, b.alpha, b.beta, t("ssm_dt.bias"), t("ssm_a"),
+                                           t("ssm_norm.weight"), b.ssm[r], b.o, b.state, Hk=hk,
+                                           Hv=hv, S=s, eps=p.eps, K=p.ssm_d_conv),
+                ssm_out]
     # GGUF_HARNESS_GEMV_KQ_CONV=1: ssm_in runs the conv too (ops.gemv conv=, kernels/gemv_kq.cu
     # KQ_CONV) when its build has it; else the conv node
     conv = (b.conv[r], t("ssm_conv1d.weight"), b.y, C) if p.ssm_d_conv == 4 else None  # KQ_CONV: K = 4
@@ -186,7 +204,7 @@ def _deltanet(il: int, r: int, p: Qwen35Params, a: Arena, b: Buffers) -> list[No
         deltanet_ops.gdn_step(pre + "ssm_step", b.y, b.z, b.alpha, b.beta, t("ssm_dt.bias"),
                               t("ssm_a"), t("ssm_norm.weight"), b.ssm[r], b.o, Hk=hk, Hv=hv,
                               S=s, eps=p.eps),
-        ops.gemv(pre + "ssm_out", "add", [ops.Seg(t("ssm_out.weight"), b.x)], b.o, p.d_inner),
+        ssm_out,
     ]
 
 

@@ -44,7 +44,7 @@ def check() -> None:
     """Refuse a bad engine switch value before a model is read or a weight uploaded: each switch of
     harness.machine.ENGINE_SWITCHES through its own validator where one exists without a GPU
     (module.diag_defines, module.gemv_pf_defines, ops.kv9_defines with its wide and queue builds,
-    the P2 routing, ops.tma_defines, gemv_mma's, the PDL mode, deltanet's GDN_CSPLIT, the
+    the P2 routing, ops.tma_defines, gemv_mma's, the PDL mode, deltanet's GDN_CSPLIT / _EARLY / _CONV, the
     attention splits), else by the values the engine's use of it accepts (tests/test_switches.py
     sets every one to a bad value). Raises harness.errors.ConfigError naming the variable (the
     validators' ValueError), which the CLI reports as an error line."""
@@ -57,13 +57,16 @@ def check() -> None:
         ops.tma_defines()
         gemv_mma.mma_defines()
         gemv_mma.mma_types()
+        deltanet_ops.check_switches()  # GDN_CSPLIT, GDN_EARLY, GDN_CONV and their combination
+        if ops.GEMV_KQ_CONV == "1" and deltanet_ops.GDN_CONV == "1":
+            raise ValueError("GGUF_HARNESS_GEMV_KQ_CONV=1 and GGUF_HARNESS_GDN_CONV=1 both move the "
+                             "conv (into ssm_in / into the step): set one")
         for env, val, ok in (("GGUF_HARNESS_GEMV_KQ_MIXED", ops.GEMV_KQ_MIXED, ("split", "beside", "one")),
                              ("GGUF_HARNESS_GEMV_KQ_Q0", ops.GEMV_KQ_Q0, ("0", "1")),
                              ("GGUF_HARNESS_GEMV_KQ_IQ3S", ops.GEMV_KQ_IQ3S, ("0", "1")),
                              ("GGUF_HARNESS_GEMV_KQ_IQ3S_GRID", ops.GEMV_KQ_IQ3S_GRID, ("",) + ops.KQ_IQ3S_GRIDS),
                              ("GGUF_HARNESS_GEMV_TMA", ops.GEMV_TMA, ("", "0", "1")),
                              ("GGUF_HARNESS_PDL", launch.MODE, ("on", "off")),
-                             ("GGUF_HARNESS_GDN_CSPLIT", deltanet_ops.GDN_CSPLIT, ("", "0", "1")),
                              ("GGUF_HARNESS_GEMV", ops.GEMV_IMPL, ops.GEMV_IMPLS),
                              ("GGUF_HARNESS_GEMV_ARGS", ops.GEMV_ARGS, ("value", "pointer")),
                              ("GGUF_HARNESS_GEMV_KQ", ops.GEMV_KQ, ops.GEMV_KQ_MODES),

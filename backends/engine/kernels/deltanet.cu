@@ -140,6 +140,10 @@ __device__ __forceinline__ void gdn_gates(const float* alpha, const float* beta_
     b = 1.f / (1.f + expf(-beta_in[h]));
 }
 
+template <int S>
+__device__ __forceinline__ void gdn_norm_qk(float val, float eps, int tid, int lane, int warp, float* qs,
+                                            float* ks, float* red);
+
 // B. q, k of key head hk L2-normalised into qs, ks (threads [0, S) and [S, 2S)), and the NV values
 // v[h S + v0 ...] staged into vs by threads [2S, 2S + NV). Ends with a barrier.
 template <int S, int NV>
@@ -151,6 +155,14 @@ __device__ __forceinline__ void gdn_stage_qkv(const float* y, int n_k_heads, int
     if (tid < S) val = y[hk * S + tid];
     else if (tid < 2 * S) val = y[ck + hk * S + (tid - S)];
     else if (tid < 2 * S + NV) vs[tid - 2 * S] = y[2 * ck + h * S + v0 + (tid - 2 * S)];
+    gdn_norm_qk<S>(val, eps, tid, lane, warp, qs, ks, red);
+}
+
+// B, second half: thread tid < S holds q[tid], S <= tid < 2S holds k[tid - S] (val; 0 on the other
+// threads); both L2-normalised into qs, ks. Ends with a barrier (vs staged before it is complete too).
+template <int S>
+__device__ __forceinline__ void gdn_norm_qk(float val, float eps, int tid, int lane, int warp, float* qs,
+                                            float* ks, float* red) {
     const float ss = warp_sum(val * val);  // warps never straddle the halves (S % 32 == 0)
     if (lane == 0) red[warp] = ss;
     __syncthreads();
@@ -166,18 +178,20 @@ __device__ __forceinline__ void gdn_stage_qkv(const float* y, int n_k_heads, int
     __syncthreads();
 }
 
-// C. R rows of M in flight for one lane group: row lr[r] = row_of(r) of M (a head's state, or the
-// block's first row of it), also its index in vs / os (see above for the algebra). k4, q4: the lane's columns of k and q; kq = k . q.
-template <int LPR, int R, class RowOf>
-__device__ __forceinline__ void gdn_rows(float* M, int S, RowOf row_of, int c4, float4 k4, float4 q4,
-                                         float kq, float e, float b, float scale, const float* vs, float* os) {
-    float4 m[R];
-    int lr[R];
+// C. R rows of M in flight for one lane group: row row_of(r) of M (a head's state, or the block's
+// first row of it), also its index in vs / os (see above for the algebra). gdn_rows_load takes the
+// rows into registers (m), gdn_rows_update reduces, updates and stores them. k4, q4: the lane's
+// columns of k and q; kq = k . q.
+template <int R, class RowOf>
+__device__ __forceinline__ void gdn_rows_load(const float* M, int S, RowOf row_of, int c4, float4 (&m)[R]) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        lr[r] = row_of(r);
-        m[r] = __ldcg((const float4*)(M + (size_t)lr[r] * S) + c4);
-    }
+    for (int r = 0; r < R; ++r) m[r] = __ldcg((const float4*)(M + (size_t)row_of(r) * S) + c4);
+}
+
+template <int LPR, int R, class RowOf>
+__device__ __forceinline__ void gdn_rows_update(float* M, int S, RowOf row_of, int c4, const float4 (&m)[R],
+                                                float4 k4, float4 q4, float kq, float e, float b, float scale,
+                                                const float* vs, float* os) {
     float pk[R], pq[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -194,15 +208,24 @@ __device__ __forceinline__ void gdn_rows(float* M, int S, RowOf row_of, int c4, 
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const float delta = b * (vs[lr[r]] - e * pk[r]);
+        const int lr = row_of(r);
+        const float delta = b * (vs[lr] - e * pk[r]);
         float4 n;
         n.x = fmaf(delta, k4.x, e * m[r].x);
         n.y = fmaf(delta, k4.y, e * m[r].y);
         n.z = fmaf(delta, k4.z, e * m[r].z);
         n.w = fmaf(delta, k4.w, e * m[r].w);
-        __stcg((float4*)(M + (size_t)lr[r] * S) + c4, n);
-        if (c4 == 0) os[lr[r]] = fmaf(delta, kq, e * pq[r]) * scale;
+        __stcg((float4*)(M + (size_t)lr * S) + c4, n);
+        if (c4 == 0) os[lr] = fmaf(delta, kq, e * pq[r]) * scale;
     }
+}
+
+template <int LPR, int R, class RowOf>
+__device__ __forceinline__ void gdn_rows(float* M, int S, RowOf row_of, int c4, float4 k4, float4 q4,
+                                         float kq, float e, float b, float scale, const float* vs, float* os) {
+    float4 m[R];
+    gdn_rows_load<R>(M, S, row_of, c4, m);
+    gdn_rows_update<LPR, R>(M, S, row_of, c4, m, k4, q4, kq, e, b, scale, vs, os);
 }
 
 template <int S, int R>
@@ -288,15 +311,50 @@ GDN_STEP_KERNEL(128, 8)
 //    (p0 + p2) + (p1 + p3), and writes its 32 outputs. Per-row arithmetic, row order of the sums
 //    and that total are gdn_step_s128_r<R>'s, so the outputs and the state are bitwise equal.
 // ----------------------------------------------------------------------------------------
-template <int S, int CS>
+//
+//    Two variants of it (A/B builds, deltanet_ops GGUF_HARNESS_GDN_EARLY / GGUF_HARNESS_GDN_CONV;
+//    same arithmetic in the same order, so outputs and states are bitwise gdn_step_cs4_s128's):
+//    EARLY (kernels *_e): each lane group's R rows are loaded into registers before the PDL wait
+//      (instead of the L2 prefetch: the state is written only by this node at an earlier step,
+//      the same argument), and z right after it with the other inputs, so neither L2 trip is
+//      on the path after the wait.
+//    CONV (gdn_convstep_cs4_s128*): the causal conv of section 1 runs here and the conv node
+//      goes. A block needs q and k of its key head (2 S channels) and its ROWS channels of v:
+//      thread tid < 2 S + ROWS takes one channel, its K = 4 taps and K-1 state values loaded
+//      before the PDL wait, the projection x[c] after it, y[c] = silu(sum) in section 1's order.
+//      Every q/k channel is computed by the 3 x CS blocks of its key head's value heads, so the
+//      shifted state of section 1 would race (a block could shift a column another block has
+//      not read yet). The conv state is instead a ring of K slots [K, C]: slot s holds the input
+//      of the last position p with p % K == s; at position p (step state[1]) the K-1 inputs
+//      before it are slots (p + 1 + i) % K, i < K-1 (oldest first), and x is written to slot
+//      p % K, which no block reads at position p. One block writes each channel's slot and y
+//      (y is kept for captures): q/k by cluster rank 0 of value head h == hk, v by its block.
+//      After a reset the ring is zeros, as section 1's state; positions must then advance by one
+//      per step (the engine's finish_step and prefill do). K-1 state values and the position
+//      are read before the PDL wait: written by this node at earlier steps and by the step's
+//      start (host or finish_step), both complete before this node can launch.
+// ----------------------------------------------------------------------------------------
+// Conv inputs of the CONV variant: x [C] (attn_qkv projection), ring [K, C], taps w [C, K],
+// y [C] (written: silu(conv)), step (int32: step[1] = position), C channels.
+struct GdnConv {
+    const float* x;
+    float* ring;
+    const float* w;
+    float* y;
+    const int* step;
+    int C;
+};
+
+template <int S, int CS, bool CONV, bool EARLY>
 __device__ void gdn_step_cs_body(const float* y, const float* z, const float* alpha,
                                  const float* beta_in, const float* __restrict__ dt_bias,
                                  const float* __restrict__ ssm_a, const float* __restrict__ norm_w,
-                                 float* state, float* out, int n_k_heads, float eps) {
+                                 float* state, float* out, int n_k_heads, float eps, GdnConv cv) {
     constexpr int NW = S / 8, NT = NW * 32;  // as gdn_step_body
     constexpr int LPR = S / 4, RPW = 32 / LPR;
     constexpr int ROWS = S / CS;             // this block's rows of the head
     constexpr int R = ROWS / (NW * RPW);     // rows per lane group, one pass
+    constexpr int KC = 4;                    // CONV: taps (gdn_convstep_* are K = 4 only)
     static_assert(S == 128 && CS == 4 && ROWS == 32 && R * NW * RPW == ROWS,
                   "one warp's worth of rows per block: the mean square adds warp partials as block_sum");
     static_assert(2 * S + ROWS <= NT, "q, k and the block's v staging");
@@ -309,24 +367,61 @@ __device__ void gdn_step_cs_body(const float* y, const float* z, const float* al
     float* M = state + (size_t)h * S * S;
     cluster_arrive_relaxed();  // paired with the wait before the DSMEM stores
 
-    for (int l = tid; l < ROWS * S / 32; l += NT) asm volatile("prefetch.global.L2 [%0];" ::"l"(M + (size_t)j0 * S + 32 * l));
+    const int c4 = lane % LPR, sub = lane / LPR;
+    const auto row_of = [&](int r) { return (warp * R + r) * RPW + sub; };  // local rows (of vs, os)
+    float4 m[R];
+    if constexpr (EARLY) gdn_rows_load<R>(M + (size_t)j0 * S, S, row_of, c4, m);
+    else
+        for (int l = tid; l < ROWS * S / 32; l += NT) asm volatile("prefetch.global.L2 [%0];" ::"l"(M + (size_t)j0 * S + 32 * l));
     const float a = ssm_a[h], dtb = dt_bias[h];
     const float wn = tid < ROWS ? norm_w[j0 + tid] : 0.f;
-    pdl_wait();     // y (conv node, or ssm_in with KQ_CONV), z, alpha, beta (GEMV nodes) come from earlier kernels
+    int c = -1, pos = 0;  // CONV: this thread's channel (-1: none), the position
+    float xp[KC], wr[KC];
+    if constexpr (CONV) {
+        const int ck = n_k_heads * S;
+        c = tid < S ? hk * S + tid : tid < 2 * S ? ck + hk * S + (tid - S)
+          : tid < 2 * S + ROWS ? 2 * ck + h * S + j0 + (tid - 2 * S) : -1;
+        pos = cv.step[1];
+        if (c >= 0) {
+            const float4 t = *((const float4*)cv.w + c);
+            wr[0] = t.x; wr[1] = t.y; wr[2] = t.z; wr[3] = t.w;
+#pragma unroll
+            for (int i = 0; i < KC - 1; ++i) xp[i] = cv.ring[(size_t)((pos + 1 + i) & (KC - 1)) * cv.C + c];
+        }
+    }
+    pdl_wait();     // y (conv node, or ssm_in with KQ_CONV) or x (CONV), z, alpha, beta come from earlier kernels
     pdl_trigger();  // the ssm_out GEMV may launch and prefetch its weights
+    float zz = 0.f;
+    if constexpr (EARLY) zz = tid < ROWS ? z[h * S + j0 + tid] : 0.f;
 
     float e, b;  // A. gates, as gdn_step_body
     gdn_gates(alpha, beta_in, h, a, dtb, e, b);
     // B. q, k of key head hk normalised (as gdn_step_body); v of this block's rows
-    gdn_stage_qkv<S, ROWS>(y, n_k_heads, h, hk, j0, eps, tid, lane, warp, qs, ks, vs, red);
+    if constexpr (CONV) {
+        float val = 0.f;
+        if (c >= 0) {
+            xp[KC - 1] = cv.x[c];
+            float acc = 0.f;
+#pragma unroll
+            for (int i = 0; i < KC; ++i) acc = fmaf(xp[i], wr[i], acc);  // section 1's order
+            val = silu(acc);
+            if (tid >= 2 * S || (h < n_k_heads && q == 0)) {  // the channel's one writer
+                cv.ring[(size_t)(pos & (KC - 1)) * cv.C + c] = xp[KC - 1];
+                cv.y[c] = val;
+            }
+            if (tid >= 2 * S) vs[tid - 2 * S] = val;
+        }
+        gdn_norm_qk<S>(tid < 2 * S ? val : 0.f, eps, tid, lane, warp, qs, ks, red);
+    } else {
+        gdn_stage_qkv<S, ROWS>(y, n_k_heads, h, hk, j0, eps, tid, lane, warp, qs, ks, vs, red);
+    }
 
     // C. the delta rule on rows j0 + [0, ROWS), all R rows of a lane group in flight
-    const int c4 = lane % LPR, sub = lane / LPR;
     const float4 k4 = ((const float4*)ks)[c4], q4 = ((const float4*)qs)[c4];
     const float kq = group_sum<LPR>(dot4(k4, q4));
     const float scale = 1.f / sqrtf((float)S);
-    // local rows (of vs, os); state rows j0 + those
-    gdn_rows<LPR, R>(M + (size_t)j0 * S, S, [&](int r) { return (warp * R + r) * RPW + sub; }, c4, k4, q4, kq, e, b, scale, vs, os);
+    if constexpr (!EARLY) gdn_rows_load<R>(M + (size_t)j0 * S, S, row_of, c4, m);
+    gdn_rows_update<LPR, R>(M + (size_t)j0 * S, S, row_of, c4, m, k4, q4, kq, e, b, scale, vs, os);
 
     // D. gated RMS norm across the cluster
     __syncthreads();  // os complete
@@ -339,14 +434,28 @@ __device__ void gdn_step_cs_body(const float* y, const float* z, const float* al
     cluster_sync();
     const float ms = ((msp[0] + msp[2]) + (msp[1] + msp[3])) * (1.f / S);
     if (tid < ROWS) {
-        const float zz = z[h * S + j0 + tid];
+        if constexpr (!EARLY) zz = z[h * S + j0 + tid];
         out[h * S + j0 + tid] = o / sqrtf(ms + eps) * wn * silu(zz);
     }
 }
 
 // grid 4 Hv (a cluster of 4 blocks per value head), 4 S threads per block
+#define GDN_CS_ARGS const float* z, const float* alpha, const float* beta_in, const float* dt_bias, \
+    const float* ssm_a, const float* norm_w, float* state, float* out, int n_k_heads, float eps
 extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128 * 4) gdn_step_cs4_s128(
-    const float* y, const float* z, const float* alpha, const float* beta_in, const float* dt_bias,
-    const float* ssm_a, const float* norm_w, float* state, float* out, int n_k_heads, float eps) {
-    gdn_step_cs_body<128, 4>(y, z, alpha, beta_in, dt_bias, ssm_a, norm_w, state, out, n_k_heads, eps);
+    const float* y, GDN_CS_ARGS) {
+    gdn_step_cs_body<128, 4, false, false>(y, z, alpha, beta_in, dt_bias, ssm_a, norm_w, state, out, n_k_heads, eps, GdnConv{});
 }
+extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128 * 4) gdn_step_cs4_s128_e(
+    const float* y, GDN_CS_ARGS) {
+    gdn_step_cs_body<128, 4, false, true>(y, z, alpha, beta_in, dt_bias, ssm_a, norm_w, state, out, n_k_heads, eps, GdnConv{});
+}
+// CONV: x [C] the attn_qkv projection, ring [4, C], w [C, 4], y [C] written, step[1] the position
+#define GDN_CONVSTEP_KERNEL(SUFFIX, EARLY)                                                         \
+    extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128 * 4) gdn_convstep_cs4_s128##SUFFIX( \
+        const float* x, float* ring, const float* w, float* y, const int* step, int C, GDN_CS_ARGS) { \
+        gdn_step_cs_body<128, 4, true, EARLY>(nullptr, z, alpha, beta_in, dt_bias, ssm_a, norm_w,  \
+                                              state, out, n_k_heads, eps, GdnConv{x, ring, w, y, step, C}); \
+    }
+GDN_CONVSTEP_KERNEL(, false)
+GDN_CONVSTEP_KERNEL(_e, true)
