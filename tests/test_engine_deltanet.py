@@ -510,9 +510,9 @@ def test_gdn_early_and_conv_builds_are_bitwise_equal_to_the_cluster_step(monkeyp
             node, ring, st = _ring_node(cp, G, d, L, p0)
             assert node.kernel.name == "gdn_convstep_cs4_s128" + ("_e" if early == "1" else "")
 
-            def ordered():  # after the step at pos[0] - 1: slots (pos[0] + i) % K, oldest first
+            def ordered():  # what the step at position pos[0] (the next) reads: slots (pos[0] + 1 + i) % K
                 r = ring.get()
-                return np.stack([r[(pos[0] + i) % L.K] for i in range(L.K - 1)])
+                return np.stack([r[(pos[0] + 1 + i) % L.K] for i in range(L.K - 1)])
 
             def run():
                 st[1] = pos[0]
