@@ -427,6 +427,7 @@ def test_gdn_csplit_routing(monkeypatch):
     asked = []
     monkeypatch.setattr(G, "kernel", lambda name: asked.append(name) or NS(name=name))
     monkeypatch.setattr(G, "_arg", lambda t: t)
+    monkeypatch.setattr(G, "GDN_EARLY", "0")  # the cluster step's plain build (EARLY: its own test)
     for (Hk, Hv, S), on, want, grid in (((16, 48, 128), "1", "gdn_step_cs4_s128", 4 * 48),
                                         ((16, 48, 128), "", "gdn_step_cs4_s128", 4 * 48),  # "": the default
                                         ((16, 48, 128), "0", "gdn_step_s128_r2", 48),
@@ -453,6 +454,7 @@ def test_gdn_csplit_is_bitwise_equal_to_the_step_kernel(monkeypatch):
     cp = cupy_or_skip()
     from backends.engine import deltanet_ops as G
     got = {}
+    monkeypatch.setattr(G, "GDN_EARLY", "0")  # the plain cluster build (EARLY's: the test below)
     for on in ("0", "1"):
         monkeypatch.setattr(G, "GDN_CSPLIT", on)
         L = Layer(**SHAPES["27b"], seed=77, state_scale=0.3)
@@ -537,10 +539,11 @@ def test_gdn_early_and_conv_builds_are_bitwise_equal_to_the_cluster_step(monkeyp
 
 
 def test_gdn_early_and_conv_routing(monkeypatch):
-    """GGUF_HARNESS_GDN_EARLY / _CONV (deltanet_ops): the cluster step's _e build; the conv in the
+    """GGUF_HARNESS_GDN_EARLY / _CONV (deltanet_ops): the cluster step's _e build (EARLY on or "", the
+    default; 0 the plain build; ignored with GDN_CSPLIT=0); the conv in the
     step only at S = 128, K = 4 with the cluster step (conv_in_step), its node's kernel, grid and
     argument order (x, ring, w, y, step state, C, then gdn_step's); the ring must be [K, C] and
-    the step state int32; bad values and CSPLIT=0 with either switch are refused."""
+    the step state int32; bad values and CONV=1 with CSPLIT=0 are refused."""
     from types import SimpleNamespace as NS
     from backends.engine import deltanet_ops as G
     monkeypatch.setattr(G, "kernel", lambda name: NS(name=name))
@@ -548,14 +551,16 @@ def test_gdn_early_and_conv_routing(monkeypatch):
     Hk, Hv, S, K = 16, 48, 128, 4
     C, conv, step = _cpu_args(Hk, Hv, S, K)
     ring, st = np.zeros((K, C), np.float32), np.zeros(4, np.int32)
+    for early, name in (("1", "gdn_step_cs4_s128_e"), ("", "gdn_step_cs4_s128_e"), ("0", "gdn_step_cs4_s128")):
+        monkeypatch.setattr(G, "GDN_EARLY", early)
+        assert G.gdn_step("g", **step, Hk=Hk, Hv=Hv, S=S, eps=EPS).kernel.name == name
     monkeypatch.setattr(G, "GDN_EARLY", "1")
-    assert G.gdn_step("g", **step, Hk=Hk, Hv=Hv, S=S, eps=EPS).kernel.name == "gdn_step_cs4_s128_e"
     small = _cpu_args(2, 4, 64, 4)[2]
     assert G.gdn_step("g", **small, Hk=2, Hv=4, S=64, eps=EPS).kernel.name == "gdn_step_s64_r2"
     assert not G.conv_in_step(S, K)
     monkeypatch.setattr(G, "GDN_CONV", "1")
     assert G.conv_in_step(128, 4) and not G.conv_in_step(64, 4) and not G.conv_in_step(128, 3)
-    for early, name in (("0", "gdn_convstep_cs4_s128"), ("1", "gdn_convstep_cs4_s128_e"), ("", "gdn_convstep_cs4_s128")):
+    for early, name in (("0", "gdn_convstep_cs4_s128"), ("1", "gdn_convstep_cs4_s128_e"), ("", "gdn_convstep_cs4_s128_e")):
         monkeypatch.setattr(G, "GDN_EARLY", early)
         n = G.gdn_conv_step("g", conv["x"], ring, conv["w"], step["y"], step["z"], step["alpha"],
                             step["beta"], step["dt_bias"], step["ssm_a"], step["norm_w"], step["state"],
@@ -586,8 +591,8 @@ def test_gdn_early_and_conv_routing(monkeypatch):
     with pytest.raises(ValueError, match="GDN_CSPLIT=0"):
         G.check_switches()
     monkeypatch.setattr(G, "GDN_CONV", "0")
-    monkeypatch.setattr(G, "GDN_EARLY", "0")
-    G.check_switches()
+    G.check_switches()  # EARLY on (the default) with CSPLIT=0: ignored, the one-block step
+    assert G.gdn_step("g", **step, Hk=Hk, Hv=Hv, S=S, eps=EPS).kernel.name == "gdn_step_s128_r2"
 
 
 def test_cluster_step_kernels_pass_the_pdl_contract_scan():

@@ -45,15 +45,18 @@ F32 = 0                       # GGML type id
 # 6403.9 us, -0.9 %; "" as unset); "0": gdn_step_s<S>_r<rows> (S = 64 always takes that).
 GDN_CSPLIT = os.environ.get("GGUF_HARNESS_GDN_CSPLIT", "1")
 GDN_CS = 4                    # blocks per head of gdn_step_cs4_s128
-# A/B builds of the cluster step (kernels/deltanet.cu 3.; same arithmetic, bitwise equal outputs
-# and states; "" reads as "0"):
-# GDN_EARLY "1": gdn_step_cs4_s128_e, the block's state rows loaded into registers before the PDL
-#   wait (not just prefetched into L2) and z with the other inputs, two L2 trips off the path.
-# GDN_CONV "1": the causal conv inside the step (gdn_convstep_cs4_s128[_e], gdn_conv_step below):
-#   the conv node goes, the conv state becomes a ring of K slots [K, C] indexed by the position.
-# Both need the cluster step (S = 128, GDN_CSPLIT on) and CONV K = 4; other shapes keep the
-# plain kernels and the conv node (qwen35-tiny, S = 64).
-GDN_EARLY = os.environ.get("GGUF_HARNESS_GDN_EARLY", "0")
+# Builds of the cluster step (kernels/deltanet.cu 3.; same arithmetic, bitwise equal outputs and
+# states):
+# GDN_EARLY "1" (the default since session 27; "" reads as 1): gdn_step_cs4_s128_e, the block's
+#   state rows loaded into registers before the PDL wait (not just prefetched into L2) and z with
+#   the other inputs, two L2 trips off the path (H200, 27B c = 2048, one machine start, three
+#   pairs: the step -0.54 %, ssm_step 4.56 -> 3.57 us per layer); "0": gdn_step_cs4_s128.
+#   Ignored with GDN_CSPLIT=0 (the one-block step has no such build).
+# GDN_CONV "1" (A/B, off; "" reads as 0): the causal conv inside the step (gdn_convstep_cs4_s128[_e],
+#   gdn_conv_step below): the conv node goes, the conv state becomes a ring of K slots [K, C]
+#   indexed by the position. Needs the cluster step (S = 128, GDN_CSPLIT on) and K = 4; other
+#   shapes keep the conv node (qwen35-tiny, S = 64).
+GDN_EARLY = os.environ.get("GGUF_HARNESS_GDN_EARLY", "1")
 GDN_CONV = os.environ.get("GGUF_HARNESS_GDN_CONV", "0")
 
 
@@ -64,9 +67,14 @@ def check_switches() -> None:
                      ("GGUF_HARNESS_GDN_CONV", GDN_CONV)):
         if val not in ("", "0", "1"):
             raise ValueError(f"{env}={val!r}: expected 0 or 1")
-    if GDN_CSPLIT == "0" and "1" in (GDN_EARLY, GDN_CONV):
-        raise ValueError("GGUF_HARNESS_GDN_EARLY / GGUF_HARNESS_GDN_CONV build the cluster step: "
-                         "not with GGUF_HARNESS_GDN_CSPLIT=0")
+    if GDN_CSPLIT == "0" and GDN_CONV == "1":
+        raise ValueError("GGUF_HARNESS_GDN_CONV=1 builds the conv into the cluster step: not with "
+                         "GGUF_HARNESS_GDN_CSPLIT=0")
+
+
+def _early() -> str:
+    """Kernel name suffix of the cluster step's build: "_e" with GDN_EARLY on (the default)."""
+    return "_e" if GDN_EARLY in ("", "1") else ""
 
 
 def _cluster(S: int) -> bool:
@@ -186,7 +194,7 @@ def gdn_step(name: str, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *
     o = M q / sqrt(S); out = o / rms(o) * norm_w * silu(z) (oracles.qwen35 _deltanet,
     llama.cpp qwen35.cpp build_layer_attn_linear, ggml ops.cpp gated_delta_net_one_chunk).
     Grid Hv blocks of 4*S threads (GGUF_HARNESS_GDN_CSPLIT unset or 1, the default, and S = 128: 4 Hv, a cluster of 4
-    blocks per head, `rows` unused; GGUF_HARNESS_GDN_EARLY=1 takes its _e build). Raises
+    blocks per head, `rows` unused; its _e build unless GGUF_HARNESS_GDN_EARLY=0). Raises
     ValueError on inconsistent shapes, dtypes, alignment, S or rows not instantiated,
     Hv % Hk != 0, a bad GGUF_HARNESS_GDN_* value (check_switches).
     """
@@ -194,8 +202,7 @@ def gdn_step(name: str, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *
                    rows=rows)
     check_switches()
     cs = GDN_CS if _cluster(S) else 1  # GGUF_HARNESS_GDN_CSPLIT ("": the default, on)
-    early = "_e" if GDN_EARLY == "1" else ""
-    k = kernel(f"gdn_step_cs{cs}_s{S}{early}" if cs > 1 else f"gdn_step_s{S}_r{rows}")
+    k = kernel(f"gdn_step_cs{cs}_s{S}{_early()}" if cs > 1 else f"gdn_step_s{S}_r{rows}")
     state_bytes = 4 * Hv * S * S
     # state read + written; q, k (per value head, L2 hits after the first), v, z, out, gates
     nbytes = 2 * state_bytes + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S)
@@ -233,7 +240,7 @@ def gdn_conv_step(name: str, x, ring, w, y, z, alpha, beta, dt_bias, ssm_a, norm
     if not conv_in_step(S, K):
         raise ValueError(f"gdn_conv_step: S={S}, K={K} with GGUF_HARNESS_GDN_CONV={GDN_CONV!r}, "
                          f"GGUF_HARNESS_GDN_CSPLIT={GDN_CSPLIT!r}: needs S = 128, K = 4, both on")
-    k = kernel("gdn_convstep_cs4_s128" + ("_e" if GDN_EARLY == "1" else ""))
+    k = kernel("gdn_convstep_cs4_s128" + _early())
     state_bytes = 4 * Hv * S * S
     # the step's bytes (gdn_step) + the conv's: x, taps, K-1 ring slots read, one written, y
     nbytes = 2 * state_bytes + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S) + 4 * C * (1 + K + K - 1 + 1 + 1)

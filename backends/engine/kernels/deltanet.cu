@@ -452,7 +452,7 @@ extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128 * 4) 
 }
 // CONV: x [C] the attn_qkv projection, ring [4, C], w [C, 4], y [C] written, step[1] the position
 #define GDN_CONVSTEP_KERNEL(SUFFIX, EARLY)                                                         \
-    extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128 * 4) gdn_convstep_cs4_s128##SUFFIX( \
+    extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128 * 4, 4) gdn_convstep_cs4_s128##SUFFIX( \
         const float* x, float* ring, const float* w, float* y, const int* step, int C, GDN_CS_ARGS) { \
         gdn_step_cs_body<128, 4, true, EARLY>(nullptr, z, alpha, beta_in, dt_bias, ssm_a, norm_w,  \
                                               state, out, n_k_heads, eps, GdnConv{x, ring, w, y, step, C}); \
