@@ -312,14 +312,15 @@ GDN_STEP_KERNEL(128, 8)
 //    and that total are gdn_step_s128_r<R>'s, so the outputs and the state are bitwise equal.
 // ----------------------------------------------------------------------------------------
 //
-//    Two variants of it (A/B builds, deltanet_ops GGUF_HARNESS_GDN_EARLY / GGUF_HARNESS_GDN_CONV;
-//    same arithmetic in the same order, so outputs and states are bitwise gdn_step_cs4_s128's):
-//    EARLY (kernels *_e): each lane group's R rows are loaded into registers before the PDL wait
-//      (instead of the L2 prefetch: the state is written only by this node at an earlier step,
-//      the same argument), and z right after it with the other inputs, so neither L2 trip is
-//      on the path after the wait.
-//    CONV (gdn_convstep_cs4_s128*): the causal conv of section 1 runs here and the conv node
-//      goes. A block needs q and k of its key head (2 S channels) and its ROWS channels of v:
+//    Two variants of it (deltanet_ops GGUF_HARNESS_GDN_EARLY / GGUF_HARNESS_GDN_CONV; same
+//    arithmetic in the same order, so outputs and states are bitwise gdn_step_cs4_s128's: GPU
+//    test passed on the H200, session 27, with the figures in DELTANET.md):
+//    EARLY (kernels *_e; the default since session 27, the 27B step -0.5 %): each lane group's R
+//      rows are loaded into registers before the PDL wait (instead of the L2 prefetch: the state
+//      is written only by this node at an earlier step, the same argument), and z right after it
+//      with the other inputs, so neither L2 trip is on the path after the wait.
+//    CONV (gdn_convstep_cs4_s128*; an A/B, measured slower: the step +0.5 %): the causal conv of
+//      section 1 runs here and the conv node goes. A block needs q and k of its key head (2 S channels) and its ROWS channels of v:
 //      thread tid < 2 S + ROWS takes one channel, its K = 4 taps and K-1 state values loaded
 //      before the PDL wait, the projection x[c] after it, y[c] = silu(sum) in section 1's order.
 //      Every q/k channel is computed by the 3 x CS blocks of its key head's value heads, so the
