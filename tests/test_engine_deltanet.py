@@ -607,3 +607,17 @@ def test_cluster_step_kernels_pass_the_pdl_contract_scan():
     missing = sorted(kernels_missing_wait({"deltanet.cu": broken, **headers}))
     # the two conv kernels come from one macro, named by its pattern
     assert missing == ["gdn_convstep_cs4_s128##SUFFIX", "gdn_step_cs4_s128", "gdn_step_cs4_s128_e"], missing
+
+
+def test_empty_gdn_switches_read_as_their_defaults():
+    """GGUF_HARNESS_GDN_EARLY= / GGUF_HARNESS_GDN_CONV= (set but empty) run the defaults, and the
+    module variables that results record (switches.effective) say so: "1" and "0", not "" (an empty
+    record made `harness ab` print a switch change between two runs of one build)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, GGUF_HARNESS_GDN_EARLY="", GGUF_HARNESS_GDN_CONV="")
+    code = ("from backends.engine import deltanet_ops as G, switches as W; e = W.effective(); "
+            "print(G.GDN_EARLY, G.GDN_CONV, e['GGUF_HARNESS_GDN_EARLY'], e['GGUF_HARNESS_GDN_CONV'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "0", "1", "0"], out

@@ -49,15 +49,15 @@ GDN_CS = 4                    # blocks per head of gdn_step_cs4_s128
 # states):
 # GDN_EARLY "1" (the default since session 27; "" reads as 1): gdn_step_cs4_s128_e, the block's
 #   state rows loaded into registers before the PDL wait (not just prefetched into L2) and z with
-#   the other inputs, two L2 trips off the path (H200, 27B c = 2048, one machine start, three
-#   pairs: the step -0.54 %, ssm_step 4.56 -> 3.57 us per layer); "0": gdn_step_cs4_s128.
+#   the other inputs, two L2 trips off the path (H200, 27B c = 2048, two machine starts, five
+#   pairs: the step -0.49 to -0.65 %, ssm_step 4.57 -> 3.56 us per layer); "0": gdn_step_cs4_s128.
 #   Ignored with GDN_CSPLIT=0 (the one-block step has no such build).
-# GDN_CONV "1" (A/B, off; "" reads as 0): the causal conv inside the step (gdn_convstep_cs4_s128[_e],
+# GDN_CONV "1" (A/B, off, measured slower: the step +0.5 %; "" reads as 0): the causal conv inside the step (gdn_convstep_cs4_s128[_e],
 #   gdn_conv_step below): the conv node goes, the conv state becomes a ring of K slots [K, C]
 #   indexed by the position. Needs the cluster step (S = 128, GDN_CSPLIT on) and K = 4; other
 #   shapes keep the conv node (qwen35-tiny, S = 64).
-GDN_EARLY = os.environ.get("GGUF_HARNESS_GDN_EARLY", "1")
-GDN_CONV = os.environ.get("GGUF_HARNESS_GDN_CONV", "0")
+GDN_EARLY = os.environ.get("GGUF_HARNESS_GDN_EARLY") or "1"  # (empty reads as "1": results record what ran)
+GDN_CONV = os.environ.get("GGUF_HARNESS_GDN_CONV") or "0"    # (empty reads as "0")
 
 
 def check_switches() -> None:
