@@ -152,8 +152,12 @@ def _qwen35_outputs(kind: str, il: int, bufs, p, pos: int, weights) -> list[tupl
         return [("linear_attn_qkv_mixed", _f64(bufs.qkv)), ("z", _f64(bufs.z)),
                 ("beta_sigmoid", deltanet.sigmoid(_f64(bufs.beta))), ("alpha", _f64(bufs.alpha))]
     if kind == "ssm_step":
+        from backends.engine.deltanet_ops import conv_in_step
         r = sum(p.recurrent[:il])  # the layer's slot among the DeltaNet layers
-        return [("final_output", _f64(bufs.o)), ("new_state", bufs.ssm[r].get().astype(np.float64))]
+        out = [("final_output", _f64(bufs.o)), ("new_state", bufs.ssm[r].get().astype(np.float64))]
+        # GGUF_HARNESS_GDN_CONV=1: no ssm_conv node; the step writes the conv's y itself
+        conv = [("conv_output_silu", _f64(bufs.y))] if conv_in_step(p.ssm_d_state, p.ssm_d_conv) else []
+        return conv + out
     if kind == "qkv":
         d, pre = p.head_dim, f"blk.{il}."
         qg = _f64(bufs.qg, p.n_head, 2 * d)  # per head [query D | gate D]

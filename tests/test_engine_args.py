@@ -1033,13 +1033,10 @@ def test_conv_fusion_routing(monkeypatch):
     assert "GGUF_HARNESS_GEMV_KQ_CONV" in machine.ENGINE_SWITCHES
 
 
-def test_qwen35_layer_drops_its_conv_node_only_when_fused(monkeypatch):
-    """backends/engine/qwen35._deltanet with GGUF_HARNESS_GEMV_KQ_CONV=1 and a v9 ssm_in: 3 nodes
-    (ssm_in, ssm_step, ssm_out), the ssm_in table carrying the layer's conv state, taps and y;
-    with the switch off, or with ssm_in on gemv.cu (GGUF_HARNESS_GEMV_KQ=wide: no KQ_CONV build),
-    4 nodes with the conv node. Small shapes (Hk 2, Hv 4, S 64, C 512, n_embd 512), fake
-    device arrays."""
-    from backends.engine import qwen35
+def _deltanet_layer(monkeypatch, S=64, slots=3):
+    """qwen35._deltanet's inputs for one small DeltaNet layer (Hk 2, Hv 4, head size S, n_embd 512),
+    fake device arrays and a fake kernel module: (p, arena, buffers b, weights); b.conv[0] has
+    `slots` rows (3: conv_step's shifted state, 4: GDN_CONV's ring)."""
     from backends.engine.arena import DeviceTensor
     from backends.engine.formats import FORMATS
     Q5_K, F32 = 13, 0
@@ -1047,7 +1044,7 @@ def test_qwen35_layer_drops_its_conv_node_only_when_fused(monkeypatch):
     for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ_SPLIT", "auto"),
                     ("GEMV_KQ_WIDE_MIN_ROWS", ""), ("GEMV_KQ_XPF", "")):
         monkeypatch.setattr(ops, knob, v)
-    E, hk, hv, S = 512, 2, 4, 64
+    E, hk, hv = 512, 2, 4
     C, d_inner = 2 * hk * S + hv * S, hv * S
     p = NS(ssm_n_group=hk, ssm_dt_rank=hv, ssm_d_state=S, conv_dim=C, ssm_d_conv=4, n_embd=E, eps=1e-6,
            d_inner=d_inner)
@@ -1064,11 +1061,23 @@ def test_qwen35_layer_drops_its_conv_node_only_when_fused(monkeypatch):
                "ssm_norm.weight": tensor("sn", F32, (S,)), "ssm_out.weight": tensor("out", Q5_K, (d_inner, E))}
     arena = {f"blk.0.{k}": v for k, v in weights.items()}
 
-    def arr(*shape):
+    def arr(*shape, dtype=np.float32):
         n = int(np.prod(shape))
-        return NS(dtype=np.float32, size=n, shape=shape, flags={"C_CONTIGUOUS": True}, data=NS(ptr=next(ptr)))
+        return NS(dtype=dtype, size=n, shape=shape, flags={"C_CONTIGUOUS": True}, data=NS(ptr=next(ptr)))
     b = NS(x=arr(E), qkv=arr(C), z=arr(d_inner), beta=arr(hv), alpha=arr(hv), y=arr(C), o=arr(d_inner),
-           conv=[arr(3, C)], ssm=[arr(hv, S, S)])
+           conv=[arr(slots, C)], ssm=[arr(hv, S, S)], state=arr(4, dtype=np.int32))
+    return p, arena, b, weights
+
+
+def test_qwen35_layer_drops_its_conv_node_only_when_fused(monkeypatch):
+    """backends/engine/qwen35._deltanet with GGUF_HARNESS_GEMV_KQ_CONV=1 and a v9 ssm_in: 3 nodes
+    (ssm_in, ssm_step, ssm_out), the ssm_in table carrying the layer's conv state, taps and y;
+    with the switch off, or with ssm_in on gemv.cu (GGUF_HARNESS_GEMV_KQ=wide: no KQ_CONV build),
+    4 nodes with the conv node. Small shapes (Hk 2, Hv 4, S 64, C 512, n_embd 512), fake
+    device arrays."""
+    from backends.engine import qwen35
+    p, arena, b, weights = _deltanet_layer(monkeypatch)
+    C = p.conv_dim
     for kq, on, want in (("v9l8", "1", ["ssm_in", "ssm_step", "ssm_out"]),
                          ("v9l8", "0", ["ssm_in", "ssm_conv", "ssm_step", "ssm_out"]),
                          ("wide", "1", ["ssm_in", "ssm_conv", "ssm_step", "ssm_out"])):
@@ -1082,6 +1091,28 @@ def test_qwen35_layer_drops_its_conv_node_only_when_fused(monkeypatch):
                                                           b.y.data.ptr, C, 0)
         else:
             assert "conv" not in (table.dtype.names or ()) or int(table["conv"]["state"]) == 0
+
+
+def test_qwen35_layer_with_the_conv_in_the_step(monkeypatch):
+    """GGUF_HARNESS_GDN_CONV=1 at S = 128: qwen35._deltanet gives ssm_in (no conv fields), ssm_step on
+    gdn_convstep_cs4_s128_e fed the projection qkv, the ring b.conv[0] [4, C], y and the step state,
+    and ssm_out; with GGUF_HARNESS_GEMV_KQ_CONV=1 as well it refuses the pair (ValueError)."""
+    from backends.engine import deltanet_ops, qwen35
+    p, arena, b, _ = _deltanet_layer(monkeypatch, S=128, slots=4)
+    monkeypatch.setattr(deltanet_ops, "GDN_CONV", "1")
+    monkeypatch.setattr(deltanet_ops, "GDN_EARLY", "1")
+    monkeypatch.setattr(deltanet_ops, "GDN_CSPLIT", "1")
+    monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
+    monkeypatch.setattr(ops, "GEMV_KQ_CONV", "0")
+    nodes = qwen35._deltanet(0, 0, p, arena, b)
+    assert [n.name.split(".")[-1] for n in nodes] == ["ssm_in", "ssm_step", "ssm_out"]
+    step = nodes[1]
+    assert step.grid == (4 * 4,) and step.args[0] is b.qkv and step.args[1] is b.conv[0]
+    assert step.args[3] is b.y and step.args[4] is b.state and int(step.args[5]) == p.conv_dim
+    assert "KQ_CONV=1" not in nodes[0].defines
+    monkeypatch.setattr(ops, "GEMV_KQ_CONV", "1")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GDN_CONV=1"):
+        qwen35._deltanet(0, 0, p, arena, b)
 
 
 def test_table_dtypes_match_the_kernel_struct():

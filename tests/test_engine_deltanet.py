@@ -551,6 +551,8 @@ def test_gdn_early_and_conv_routing(monkeypatch):
     Hk, Hv, S, K = 16, 48, 128, 4
     C, conv, step = _cpu_args(Hk, Hv, S, K)
     ring, st = np.zeros((K, C), np.float32), np.zeros(4, np.int32)
+    monkeypatch.setattr(G, "GDN_CSPLIT", "1")  # not the environment's values
+    monkeypatch.setattr(G, "GDN_CONV", "0")
     for early, name in (("1", "gdn_step_cs4_s128_e"), ("", "gdn_step_cs4_s128_e"), ("0", "gdn_step_cs4_s128")):
         monkeypatch.setattr(G, "GDN_EARLY", early)
         assert G.gdn_step("g", **step, Hk=Hk, Hv=Hv, S=S, eps=EPS).kernel.name == name

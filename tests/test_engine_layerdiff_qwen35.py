@@ -96,6 +96,24 @@ def test_every_engine_node_is_located(p):
         assert _locate_qwen35(bad) is None
 
 
+def test_the_conv_output_is_compared_after_the_step_when_the_conv_runs_there(monkeypatch):
+    """GGUF_HARNESS_GDN_CONV=1 (no ssm_conv node; the step writes y): conv_output_silu is read from y
+    after ssm_step, before the step's own nodes; without the switch the step gives only its own."""
+    from types import SimpleNamespace as NS
+    from backends.engine import deltanet_ops
+    from harness.engine_layerdiff import _qwen35_outputs
+    p = _params(ssm_d_state=128)
+    dev = lambda a: NS(get=lambda: a)  # noqa: E731  (a device buffer: .get() gives the host copy)
+    bufs = NS(o=dev(np.arange(4.0, dtype=np.float32)), y=dev(np.full(3, 7.0, np.float32)),
+              ssm=[dev(np.zeros((2, 2), np.float32))] * 8)
+    names = lambda: [n for n, _ in _qwen35_outputs("ssm_step", 0, bufs, p, 0, None)]  # noqa: E731
+    assert names() == ["final_output", "new_state"]
+    monkeypatch.setattr(deltanet_ops, "GDN_CONV", "1")
+    got = _qwen35_outputs("ssm_step", 0, bufs, p, 0, None)
+    assert [n for n, _ in got] == ["conv_output_silu", "final_output", "new_state"]
+    assert np.array_equal(got[0][1], np.full((1, 3), 7.0))
+
+
 def test_qwen2_locations_unchanged():
     assert _locate_qwen2("blk.1.attn") == ("attn", 1)
     assert _locate_qwen2("blk.1.attn.merge") == ("attn", 1)

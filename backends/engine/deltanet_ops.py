@@ -242,8 +242,9 @@ def gdn_conv_step(name: str, x, ring, w, y, z, alpha, beta, dt_bias, ssm_a, norm
                          f"GGUF_HARNESS_GDN_CSPLIT={GDN_CSPLIT!r}: needs S = 128, K = 4, both on")
     k = kernel("gdn_convstep_cs4_s128" + _early())
     state_bytes = 4 * Hv * S * S
-    # the step's bytes (gdn_step) + the conv's: x, taps, K-1 ring slots read, one written, y
-    nbytes = 2 * state_bytes + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S) + 4 * C * (1 + K + K - 1 + 1 + 1)
+    # the step's bytes (gdn_step) + the conv's: taps, K-1 ring slots read, one written, y
+    # (the step's q/k/v reads are now the x reads: x counted there)
+    nbytes = 2 * state_bytes + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S) + 4 * C * (K + K - 1 + 1 + 1)
     flops = 2 * 4 * Hv * S * S + 2 * K * C
     return Node(name, "deltanet", k, (GDN_CS * Hv,), (step_threads(S),),
                 (x, ring, _arg(w), y, step_state, np.int32(C), z, alpha, beta, _arg(dt_bias),

@@ -144,7 +144,7 @@ class Buffers:
 
     arrays: dict
     kc: list; vc: list      # per attention layer, fp16 (uint16) [n_ctx, n_kv, D] views
-    conv: list; ssm: list   # per DeltaNet layer, float32 [K-1, C] / [Hv, S, S] views
+    conv: list; ssm: list   # per DeltaNet layer, float32 [K-1, C] (ring [K, C]: GDN_CONV) / [Hv, S, S] views
 
     def __getattr__(self, name):
         try:

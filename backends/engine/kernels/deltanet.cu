@@ -447,6 +447,9 @@ extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128 * 4) 
     const float* y, GDN_CS_ARGS) {
     gdn_step_cs_body<128, 4, false, false>(y, z, alpha, beta_in, dt_bias, ssm_a, norm_w, state, out, n_k_heads, eps, GdnConv{});
 }
+// _e: ptxas (13.0) gives it 32 registers unasked (4 blocks of 512 threads per SM, as measured in
+// session 27). Not pinned with a minimum of 4 blocks: that hint changes NVRTC's PTX (not the register
+// count), so the pinned build would not be the measured one; check the count after a toolkit change.
 extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128 * 4) gdn_step_cs4_s128_e(
     const float* y, GDN_CS_ARGS) {
     gdn_step_cs_body<128, 4, false, true>(y, z, alpha, beta_in, dt_bias, ssm_a, norm_w, state, out, n_k_heads, eps, GdnConv{});
