@@ -572,7 +572,7 @@ def test_gdn_early_and_conv_routing(monkeypatch):
         assert int(n.args[5]) == C and n.args[6] is step["z"] and int(n.args[-2]) == Hk
     args = lambda **ch: {**dict(x=conv["x"], ring=ring, w=conv["w"], step_state=st), **{k: step[k] for k in  # noqa: E731
                          ("y", "z", "alpha", "beta", "dt_bias", "ssm_a", "norm_w", "state", "out")}, **ch}
-    for change, msg in ((dict(ring=np.zeros((K - 1, C), np.float32)), "conv ring"),
+    for change, msg in ((dict(ring=np.zeros((K - 1, C), np.float32)), r"conv state \[4, C"),
                         (dict(step_state=np.zeros(4, np.int64)), "step state"),
                         (dict(step_state=np.zeros(1, np.int32)), "step state"),
                         (dict(x=np.zeros(C - 1, np.float32)), "conv x")):

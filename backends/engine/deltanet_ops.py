@@ -61,8 +61,9 @@ GDN_CONV = os.environ.get("GGUF_HARNESS_GDN_CONV") or "0"    # (empty reads as "
 
 
 def check_switches() -> None:
-    """Refuse bad GGUF_HARNESS_GDN_* values (backends/engine/switches.check calls this).
-    Raises ValueError naming the variable."""
+    """Refuse bad GGUF_HARNESS_GDN_* values and GDN_CONV=1 with GDN_CSPLIT=0 or with
+    GGUF_HARNESS_GEMV_KQ_CONV=1 (switches.check and conv_in_step call this). Raises ValueError
+    naming the variable."""
     for env, val in (("GGUF_HARNESS_GDN_CSPLIT", GDN_CSPLIT), ("GGUF_HARNESS_GDN_EARLY", GDN_EARLY),
                      ("GGUF_HARNESS_GDN_CONV", GDN_CONV)):
         if val not in ("", "0", "1"):
@@ -70,6 +71,10 @@ def check_switches() -> None:
     if GDN_CSPLIT == "0" and GDN_CONV == "1":
         raise ValueError("GGUF_HARNESS_GDN_CONV=1 builds the conv into the cluster step: not with "
                          "GGUF_HARNESS_GDN_CSPLIT=0")
+    from . import ops  # (ops imports this module)
+    if GDN_CONV == "1" and ops.GEMV_KQ_CONV == "1":
+        raise ValueError("GGUF_HARNESS_GEMV_KQ_CONV=1 and GGUF_HARNESS_GDN_CONV=1 both move the "
+                         "conv (into ssm_in / into the step): set one")
 
 
 def _early() -> str:
@@ -120,14 +125,16 @@ def _arg(t):
     return np.uint64(t.ptr) if isinstance(t, DeviceTensor) else t
 
 
-def check_conv_step(x, conv_state, w, y, *, C: int, K: int) -> None:
-    """Validate conv_step's arguments (see conv_step). Raises ValueError."""
+def check_conv_step(x, conv_state, w, y, *, C: int, K: int, slots: int | None = None) -> None:
+    """Validate conv_step's arguments (see conv_step); slots: rows of the conv state, K-1
+    (conv_step's shifted state, the default) or K (gdn_conv_step's ring). Raises ValueError."""
     if K not in CONV_WIDTHS:
         raise ValueError(f"conv kernel width K={K}: instantiated for {CONV_WIDTHS}")
     if C < 1:
         raise ValueError(f"conv channels C={C} < 1")
     check_array(x, C, "conv x")
-    check_array(conv_state, (K - 1) * C, "conv state [K-1, C]")
+    slots = K - 1 if slots is None else slots
+    check_array(conv_state, slots * C, f"conv state [{slots}, C={C}]")
     _check_weight(w, (K, C), "ssm_conv1d.weight [C, K]", align=16)  # float4 taps when K == 4
     check_array(y, C, "conv y")
     if device_ptr(y) is not None and device_ptr(y) in (device_ptr(x), device_ptr(conv_state)):
@@ -179,6 +186,12 @@ def conv_step(name: str, x, conv_state, w, y, *, C: int, K: int = 4) -> Node:
                 out=y, fmt="F32")
 
 
+def _step_bytes(Hk: int, Hv: int, S: int) -> int:
+    """Bytes one gdn_step moves: the state read and written; q, k (per value head, L2 hits after
+    the first), v, z, out, gates."""
+    return 2 * 4 * Hv * S * S + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S)
+
+
 def gdn_step(name: str, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *, Hk: int,
              Hv: int, S: int, eps: float, rows: int = DEFAULT_ROWS) -> Node:
     """Gates, q/k L2 norms, gated delta rule and gated RMS norm of one token, all Hv heads.
@@ -203,9 +216,7 @@ def gdn_step(name: str, y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, *
     check_switches()
     cs = GDN_CS if _cluster(S) else 1  # GGUF_HARNESS_GDN_CSPLIT ("": the default, on)
     k = kernel(f"gdn_step_cs{cs}_s{S}{_early()}" if cs > 1 else f"gdn_step_s{S}_r{rows}")
-    state_bytes = 4 * Hv * S * S
-    # state read + written; q, k (per value head, L2 hits after the first), v, z, out, gates
-    nbytes = 2 * state_bytes + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S)
+    nbytes = _step_bytes(Hk, Hv, S)
     # per state element: two dot-product multiply-adds (M.k, M.q) and the update (mul + fma)
     flops = 2 * 4 * Hv * S * S
     return Node(name, "deltanet", k, (cs * Hv,), (step_threads(S),),
@@ -228,11 +239,7 @@ def gdn_conv_step(name: str, x, ring, w, y, z, alpha, beta, dt_bias, ssm_a, norm
     step state that is not int32 [>= 2], or a shape conv_in_step does not take.
     """
     C = 2 * Hk * S + Hv * S
-    check_array(ring, K * C, f"conv ring [K={K}, C={C}]")
-    check_conv_step(x, np.empty((K - 1) * C, np.float32), w, y, C=C, K=K)  # x, w, y (not the state)
-    pr = device_ptr(ring)
-    if pr is not None and pr in (device_ptr(x), device_ptr(y)):
-        raise ValueError("conv ring must not alias x or y")
+    check_conv_step(x, ring, w, y, C=C, K=K, slots=K)
     check_gdn_step(y, z, alpha, beta, dt_bias, ssm_a, norm_w, state, out, Hk=Hk, Hv=Hv, S=S)
     if getattr(step_state, "dtype", None) != np.int32 or int(step_state.size) < 2:
         raise ValueError(f"step state: expected an int32 array of >= 2 elements, got "
@@ -241,10 +248,9 @@ def gdn_conv_step(name: str, x, ring, w, y, z, alpha, beta, dt_bias, ssm_a, norm
         raise ValueError(f"gdn_conv_step: S={S}, K={K} with GGUF_HARNESS_GDN_CONV={GDN_CONV!r}, "
                          f"GGUF_HARNESS_GDN_CSPLIT={GDN_CSPLIT!r}: needs S = 128, K = 4, both on")
     k = kernel("gdn_convstep_cs4_s128" + _early())
-    state_bytes = 4 * Hv * S * S
-    # the step's bytes (gdn_step) + the conv's: taps, K-1 ring slots read, one written, y
-    # (the step's q/k/v reads are now the x reads: x counted there)
-    nbytes = 2 * state_bytes + 4 * (2 * Hk * S + 3 * Hv * S + 4 * Hv + S) + 4 * C * (K + K - 1 + 1 + 1)
+    # the step's bytes + the conv's: taps, K-1 ring slots read, one written, y (the step's
+    # q/k/v reads are now the x reads: x counted there)
+    nbytes = _step_bytes(Hk, Hv, S) + 4 * C * (K + K - 1 + 1 + 1)
     flops = 2 * 4 * Hv * S * S + 2 * K * C
     return Node(name, "deltanet", k, (GDN_CS * Hv,), (step_threads(S),),
                 (x, ring, _arg(w), y, step_state, np.int32(C), z, alpha, beta, _arg(dt_bias),

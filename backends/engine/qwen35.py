@@ -180,10 +180,7 @@ def _deltanet(il: int, r: int, p: Qwen35Params, a: Arena, b: Buffers) -> list[No
     proj = [ops.Seg(t("attn_qkv.weight"), b.qkv), ops.Seg(t("attn_gate.weight"), b.z),
             ops.Seg(t("ssm_beta.weight"), b.beta), ops.Seg(t("ssm_alpha.weight"), b.alpha)]
     ssm_out = ops.gemv(pre + "ssm_out", "add", [ops.Seg(t("ssm_out.weight"), b.x)], b.o, p.d_inner)
-    if deltanet_ops.conv_in_step(s, p.ssm_d_conv):  # GGUF_HARNESS_GDN_CONV=1: the conv in the step
-        if ops.GEMV_KQ_CONV == "1":
-            raise ValueError("GGUF_HARNESS_GEMV_KQ_CONV=1 and GGUF_HARNESS_GDN_CONV=1 both move the "
-                             "conv (into ssm_in / into the step): set one")
+    if deltanet_ops.conv_in_step(s, p.ssm_d_conv):  # GGUF_HARNESS_GDN_CONV=1 (refused with KQ_CONV=1)
         ssm_in = ops.gemv(pre + "ssm_in", "store", proj, b.x, p.n_embd, t("attn_norm.weight"), p.eps)
         return [ssm_in,
                 deltanet_ops.gdn_conv_step(pre + "ssm_step", b.qkv, b.conv[r], t("ssm_conv1d.weight"),

@@ -57,10 +57,7 @@ def check() -> None:
         ops.tma_defines()
         gemv_mma.mma_defines()
         gemv_mma.mma_types()
-        deltanet_ops.check_switches()  # GDN_CSPLIT, GDN_EARLY, GDN_CONV and their combination
-        if ops.GEMV_KQ_CONV == "1" and deltanet_ops.GDN_CONV == "1":
-            raise ValueError("GGUF_HARNESS_GEMV_KQ_CONV=1 and GGUF_HARNESS_GDN_CONV=1 both move the "
-                             "conv (into ssm_in / into the step): set one")
+        deltanet_ops.check_switches()  # GDN_CSPLIT, GDN_EARLY, GDN_CONV and their combinations
         for env, val, ok in (("GGUF_HARNESS_GEMV_KQ_MIXED", ops.GEMV_KQ_MIXED, ("split", "beside", "one")),
                              ("GGUF_HARNESS_GEMV_KQ_Q0", ops.GEMV_KQ_Q0, ("0", "1")),
                              ("GGUF_HARNESS_GEMV_KQ_IQ3S", ops.GEMV_KQ_IQ3S, ("0", "1")),
