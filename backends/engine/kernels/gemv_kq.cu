@@ -327,7 +327,8 @@ __device__ __forceinline__ float kq_row_sel(const u8* row, const XS& xa, const t
 }
 
 // Gate and up rows: both rows' blocks loaded before any arithmetic, the activations read once.
-template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
+// PIPE: kKqPipe (the build's KQ_PIPE), or 1 from the queue build's pairs (KQ_DQ_PIPE, kq_dq_body).
+template <class Q, int PIPE = kKqPipe> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
                                                              const typename Q::Lane& w, int nsb, int sb0, int st,
                                                              int i, Carry<Q>* c = nullptr,
                                                              const u8* n0 = nullptr, const u8* n1 = nullptr,
@@ -335,9 +336,9 @@ template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const
     float a0 = init0, a1 = init1;  // (KQ_PRE: as kq_row's init)
     const int o = sb0 * Q::TS, pst = st * Q::TS;
     const u8 *p0 = r0 + o, *p1 = r1 + o;
-    if constexpr (kKqPipe > 0) {  // as kq_row: the next round's two blocks before this round's dots
+    if constexpr (PIPE > 0) {  // as kq_row: the next round's two blocks before this round's dots
         typename Q::Blk g, u;
-        if (kKqPipe > 1 && c && c->have) {
+        if (PIPE > 1 && c && c->have) {
             g = c->b[0];
             u = c->b[1];
         } else if (sb0 < nsb) {
@@ -352,7 +353,7 @@ template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const
             if (sb + st < nsb) {
                 Q::load(p0, i, g2);
                 Q::load(p1, i, u2);
-            } else if (kKqPipe > 1 && n0) {
+            } else if (PIPE > 1 && n0) {
                 Q::load(n0 + o, i, g2);
                 Q::load(n1 + o, i, u2);
             }
@@ -362,7 +363,7 @@ template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const
             g = g2;
             u = u2;
         }
-        if constexpr (kKqPipe > 1) {
+        if constexpr (PIPE > 1) {
             if (c) {
                 c->have = n0 && sb0 < nsb;
                 c->b[0] = g;
@@ -649,6 +650,19 @@ __device__ __forceinline__ void conv_prefetch(const SegTable& t) {
 // its last block: that node +61 %).
 #define KQ_DQ 0
 #endif
+#ifndef KQ_DQ_PIPE
+// KQ_DQ_PIPE=1 (ops GGUF_HARNESS_GEMV_KQ_DQ_PIPE; A/B, session 28): the queue build's gate/up pairs run
+// kq_row2's KQ_PIPE 1 loop (round n + 1's blocks of both rows loaded before round n's dots), other
+// rows, pair types and builds as they are: only the IQ4_XS and Q4_K pairs (ptxas 13.0 with it: the
+// IQ3_S pair 64 registers and a 28-byte spill, Q5_K 44 bytes, Q6_K 144, Q8_0 44). The same dots
+// added in the same order: bitwise the default's. Why: the trace (session 28)
+// puts the pair's bulk at ~84 % of the copy rate per SM with one round (1088 B) per warp in flight;
+// the pipelined loop keeps the next round's loads in flight during the dots (ptxas 59 -> 63
+// registers for the IQ4_XS pair, no spill, so 32 warps still fit an SM).
+#define KQ_DQ_PIPE 0
+#endif
+static_assert(!(KQ_DQ_PIPE && KQ_PRE), "KQ_DQ_PIPE: not with KQ_PRE");
+template <class Q> constexpr int kDqPipe = KQ_DQ_PIPE && (Q::TYPE == T_IQ4_XS || Q::TYPE == T_Q4_K) ? 1 : kKqPipe;
 #ifndef KQ_DQ_PR
 // KQ_DQ_PR=1 (ops GGUF_HARNESS_GEMV_KQ_DQ_PR; A/B, session 28): a tail row's P parts are ranges of
 // its rounds, not strided super-blocks: part p of a row of nr = ceil(nsb / 4) rounds takes rounds
@@ -806,7 +820,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         if constexpr (MODE == 2) {
             const u8 *g = (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row, *h = (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row;
             const float2 v = KQ_DQ_PR || np == 1
-                                 ? kq_row2<Q>(g, h, xa, w, sb_end, grp + 4 * ra + pre_skip, 4, i, nullptr, nullptr, nullptr, pre0, pre1)
+                                 ? kq_row2<Q, kDqPipe<Q>>(g, h, xa, w, sb_end, grp + 4 * ra + pre_skip, 4, i, nullptr, nullptr, nullptr, pre0, pre1)
                                  : kq_row2<Q>(g, h, xa, w, nsb, grp + 4 * p, 4 * P, i);
             y = group_sum<32>(v.x);
             up = group_sum<32>(v.y);
