@@ -940,7 +940,7 @@ def test_dq_routing(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "")
     monkeypatch.setattr(ops, "GEMV_KQ_P2", "q6_k")
     monkeypatch.setattr(ops, "GEMV_KQ_P2_MIN_ROWS", "2048")
-    for knob in ("GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_DQ_PR", "GEMV_KQ_DQ_PIPE"):  # unset: the defaults
+    for knob in ("GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):  # unset: the defaults
         monkeypatch.setattr(ops, knob, "")
     ptr = lambda i: 1 << 20 + i
     wide = ops.kv9_wide_defines(ops.kv9_defines())
@@ -966,32 +966,6 @@ def test_dq_routing(monkeypatch):
     assert "KQ_DQ_T=8" in _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines
     for knob in ("GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):
         monkeypatch.setattr(ops, knob, "")
-    # round-range parts (KQ_DQ_PR): "0" adds nothing; "1" adds its define and lets _DQ_P be 1..8
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_PR", "0")
-    assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == want
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_PR", "1")
-    for parts in ("3", "5", "8"):
-        monkeypatch.setattr(ops, "GEMV_KQ_DQ_P", parts)
-        assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == want + (f"KQ_DQ_P={parts}", "KQ_DQ_PR=1")
-    for bad in ("0", "9"):
-        monkeypatch.setattr(ops, "GEMV_KQ_DQ_P", bad)
-        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_DQ_P=.*1..8"):
-            ops.kv9_defines()
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_P", "")
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_PR", "")
-    # the pipelined pair loop (KQ_DQ_PIPE): in the queue build only, refused with KQ_PRE
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_PIPE", "1")
-    assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == want + ("KQ_DQ_PIPE=1",)
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "1")  # a store is not queued then: the wide build, no pipelined loop
-    assert _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines == wide
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "all")
-    monkeypatch.setattr(ops, "GEMV_KQ_PRE", "1")
-    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_DQ_PIPE=1 is not built with GGUF_HARNESS_GEMV_KQ_PRE=1"):
-        ops.kv9_defines()
-    monkeypatch.setattr(ops, "GEMV_KQ_PRE", "0")
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_PIPE", "0")
-    assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == want
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_PIPE", "")
     for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
         monkeypatch.setattr(ops, knob, "1")
         assert "KQ_DQ=1" not in _gemv_node(*pair[:2], 5120, pair[2], ptr).defines, knob
@@ -1001,14 +975,13 @@ def test_dq_routing(monkeypatch):
     assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == wide
     for knob, bad in (("GEMV_KQ_DQ", "2"), ("GEMV_KQ_DQ", "on"), ("GEMV_KQ_DQ_P", "3"), ("GEMV_KQ_DQ_P", "8"),
                       ("GEMV_KQ_DQ_T", "0"), ("GEMV_KQ_DQ_T", "33"), ("GEMV_KQ_DQ_T", "\u0668"),
-                      ("GEMV_KQ_DQ_MAP", "2"), ("GEMV_KQ_DQ_PR", "2"), ("GEMV_KQ_DQ_PR", "on"),
-                      ("GEMV_KQ_DQ_PIPE", "2")):
+                      ("GEMV_KQ_DQ_MAP", "2")):
         monkeypatch.setattr(ops, knob, bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_" + knob):
             ops.kv9_defines()
         monkeypatch.setattr(ops, knob, "")
     assert {"GGUF_HARNESS_GEMV_KQ_DQ", "GGUF_HARNESS_GEMV_KQ_DQ_P", "GGUF_HARNESS_GEMV_KQ_DQ_T",
-            "GGUF_HARNESS_GEMV_KQ_DQ_MAP", "GGUF_HARNESS_GEMV_KQ_DQ_PR", "GGUF_HARNESS_GEMV_KQ_DQ_PIPE"} <= set(machine.ENGINE_SWITCHES)
+            "GGUF_HARNESS_GEMV_KQ_DQ_MAP"} <= set(machine.ENGINE_SWITCHES)
 
 
 def test_conv_fusion_routing(monkeypatch):

@@ -66,7 +66,7 @@ def _v9_default_routes(monkeypatch, eops):
     with groups of 4 in global memory, one fence per group block, leftover groups rotated)."""
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     for knob in ("GEMV_KQ_SPLIT", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_P2", "GEMV_KQ_P2_MIN_ROWS", "GEMV_KQ_CSPLIT",
-                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_DQ_PR", "GEMV_KQ_DQ_PIPE", "GEMV_KQ_BW", "GEMV_KQ_WMAJ",
+                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_BW", "GEMV_KQ_WMAJ",
                  "GEMV_KQ_GSPLIT", "GEMV_KQ_GS_FENCE", "GEMV_KQ_PART_ROT"):
         monkeypatch.setattr(eops, knob, {"GEMV_KQ_SPLIT": "auto", "GEMV_KQ_P2": "q6_k", "GEMV_KQ_P2_MIN_ROWS": "2048",
                                          "GEMV_KQ_CSPLIT": "1"}.get(knob, ""))
@@ -982,20 +982,14 @@ def _dq_tail(n_rows, grid, T, strided=False):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,P,MAP,PR,PIPE", [("", "", "", "", ""), ("8", "4", "0", "", ""), ("32", "2", "1", "", ""),
-                                             ("32", "1", "0", "", ""), ("4", "5", "", "1", ""), ("8", "3", "", "1", ""),
-                                             ("32", "8", "0", "1", ""), ("", "", "", "", "1")])
-def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, PR, PIPE, monkeypatch):
+@pytest.mark.parametrize("T,P,MAP", [("", "", ""), ("8", "4", "0"), ("32", "2", "1"), ("32", "1", "0")])
+def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_DQ (kernels/gemv_kq.cu KQ_DQ, default on): a wide node's rows come from a
     queue per block and (A/B) each block's last T rows are split into P parts, so every full row must equal the
     32-warp S = 1 kernel's bit for bit and every tail row the 32-warp _s<P> kernel's (the same
     partial sums added in the same order; the same block_sum for a fused norm), also on relaunch;
     each output also against the oracle; the default (P 1, rows b, b + B, ... per block) and A/B
-    builds (P 4 / 2, 8 / 32 tail rows, contiguous rows). With round-range parts (_DQ_PR 1, session 28)
-    no other kernel sums a tail row's parts that way: its full rows must still equal S = 1's bit
-    for bit, its tail rows pass the oracle (above) and a relaunch; P 5 at K = 5120 is one round
-    per part, P 3 uneven ranges (1, 2, 2 rounds), P 8 more parts than rounds (empty parts add 0).
-    With the pairs' pipelined loop (_DQ_PIPE 1, session 28) every row equals S = 1's. Cases: a normed IQ4_XS SwiGLU pair, normed
+    builds (P 4 / 2, 8 / 32 tail rows, contiguous rows). Cases: a normed IQ4_XS SwiGLU pair, normed
     Q4_K store and add, an ssm_in-like normed Q5_K store with F32 rows beside in blocks of fewer rows
     than warps, Q6_K at K = 17408 (17 rounds), an IQ3_S pair at K = 2816 (3 rounds: a part of 4
     without super-blocks adds 0) and Q8_0 at K = 512 (one round)."""
@@ -1009,8 +1003,6 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, PR, PIPE, mo
     monkeypatch.setattr(eops, "GEMV_KQ_DQ_P", P)
     monkeypatch.setattr(eops, "GEMV_KQ_DQ_T", T)
     monkeypatch.setattr(eops, "GEMV_KQ_DQ_MAP", MAP)
-    monkeypatch.setattr(eops, "GEMV_KQ_DQ_PR", PR)
-    monkeypatch.setattr(eops, "GEMV_KQ_DQ_PIPE", PIPE)  # (the pairs' pipelined loop: the same dots, the same order)
     P, T, MAP = int(P or 1), int(T or 32), MAP or "1"  # unset: the kernel's KQ_DQ_P 1, KQ_DQ_T 32, KQ_DQ_MAP 1
     rng = np.random.default_rng(43)
     keep = []
@@ -1032,7 +1024,7 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, PR, PIPE, mo
         xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
         base = rng.normal(size=rows).astype(np.float32)
         got, grid = {}, None
-        for run in ("dq", "s1") + (() if PR else ("sP",)):
+        for run in ("dq", "s1", "sP"):
             for k, v in (runs[run] if run != "sP" else runs["s1"]).items():
                 monkeypatch.setattr(eops, k, v)
             monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", str(P) if run == "sP" else "1")
@@ -1051,7 +1043,6 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, PR, PIPE, mo
             what = f"{name} [{rows}x{K}] {kind} {run}"
             assert node.kernel.name.startswith("gemvkq_") and "_p2" not in node.kernel.name, (what, node.kernel.name)
             assert ("KQ_DQ=1" in node.defines) == (run == "dq"), (what, node.defines)
-            assert ("KQ_DQ_PR=1" in node.defines) == (run == "dq" and PR == "1"), (what, node.defines)
             assert node.block == (1024,), (what, node.block)
             if run == "dq":
                 assert "KQ_WMAJ=1" not in node.defines, node.defines
@@ -1075,8 +1066,7 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, PR, PIPE, mo
         assert tail.any() and (kind == "ssm_in" or not tail.all() or T == 32)
         what = f"{name} [{rows}x{K}] {kind} (P {P}, grid {grid})"
         assert np.array_equal(got["dq"][~tail], got["s1"][~tail]), f"{what}: full rows differ from S = 1"
-        if not PR:  # (round-range parts: the oracle and relaunch checks above are the tail rows' checks)
-            assert np.array_equal(got["dq"][tail], got["sP"][tail]), f"{what}: tail rows differ from S = {P}"
+        assert np.array_equal(got["dq"][tail], got["sP"][tail]), f"{what}: tail rows differ from S = {P}"
 
 
 @pytest.mark.gpu
@@ -1199,7 +1189,7 @@ def test_fused_conv_is_bitwise_equal_to_the_conv_node(wide, monkeypatch):
         pytest.skip("q16 kernels")
     for knob, v in (("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_WIDE_MIN_ROWS", ""),
                     ("GEMV_KQ_XPF", ""), ("GEMV_KQ_BW", ""), ("GEMV_KQ_WMAJ", ""), ("GEMV_KQ_DQ", ""),
-                    ("GEMV_KQ_DQ_P", ""), ("GEMV_KQ_DQ_T", ""), ("GEMV_KQ_DQ_MAP", ""), ("GEMV_KQ_DQ_PR", ""), ("GEMV_KQ_DQ_PIPE", ""), ("GEMV_KQ_P2", "q6_k"),
+                    ("GEMV_KQ_DQ_P", ""), ("GEMV_KQ_DQ_T", ""), ("GEMV_KQ_DQ_MAP", ""), ("GEMV_KQ_P2", "q6_k"),
                     ("GEMV_KQ_P2_MIN_ROWS", "2048"), ("GEMV_KQ_CSPLIT", "1"), ("GEMV_KQ_GSPLIT", "")):
         monkeypatch.setattr(eops, knob, v)
     rng = np.random.default_rng(53)

@@ -48,9 +48,6 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1"))]  # session 16: the clust
 # session 17: the queue build's A/B form with parts, tail rows and contiguous rows (the default queue
 # build, ops.kv9_dq_defines of the wide build: test_v9_wide_build_launch_bounds)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_P=4", "KQ_DQ_T=8", "KQ_DQ_MAP=0"))]
-# session 28: the queue's tail rows in round-range parts (KQ_DQ_PR), 5 parts (not an S-split count)
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_PR=1", "KQ_DQ_P=5", "KQ_DQ_T=4")),
-            ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_PIPE=1"))]  # and the pairs' pipelined loop
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"))]  # the cluster kernels without clusters
 # session 19: session 18's fence in every thread of a group block (GGUF_HARNESS_GEMV_KQ_GS_FENCE=0)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_GS_FENCE=0"))]

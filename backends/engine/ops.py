@@ -296,13 +296,6 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 # (1..32; unset 32): the most split rows per block (no effect at P 1); GGUF_HARNESS_GEMV_KQ_DQ_MAP
 # (0 or 1; unset: the kernel's 1): 1 gives block b the rows b, b + B, ..., 0 a contiguous range
 # (with 0 the 27B's ssm_in put its 96 F32 rows into its last block: that node +61 %).
-# GGUF_HARNESS_GEMV_KQ_DQ_PR ("1"; unset or "0": off; A/B, session 28): the tail rows' parts are
-# ranges of a row's rounds through the full row's own loop (kernels/gemv_kq.cu KQ_DQ_PR), not the
-# _s<P> kernel's strided super-blocks; then _DQ_P may be 1..8 (5: one round per part at K = 5120).
-# Full rows stay bitwise the wide build's; tail rows are their parts' sums in part order.
-# GGUF_HARNESS_GEMV_KQ_DQ_PIPE ("1"; unset or "0": off; A/B, session 28): the queue build's gate/up
-# pairs of IQ4_XS or Q4_K rows load round n + 1 before round n's dots (kernels/gemv_kq.cu KQ_DQ_PIPE; bitwise
-# equal); refused with GGUF_HARNESS_GEMV_KQ_PRE=1.
 # KQ_XPF: every v9 GEMV node's warps, once their rows are done, ask L2 for the first bytes of the
 # rows the next v9 node takes first (kernels/gemv_kq.cu xpf_tail; backends/engine/xpf.py links the
 # nodes). A number of MiB (1..32): the most bytes per next node; "" or "0": off. A/B, measured
@@ -352,8 +345,6 @@ GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
 GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
 GEMV_KQ_DQ_T = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_T", "")
 GEMV_KQ_DQ_MAP = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_MAP", "")
-GEMV_KQ_DQ_PR = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_PR", "")
-GEMV_KQ_DQ_PIPE = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_PIPE", "")
 
 
 def kv9_dq(kname: str) -> bool:
@@ -361,20 +352,12 @@ def kv9_dq(kname: str) -> bool:
     (GGUF_HARNESS_GEMV_KQ_DQ): 8-lane kernels of one row per warp at split 1 (gemvkq_, not _p2, no
     _s<S> suffix), SwiGLU ones unless the switch is "all" (off at "0"), and no latency A/B build
     (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF: their code is not in the queue loop). ValueError on a
-    GGUF_HARNESS_GEMV_KQ_DQ other than "", 0, 1 or all, a _DQ_MAP or _DQ_PR other than "", 0 or 1, a
-    _DQ_P other than "", 1, 2 or 4 (1..8 with _DQ_PR 1), a _DQ_T other than "" or 1..32, a _DQ_PIPE
-    other than "", 0 or 1, or _DQ_PIPE 1 with GGUF_HARNESS_GEMV_KQ_PRE 1."""
+    GGUF_HARNESS_GEMV_KQ_DQ other than "", 0, 1 or all, a _DQ_MAP other than "", 0 or 1, a _DQ_P
+    other than "", 1, 2 or 4, a _DQ_T other than "" or 1..32."""
     if GEMV_KQ_DQ not in ("", "0", "1", "all"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ={GEMV_KQ_DQ!r}: expected 0, 1 or all")
     _switch01("GGUF_HARNESS_GEMV_KQ_DQ_MAP", GEMV_KQ_DQ_MAP)
-    _switch01("GGUF_HARNESS_GEMV_KQ_DQ_PR", GEMV_KQ_DQ_PR)
-    _switch01("GGUF_HARNESS_GEMV_KQ_DQ_PIPE", GEMV_KQ_DQ_PIPE)
-    if GEMV_KQ_DQ_PIPE == "1" and GEMV_KQ_PRE == "1":
-        raise ValueError("GGUF_HARNESS_GEMV_KQ_DQ_PIPE=1 is not built with GGUF_HARNESS_GEMV_KQ_PRE=1")
-    if GEMV_KQ_DQ_PR == "1":  # round-range parts: any count up to 8 (kernels/gemv_kq.cu KQ_DQ_PR)
-        if GEMV_KQ_DQ_P not in ("",) + tuple(str(n) for n in range(1, 9)):
-            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_P={GEMV_KQ_DQ_P!r}: expected 1..8 with GGUF_HARNESS_GEMV_KQ_DQ_PR=1")
-    elif GEMV_KQ_DQ_P not in ("", "1", "2", "4"):
+    if GEMV_KQ_DQ_P not in ("", "1", "2", "4"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_P={GEMV_KQ_DQ_P!r}: expected 1, 2 or 4")
     if GEMV_KQ_DQ_T and not (GEMV_KQ_DQ_T.isascii() and GEMV_KQ_DQ_T.isdigit() and 1 <= int(GEMV_KQ_DQ_T) <= 32):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_T={GEMV_KQ_DQ_T!r}: expected 1..32")
@@ -385,13 +368,11 @@ def kv9_dq(kname: str) -> bool:
 
 def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the queue build: `defines` (a wide build's) without KQ_WMAJ (the
-    queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T,
-    KQ_DQ_MAP, KQ_DQ_PR and KQ_DQ_PIPE are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP / _PR / _PIPE;
-    _PR and _PIPE 0 add nothing)."""
+    queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T and
+    KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP)."""
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
             + tuple(f"{d}={int(v)}" for d, v in (("KQ_DQ_P", GEMV_KQ_DQ_P), ("KQ_DQ_T", GEMV_KQ_DQ_T),
-                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v)  # int: "08" is no C literal
-            + (("KQ_DQ_PR=1",) if GEMV_KQ_DQ_PR == "1" else ()) + (("KQ_DQ_PIPE=1",) if GEMV_KQ_DQ_PIPE == "1" else ()))
+                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v))  # int: "08" is no C literal
 
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:

@@ -327,8 +327,7 @@ __device__ __forceinline__ float kq_row_sel(const u8* row, const XS& xa, const t
 }
 
 // Gate and up rows: both rows' blocks loaded before any arithmetic, the activations read once.
-// PIPE: kKqPipe (the build's KQ_PIPE), or 1 from the queue build's pairs (KQ_DQ_PIPE, kq_dq_body).
-template <class Q, int PIPE = kKqPipe> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
+template <class Q> __device__ __forceinline__ float2 kq_row2(const u8* r0, const u8* r1, const XS& xa,
                                                              const typename Q::Lane& w, int nsb, int sb0, int st,
                                                              int i, Carry<Q>* c = nullptr,
                                                              const u8* n0 = nullptr, const u8* n1 = nullptr,
@@ -336,9 +335,9 @@ template <class Q, int PIPE = kKqPipe> __device__ __forceinline__ float2 kq_row2
     float a0 = init0, a1 = init1;  // (KQ_PRE: as kq_row's init)
     const int o = sb0 * Q::TS, pst = st * Q::TS;
     const u8 *p0 = r0 + o, *p1 = r1 + o;
-    if constexpr (PIPE > 0) {  // as kq_row: the next round's two blocks before this round's dots
+    if constexpr (kKqPipe > 0) {  // as kq_row: the next round's two blocks before this round's dots
         typename Q::Blk g, u;
-        if (PIPE > 1 && c && c->have) {
+        if (kKqPipe > 1 && c && c->have) {
             g = c->b[0];
             u = c->b[1];
         } else if (sb0 < nsb) {
@@ -353,7 +352,7 @@ template <class Q, int PIPE = kKqPipe> __device__ __forceinline__ float2 kq_row2
             if (sb + st < nsb) {
                 Q::load(p0, i, g2);
                 Q::load(p1, i, u2);
-            } else if (PIPE > 1 && n0) {
+            } else if (kKqPipe > 1 && n0) {
                 Q::load(n0 + o, i, g2);
                 Q::load(n1 + o, i, u2);
             }
@@ -363,7 +362,7 @@ template <class Q, int PIPE = kKqPipe> __device__ __forceinline__ float2 kq_row2
             g = g2;
             u = u2;
         }
-        if constexpr (PIPE > 1) {
+        if constexpr (kKqPipe > 1) {
             if (c) {
                 c->have = n0 && sb0 < nsb;
                 c->b[0] = g;
@@ -650,38 +649,10 @@ __device__ __forceinline__ void conv_prefetch(const SegTable& t) {
 // its last block: that node +61 %).
 #define KQ_DQ 0
 #endif
-#ifndef KQ_DQ_PIPE
-// KQ_DQ_PIPE=1 (ops GGUF_HARNESS_GEMV_KQ_DQ_PIPE; A/B, session 28): the queue build's gate/up pairs run
-// kq_row2's KQ_PIPE 1 loop (round n + 1's blocks of both rows loaded before round n's dots), other
-// rows, pair types and builds as they are: only the IQ4_XS and Q4_K pairs (ptxas 13.0 with it: the
-// IQ3_S pair 64 registers and a 28-byte spill, Q5_K 44 bytes, Q6_K 144, Q8_0 44). The same dots
-// added in the same order: bitwise the default's. Why: the trace (session 28)
-// puts the pair's bulk at ~84 % of the copy rate per SM with one round (1088 B) per warp in flight;
-// the pipelined loop keeps the next round's loads in flight during the dots (ptxas 59 -> 63
-// registers for the IQ4_XS pair, no spill, so 32 warps still fit an SM).
-#define KQ_DQ_PIPE 0
-#endif
-static_assert(!(KQ_DQ_PIPE && KQ_PRE), "KQ_DQ_PIPE: not with KQ_PRE");
-template <class Q> constexpr int kDqPipe = KQ_DQ_PIPE && (Q::TYPE == T_IQ4_XS || Q::TYPE == T_Q4_K) ? 1 : kKqPipe;
-#ifndef KQ_DQ_PR
-// KQ_DQ_PR=1 (ops GGUF_HARNESS_GEMV_KQ_DQ_PR; A/B, session 28): a tail row's P parts are ranges of
-// its rounds, not strided super-blocks: part p of a row of nr = ceil(nsb / 4) rounds takes rounds
-// [p nr / P, (p + 1) nr / P) (super-blocks 4 ra + grp, ... below 4 rb), through the SAME row call
-// as a full row (stride 4; only the start and the end differ), so no second inlined loop and no
-// other stride. Full rows are bitwise the S = 1 kernel's (part 0 of 1 is the whole row); a tail
-// row's sum is its parts' sums added in part order (deterministic, not the S-split kernels' bits).
-// Typed rows only: an F32 row beside keeps the strided parts (f32_row). P may be 2..8 here.
-// Why (KQ_TRACE on the H200, session 28, cold back to back, the default queue build of the
-// 2x[17408x5120] IQ4_XS pair, 33.1 us): per SM the first warp ends at 27.09 us after the wait
-// and the last at 31.36 (medians over SMs): 132 rows over 32 warps leave 4 warps a fifth row of
-// 5 rounds alone; 1-round parts over the idle warps should end ~1 round after the fourth row.
-#define KQ_DQ_PR 0
-#endif
 #ifndef KQ_DQ_P
-#define KQ_DQ_P 1  // parts per tail row (1: none, the default; 2 or 4: the S-split kernels' parts; KQ_DQ_PR: 2..8)
+#define KQ_DQ_P 1  // parts per tail row (1: none, the default; 2 or 4: the S-split kernels' parts)
 #endif
-static_assert(KQ_DQ_PR ? (KQ_DQ_P >= 1 && KQ_DQ_P <= 8) : (KQ_DQ_P == 1 || KQ_DQ_P == 2 || KQ_DQ_P == 4),
-              "KQ_DQ_P: 1, 2 or 4 (KQ_DQ_PR: 1..8)");
+static_assert(KQ_DQ_P == 1 || KQ_DQ_P == 2 || KQ_DQ_P == 4, "KQ_DQ_P: 1, 2 or 4");
 #ifndef KQ_DQ_T
 #define KQ_DQ_T 32  // the most tail rows (split into parts when KQ_DQ_P > 1) per block
 #endif
@@ -815,13 +786,10 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         float y, up = 0.f;
         int si = 0;
         // a full row and a part as separate calls, each with a compile-time stride
-        // KQ_DQ_PR: the unit's rounds [ra, rb) of the row's nr (a full row: all of them), one call
-        const int nr = (nsb + 3) >> 2, ra = KQ_DQ_PR ? p * nr / np : 0, sb_end = KQ_DQ_PR ? min(nsb, 4 * ((p + 1) * nr / np)) : nsb;
         if constexpr (MODE == 2) {
             const u8 *g = (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row, *h = (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row;
-            const float2 v = KQ_DQ_PR || np == 1
-                                 ? kq_row2<Q, kDqPipe<Q>>(g, h, xa, w, sb_end, grp + 4 * ra + pre_skip, 4, i, nullptr, nullptr, nullptr, pre0, pre1)
-                                 : kq_row2<Q>(g, h, xa, w, nsb, grp + 4 * p, 4 * P, i);
+            const float2 v = np == 1 ? kq_row2<Q>(g, h, xa, w, nsb, grp + pre_skip, 4, i, nullptr, nullptr, nullptr, pre0, pre1)
+                                     : kq_row2<Q>(g, h, xa, w, nsb, grp + 4 * p, 4 * P, i);
             y = group_sum<32>(v.x);
             up = group_sum<32>(v.y);
         } else {
@@ -831,8 +799,8 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                 y = np == 1 ? f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, lane, 32)
                             : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, lane + 32 * p, 32 * P);
             else
-                y = KQ_DQ_PR || np == 1 ? kq_row<Q>(rp, xa, w, sb_end, grp + 4 * ra + pre_skip, 4, i, nullptr, nullptr, pre0)
-                                        : kq_row<Q>(rp, xa, w, nsb, grp + 4 * p, 4 * P, i);
+                y = np == 1 ? kq_row<Q>(rp, xa, w, nsb, grp + pre_skip, 4, i, nullptr, nullptr, pre0)
+                            : kq_row<Q>(rp, xa, w, nsb, grp + 4 * p, 4 * P, i);
             y = group_sum<32>(y);
         }
         if (lane == 0) {
