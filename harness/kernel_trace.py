@@ -25,15 +25,21 @@ ENTRY, WAIT, STAGED, END, SM = range(5)  # columns of the trace array (kernels/g
 QUANTILES = (0, 10, 50, 90, 100)
 
 
-def summarize(a: np.ndarray) -> dict:
+def summarize(a: np.ndarray, warps_per_block: int | None = None) -> dict:
     """Figures of one launch's trace. a: uint64/int64 [warps, 5] (ENTRY, WAIT, STAGED, END ns;
-    SM id). Times are relative to t0 = the earliest WAIT (the previous kernel's completion as
+    SM id), row i = warp i % warps_per_block of block i // warps_per_block (kq_mark's index).
+    Times are relative to t0 = the earliest WAIT (the previous kernel's completion as
     the PDL wait sees it). Returns {"warps", "sms", "<phase>_us": [p0, p10, p50, p90, p100]} for
     entry (ENTRY - t0, negative: resident before the previous kernel ended), stage (STAGED -
     WAIT), loop (END - STAGED) and end (END - t0), "span_us" (last END - t0), "running" (share of
-    warps not yet ended at t0 + 0, 1, 2, ... us) and "first_last_end_us" (per SM, the median of
-    its first and of its last warp's END - t0). Raises ValueError on a wrong shape or an
-    unwritten row (a zero timestamp)."""
+    warps not yet ended at t0 + 0, 1, 2, ... us), "first_last_end_us" (per SM, the median of
+    its first and of its last warp's END - t0) and "sm_loop_spread_us" (per SM, its slowest
+    minus its fastest warp's loop; the median over SMs). With warps_per_block (a multiple of 4)
+    also "loop_by_warp_quarter_us": the median loop of the warps 0..W/4-1, .., 3W/4..W-1 of each
+    block. Loop times compare warps' speeds only where every warp has the same work: the static
+    builds (GGUF_HARNESS_GEMV_KQ_DQ=0), not the row queue (fast warps take more rows). Raises
+    ValueError on a wrong shape, an unwritten row (a zero timestamp) or a warps_per_block that
+    is not a multiple of 4 dividing the warp count."""
     a = np.asarray(a).astype(np.int64)
     if a.ndim != 2 or a.shape[1] != 5 or len(a) == 0:
         raise ValueError(f"trace array of shape {a.shape}: expected [warps, 5]")
@@ -45,11 +51,19 @@ def summarize(a: np.ndarray) -> dict:
     end = rel[:, END]
     sms = a[:, SM]
     per_sm = [(end[sms == s].min(), end[sms == s].max()) for s in np.unique(sms)]
-    return {"warps": int(len(a)), "sms": int(len(per_sm)),
-            "entry_us": q(rel[:, ENTRY]), "stage_us": q(rel[:, STAGED] - rel[:, WAIT]),
-            "loop_us": q(rel[:, END] - rel[:, STAGED]), "end_us": q(end), "span_us": float(end.max()),
-            "running": [float((end > t).mean()) for t in range(int(np.ceil(end.max())) + 1)],
-            "first_last_end_us": [float(np.median([f for f, _ in per_sm])), float(np.median([l for _, l in per_sm]))]}
+    loop = rel[:, END] - rel[:, STAGED]
+    out = {"warps": int(len(a)), "sms": int(len(per_sm)),
+           "entry_us": q(rel[:, ENTRY]), "stage_us": q(rel[:, STAGED] - rel[:, WAIT]),
+           "loop_us": q(loop), "end_us": q(end), "span_us": float(end.max()),
+           "running": [float((end > t).mean()) for t in range(int(np.ceil(end.max())) + 1)],
+           "first_last_end_us": [float(np.median([f for f, _ in per_sm])), float(np.median([l for _, l in per_sm]))],
+           "sm_loop_spread_us": float(np.median([np.ptp(loop[sms == s]) for s in np.unique(sms)]))}
+    if warps_per_block is not None:
+        if warps_per_block < 4 or warps_per_block % 4 or len(a) % warps_per_block:
+            raise ValueError(f"warps_per_block {warps_per_block}: expected a multiple of 4 dividing {len(a)} warps")
+        quarter = np.arange(len(a)) % warps_per_block * 4 // warps_per_block
+        out["loop_by_warp_quarter_us"] = [float(np.median(loop[quarter == k])) for k in range(4)]
+    return out
 
 
 def format_summary(spec: str, kernel: str, per_kernel_us: float, s: dict) -> str:
@@ -59,12 +73,15 @@ def format_summary(spec: str, kernel: str, per_kernel_us: float, s: dict) -> str
     for k in ("entry_us", "stage_us", "loop_us", "end_us"):
         lines.append(f"  {k[:-3]:6s} p0/10/50/90/100 us: " + " ".join(f"{v:7.2f}" for v in s[k]))
     lines.append("  per SM, first / last warp end (median): %.2f / %.2f us" % tuple(s["first_last_end_us"]))
+    lines.append("  per SM, slowest - fastest warp's loop (median): %.2f us" % s["sm_loop_spread_us"])
+    if "loop_by_warp_quarter_us" in s:
+        lines.append("  loop by the block's warp quarter (median us): " + " ".join(f"{v:.2f}" for v in s["loop_by_warp_quarter_us"]))
     lines.append("  share running per us: " + " ".join(f"{v:.2f}" for v in s["running"]))
     return "\n".join(lines)
 
 
 def trace_shape(spec: str, copies: int, replays: int = 5):
-    """(kernel name, per-kernel us of the median replay, its raw trace array) of one shape on
+    """(kernel name, per-kernel us of the median replay, its raw trace array, warps per block) of one shape on
     the GPU, with the engine's v9 defines + KQ_TRACE=1 (ops.kv9_defines patched for the
     duration). Raises UnsupportedError without a GPU, ConfigError for a bad spec, ValueError for
     a shape v9 does not take."""
@@ -100,7 +117,7 @@ def trace_shape(spec: str, copies: int, replays: int = 5):
             case.stream.synchronize()
             runs.append((cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / copies, arr.get()))
         us, a = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-        return node.kernel.name, us, a
+        return node.kernel.name, us, a, node.block[0] // 32
     finally:
         ops.kv9_defines = base
         if case is not None:
@@ -120,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     out, arrays = {}, {}
     for spec in a.specs:
         try:
-            kernel, us, arr = trace_shape(spec, a.copies)
-            s = summarize(arr)  # ValueError: a warp that left a mark unwritten
+            kernel, us, arr, wpb = trace_shape(spec, a.copies)
+            s = summarize(arr, wpb if wpb % 4 == 0 else None)  # ValueError: a warp that left a mark unwritten
         except (HarnessError, ValueError) as e:  # no GPU, a bad spec, a shape v9 does not take
             print(f"kernel_trace: {e}", file=sys.stderr)
             return 2
