@@ -27,16 +27,17 @@ QUANTILES = (0, 10, 50, 90, 100)
 
 def summarize(a: np.ndarray, warps_per_block: int | None = None) -> dict:
     """Figures of one launch's trace. a: uint64/int64 [warps, 5] (ENTRY, WAIT, STAGED, END ns;
-    SM id), row i = warp i % warps_per_block of block i // warps_per_block (kq_mark's index).
+    SM id); kq_mark writes warp w of block b to row b W + w (W = warps per block).
     Times are relative to t0 = the earliest WAIT (the previous kernel's completion as
     the PDL wait sees it). Returns {"warps", "sms", "<phase>_us": [p0, p10, p50, p90, p100]} for
     entry (ENTRY - t0, negative: resident before the previous kernel ended), stage (STAGED -
     WAIT), loop (END - STAGED) and end (END - t0), "span_us" (last END - t0), "running" (share of
     warps not yet ended at t0 + 0, 1, 2, ... us), "first_last_end_us" (per SM, the median of
     its first and of its last warp's END - t0) and "sm_loop_spread_us" (per SM, its slowest
-    minus its fastest warp's loop; the median over SMs). With warps_per_block (a multiple of 4)
-    also "loop_by_warp_quarter_us": the median loop of the warps 0..W/4-1, .., 3W/4..W-1 of each
-    block. Loop times compare warps' speeds only where every warp has the same work: the static
+    minus its fastest warp's loop; the median over SMs). With warps_per_block = W (a multiple of 4)
+    also "loop_by_warp_quarter_us": 4 floats, us, the median loop of the warps w in [k W / 4,
+    (k + 1) W / 4) of every block, pooled over the blocks. Loop times compare warps' speeds only
+    where the warps have the same work: the static
     builds (GGUF_HARNESS_GEMV_KQ_DQ=0), not the row queue (fast warps take more rows). Raises
     ValueError on a wrong shape, an unwritten row (a zero timestamp) or a warps_per_block that
     is not a multiple of 4 dividing the warp count."""
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in a.specs:
         try:
             kernel, us, arr, wpb = trace_shape(spec, a.copies)
+            # (quarters only for a multiple of 4 warps per block: every v9 build's is)
             s = summarize(arr, wpb if wpb % 4 == 0 else None)  # ValueError: a warp that left a mark unwritten
         except (HarnessError, ValueError) as e:  # no GPU, a bad spec, a shape v9 does not take
             print(f"kernel_trace: {e}", file=sys.stderr)

@@ -33,18 +33,20 @@ def test_summarize_relative_times_and_quantiles():
 
 
 def test_loop_spread_per_sm_and_by_warp_quarter():
-    # 8 warps, one block of 8 warps per SM on 2 SMs; loops (END - STAGED) known by construction
-    loops = [4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0]  # us, warp 0..7 (2 warps per quarter)
-    rows = [(1_000, 10_000, 12_000, 12_000 + int(1e3 * v), i // 4) for i, v in enumerate(loops)]
+    # 8 warps; loops (END - STAGED) known by construction; SM ids 0, 0, 1, 1, 1, 2, 2, 2
+    loops = [4.0, 5.0, 6.0, 7.0, 9.0, 8.0, 10.0, 15.0]  # us, warp 0..7
+    sm = [0, 0, 1, 1, 1, 2, 2, 2]
+    rows = [(1_000, 10_000, 12_000, 12_000 + int(1e3 * v), sm[i]) for i, v in enumerate(loops)]
     a = np.array(rows, dtype=np.uint64)
     s = kt.summarize(a)
-    assert s["sm_loop_spread_us"] == pytest.approx(3.0)  # SM 0: 7 - 4, SM 1: 11 - 8
+    # per SM slowest - fastest: SM 0 1, SM 1 3 (9 - 6), SM 2 7 (15 - 8): the median 3 (mean 3.67, max 7)
+    assert s["sm_loop_spread_us"] == pytest.approx(3.0)
     assert "loop_by_warp_quarter_us" not in s
-    s = kt.summarize(a, warps_per_block=8)
-    assert s["loop_by_warp_quarter_us"] == pytest.approx([4.5, 6.5, 8.5, 10.5])
+    s = kt.summarize(a, warps_per_block=8)  # one block: quarters (0, 1), (2, 3), (4, 5), (6, 7)
+    assert s["loop_by_warp_quarter_us"] == pytest.approx([4.5, 6.5, 8.5, 12.5])
     s = kt.summarize(a, warps_per_block=4)  # two blocks of 4: warps 0 and 4, 1 and 5, ...
-    assert s["loop_by_warp_quarter_us"] == pytest.approx([6.0, 7.0, 8.0, 9.0])
-    assert "quarter (median us): 6.00 7.00 8.00 9.00" in kt.format_summary("x", "k", 1.0, s)
+    assert s["loop_by_warp_quarter_us"] == pytest.approx([6.5, 6.5, 8.0, 11.0])
+    assert "quarter (median us): 6.50 6.50 8.00 11.00" in kt.format_summary("x", "k", 1.0, s)
     for bad in (3, 6, 16):  # not a multiple of 4, or not dividing the 8 warps
         with pytest.raises(ValueError, match="warps_per_block"):
             kt.summarize(a, warps_per_block=bad)
