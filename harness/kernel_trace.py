@@ -10,7 +10,11 @@ array that each launch overwrites: after the graph it holds the last launch's ti
 replays the median one is summarised (summarize). Prints the table and writes
 kernel-trace.json (+ the raw [warps, 5] arrays as .npy) to --out (default: the working dir).
 Used in session 15 (docs/perf-notes.md) to find that staging x costs 2-5 us per kernel and
-that of an SM's two blocks the one resident first ends first. GPU only; summarize runs anywhere.
+that of an SM's two blocks the one resident first ends first. Since session 28 the trace build
+also marks each whole row a warp runs (the one-row-per-warp loops: the row queue and the S = 1
+wide rows): its start, end and warp, in a second array (summarize_rows; the raw [rows, 3] array is
+saved as kernel-trace-rows-*.npy), which tells whether rows of one size take unequal times and
+whether a slow row belongs to a slow warp. GPU only; summarize and summarize_rows run anywhere.
 """
 from __future__ import annotations
 
@@ -67,6 +71,56 @@ def summarize(a: np.ndarray, warps_per_block: int | None = None) -> dict:
     return out
 
 
+ROW_START, ROW_END, ROW_WARP = range(3)  # columns of the per-row array (kernels/gemv_kq.cu kq_row_mark)
+
+
+def summarize_rows(r: np.ndarray, t0_ns: int) -> dict:
+    """Figures of the per-row marks of one launch. r: uint64/int64 [rows, 3] (start ns, end ns, global
+    warp index; all 0 for a row no whole-row loop marked: split rows, P2 pairs, cluster parts); t0_ns:
+    the warp trace's earliest PDL wait return (summarize's t0). Returns {"rows_marked": n} and, when
+    n > 0: "row_us" [p0, p10, p50, p90, p100] of end - start (us), "row_start_us" the same of
+    start - t0, "row_us_by_start" the median duration of the rows whose start is in each quarter
+    of the start times (early rows run beside every warp, late ones beside few), "row_us_by_index"
+    the median duration in each tenth of the marked rows by row index (a dependence on where a row
+    lies), and "warp_share": the share of the durations' variance between warps (sum over warps of
+    n_w (mean_w - mean)^2 / sum (d - mean)^2, the one-way ANOVA eta squared; 1: each warp's rows all
+    take its own time, 0: the warp tells nothing). Raises ValueError for a wrong shape or an end
+    before its start."""
+    r = np.asarray(r).astype(np.int64)
+    if r.ndim != 2 or r.shape[1] != 3:
+        raise ValueError(f"row trace of shape {r.shape}: expected [rows, 3]")
+    idx = np.nonzero(r[:, ROW_END])[0]
+    if len(idx) == 0:
+        return {"rows_marked": 0}
+    m = r[idx]
+    d = (m[:, ROW_END] - m[:, ROW_START]) / 1e3
+    if (d < 0).any():
+        raise ValueError("row trace: an end before its start")
+    start = (m[:, ROW_START] - int(t0_ns)) / 1e3
+    q = lambda v: [float(np.percentile(v, p)) for p in QUANTILES]
+    by_start = np.minimum(4 * np.argsort(np.argsort(start, kind="stable"), kind="stable") // len(d), 3)
+    by_index = np.minimum(10 * np.arange(len(d)) // len(d), 9)  # idx is ascending: tenths by row index
+    warps, inv = np.unique(m[:, ROW_WARP], return_inverse=True)
+    mean_w = np.bincount(inv, weights=d) / np.bincount(inv)
+    total = float(((d - d.mean()) ** 2).sum())
+    between = float((np.bincount(inv) * (mean_w - d.mean()) ** 2).sum())
+    return {"rows_marked": int(len(d)), "row_us": q(d), "row_start_us": q(start),
+            "row_us_by_start": [float(np.median(d[by_start == k])) for k in range(4) if (by_start == k).any()],
+            "row_us_by_index": [float(np.median(d[by_index == k])) for k in range(10) if (by_index == k).any()],
+            "warp_share": between / total if total > 0 else 0.0}
+
+
+def format_rows(s: dict) -> str:
+    """A few text lines of summarize_rows' figures (for the terminal)."""
+    if not s["rows_marked"]:
+        return "  rows: none marked (this kernel runs no whole row per warp)"
+    return "\n".join([
+        f"  rows marked: {s['rows_marked']}; a row's time p0/10/50/90/100 us: " + " ".join(f"{v:.2f}" for v in s["row_us"]),
+        "  a row's median time by start quarter (us): " + " ".join(f"{v:.2f}" for v in s["row_us_by_start"]),
+        "  ... by row-index tenth (us): " + " ".join(f"{v:.2f}" for v in s["row_us_by_index"]),
+        f"  share of the rows' time variance between warps: {s['warp_share']:.2f}"])
+
+
 def format_summary(spec: str, kernel: str, per_kernel_us: float, s: dict) -> str:
     """A few text lines of one shape's summary (for the terminal)."""
     lines = [f"{spec} {kernel}: {per_kernel_us:.2f} us per kernel, last warp ends {s['span_us']:.2f} us "
@@ -82,7 +136,8 @@ def format_summary(spec: str, kernel: str, per_kernel_us: float, s: dict) -> str
 
 
 def trace_shape(spec: str, copies: int, replays: int = 5):
-    """(kernel name, per-kernel us of the median replay, its raw trace array, warps per block) of one shape on
+    """(kernel name, per-kernel us of the median replay, its raw trace array, warps per block, its raw
+    per-row array [rows, 3] (kernels/gemv_kq.cu kq_trace_row, the first 2^18 rows)) of one shape on
     the GPU, with the engine's v9 defines + KQ_TRACE=1 (ops.kv9_defines patched for the
     duration). Raises UnsupportedError without a GPU, ConfigError for a bad spec, ValueError for
     a shape v9 does not take."""
@@ -107,18 +162,21 @@ def trace_shape(spec: str, copies: int, replays: int = 5):
         ptr = module._module("gemv_kq.cu", tuple(node.defines)).get_global("kq_trace")
         warps = node.grid[0] * node.block[0] // 32
         arr = cp.ndarray((warps, 5), dtype=cp.uint64, memptr=ptr)
+        rptr = module._module("gemv_kq.cu", tuple(node.defines)).get_global("kq_trace_row")
+        rows = cp.ndarray((min(shape.rows, 1 << 18), 3), dtype=cp.uint64, memptr=rptr)  # (KQ_TRACE_ROWS)
         graph = capture(case.stream, [n.launch for n in case.nodes])
         ev0, ev1, runs = cp.cuda.Event(), cp.cuda.Event(), []
         for _ in range(replays):
             arr.fill(0)
+            rows.fill(0)
             cp.cuda.Device().synchronize()
             ev0.record(case.stream)
             graph.launch(stream=case.stream)
             ev1.record(case.stream)
             case.stream.synchronize()
-            runs.append((cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / copies, arr.get()))
-        us, a = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-        return node.kernel.name, us, a, node.block[0] // 32
+            runs.append((cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / copies, arr.get(), rows.get()))
+        us, a, r = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
+        return node.kernel.name, us, a, node.block[0] // 32, r
     finally:
         ops.kv9_defines = base
         if case is not None:
@@ -138,17 +196,21 @@ def main(argv: list[str] | None = None) -> int:
     out, arrays = {}, {}
     for spec in a.specs:
         try:
-            kernel, us, arr, wpb = trace_shape(spec, a.copies)
+            kernel, us, arr, wpb, rows = trace_shape(spec, a.copies)
             # (quarters only for a multiple of 4 warps per block: every v9 build's is)
             s = summarize(arr, wpb if wpb % 4 == 0 else None)  # ValueError: a warp that left a mark unwritten
+            rs = summarize_rows(rows, int(np.asarray(arr)[:, WAIT].astype(np.int64).min()))
         except (HarnessError, ValueError) as e:  # no GPU, a bad spec, a shape v9 does not take
             print(f"kernel_trace: {e}", file=sys.stderr)
             return 2
-        out[spec], arrays[spec] = dict(s, kernel=kernel, per_kernel_us=us), arr
+        out[spec], arrays[spec] = dict(s, kernel=kernel, per_kernel_us=us, rows=rs), (arr, rows)
         print(format_summary(spec, kernel, us, s))
+        print(format_rows(rs))
     os.makedirs(a.out, exist_ok=True)  # written only once every shape is traced
-    for spec, arr in arrays.items():
-        np.save(os.path.join(a.out, "kernel-trace-" + "".join(c if c.isalnum() else "_" for c in spec) + ".npy"), arr)
+    for spec, (arr, rows) in arrays.items():
+        name = "".join(c if c.isalnum() else "_" for c in spec)
+        np.save(os.path.join(a.out, f"kernel-trace-{name}.npy"), arr)
+        np.save(os.path.join(a.out, f"kernel-trace-rows-{name}.npy"), rows)
     path = os.path.join(a.out, "kernel-trace.json")
     with open(path + ".tmp", "w") as f:
         json.dump(out, f, indent=1)

@@ -102,3 +102,86 @@ def test_without_a_gpu_it_exits_2(capsys):
         pass
     assert kt.main(["4096x4096:Q8_0"]) == 2
     assert "CuPy" in capsys.readouterr().err
+
+
+def _rows(durations_us, warps, starts_us=None, t0=10_000):
+    """A [rows, 3] per-row trace (start, end ns, warp) with the given durations."""
+    starts = starts_us if starts_us is not None else [float(i) for i in range(len(durations_us))]
+    return np.array([(t0 + int(1e3 * s), t0 + int(1e3 * (s + d)), w)
+                     for s, d, w in zip(starts, durations_us, warps)], dtype=np.uint64)
+
+
+def test_rows_a_slow_warp_owns_all_the_variance():
+    # warp 0's rows all take 5 us, warp 1's all 7 us: the warp explains every difference
+    r = _rows([5, 7, 5, 7, 5, 7, 5, 7], [0, 1, 0, 1, 0, 1, 0, 1])
+    s = kt.summarize_rows(r, 10_000)
+    assert s["rows_marked"] == 8 and s["warp_share"] == pytest.approx(1.0)
+    assert s["row_us"][0] == pytest.approx(5.0) and s["row_us"][-1] == pytest.approx(7.0)
+    assert s["row_start_us"][0] == pytest.approx(0.0) and s["row_start_us"][-1] == pytest.approx(7.0)
+
+
+def test_rows_slow_rows_spread_over_warps_give_no_warp_share():
+    # each warp has one 5 us and one 7 us row: equal warp means, so the share between warps is 0
+    r = _rows([5, 7, 7, 5], [0, 0, 1, 1])
+    assert kt.summarize_rows(r, 10_000)["warp_share"] == pytest.approx(0.0)
+
+
+def test_rows_by_start_quarter_and_by_index_tenth():
+    # 8 rows started at 0..7 us; the later the start, the shorter (fewer warps left beside them)
+    d = [8.0, 8.0, 6.0, 6.0, 4.0, 4.0, 2.0, 2.0]
+    s = kt.summarize_rows(_rows(d, [0, 1, 2, 3, 4, 5, 6, 7]), 10_000)
+    assert s["row_us_by_start"] == pytest.approx([8.0, 6.0, 4.0, 2.0])
+    # started in reverse row order: quarters by start no longer follow the row index
+    s = kt.summarize_rows(_rows(d, list(range(8)), starts_us=[7, 6, 5, 4, 3, 2, 1, 0]), 10_000)
+    assert s["row_us_by_start"] == pytest.approx([2.0, 4.0, 6.0, 8.0])
+    assert s["row_us_by_index"][0] == pytest.approx(8.0) and s["row_us_by_index"][-1] == pytest.approx(2.0)
+
+
+def test_rows_unmarked_rows_are_left_out_and_none_is_said():
+    r = _rows([5, 7, 5, 7], [0, 1, 0, 1])
+    r[1] = 0  # a row no whole-row loop marked
+    s = kt.summarize_rows(r, 10_000)
+    assert s["rows_marked"] == 3 and s["row_us"][-1] == pytest.approx(7.0) and s["row_us"][0] == pytest.approx(5.0)
+    none = kt.summarize_rows(np.zeros((4, 3), dtype=np.uint64), 10_000)
+    assert none == {"rows_marked": 0} and "none marked" in kt.format_rows(none)
+    assert "between warps: 1.00" in kt.format_rows(kt.summarize_rows(_rows([5, 7], [0, 1]), 10_000))
+
+
+@pytest.mark.parametrize("bad", [np.zeros((3, 2)), np.ones(3)])
+def test_rows_bad_shapes_are_refused(bad):
+    with pytest.raises(ValueError, match="expected \\[rows, 3\\]"):
+        kt.summarize_rows(bad, 0)
+
+
+def test_rows_an_end_before_its_start_is_refused():
+    r = _rows([5, 7], [0, 1])
+    r[0, kt.ROW_END] = r[0, kt.ROW_START] - 1
+    with pytest.raises(ValueError, match="end before its start"):
+        kt.summarize_rows(r, 10_000)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dq", ["", "0"])  # the row queue (the pairs' default) and the static wide rows
+def test_the_trace_build_marks_every_row_once_per_warp(dq, monkeypatch):
+    """On the GPU: the trace build (kernels/gemv_kq.cu KQ_TRACE) of an IQ4_XS gate/up pair marks every
+    row (the queue build and, with GGUF_HARNESS_GEMV_KQ_DQ=0, the static wide build both run whole
+    rows per warp); each mark's warp is one of the launch's, its end follows its start, and one
+    warp's rows do not overlap in time (a warp runs one row at a time). The warp trace's rows are
+    all written too (summarize refuses unwritten ones)."""
+    from gpu_util import cupy_or_skip
+    cupy_or_skip()
+    from backends.engine import ops as eops
+    if eops.GEMV_IMPL != "q16":
+        pytest.skip("q16 kernels")
+    monkeypatch.setattr(eops, "GEMV_KQ_DQ", dq)
+    kernel, us, arr, wpb, rows = kt.trace_shape("2x17408x5120:IQ4_XS", copies=2, replays=1)
+    assert kernel == "gemvkq_swiglu_iq4_xs" and us > 0 and wpb % 4 == 0, (kernel, us, wpb)
+    s = kt.summarize(arr, wpb)
+    r = kt.summarize_rows(rows, int(arr[:, kt.WAIT].astype(np.int64).min()))
+    assert r["rows_marked"] == 17408, r["rows_marked"]
+    rows = rows.astype(np.int64)
+    assert (rows[:, kt.ROW_WARP] < s["warps"]).all() and (rows[:, kt.ROW_END] >= rows[:, kt.ROW_START]).all()
+    for w in np.unique(rows[:, kt.ROW_WARP]):
+        mine = rows[rows[:, kt.ROW_WARP] == w]
+        mine = mine[np.argsort(mine[:, kt.ROW_START])]
+        assert (mine[1:, kt.ROW_START] >= mine[:-1, kt.ROW_END]).all(), f"warp {w}'s rows overlap"

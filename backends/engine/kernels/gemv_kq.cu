@@ -522,8 +522,31 @@ __device__ __forceinline__ void kq_mark(int k) {
     }
 }
 #define KQ_MARK(k) kq_mark(k)
+// Per row (session 28): lane 0 of the warp that ran a whole row (the one-row-per-warp loops: the
+// queue build and the S = 1 wide rows) writes its start and end (%globaltimer, ns, taken before the
+// row's first load and after its sums) and the warp's global index to kq_trace_row[row] (node-global
+// row; rows past KQ_TRACE_ROWS are not written). Tells rows from warps: whether rows of one size
+// take unequal times, and whose.
+#define KQ_TRACE_ROWS (1 << 18)
+__device__ unsigned long long kq_trace_row[KQ_TRACE_ROWS][3];
+__device__ __forceinline__ unsigned long long kq_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void kq_row_mark(int row, unsigned long long t0) {
+    if ((threadIdx.x & 31) == 0 && (unsigned)row < KQ_TRACE_ROWS) {
+        kq_trace_row[row][0] = t0;
+        kq_trace_row[row][1] = kq_now();
+        kq_trace_row[row][2] = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    }
+}
+#define KQ_ROW_T0(v) const unsigned long long v = kq_now()
+#define KQ_ROW_MARK(row, t0) kq_row_mark(row, t0)
 #else
 #define KQ_MARK(k)
+#define KQ_ROW_T0(v)
+#define KQ_ROW_MARK(row, t0)
 #endif
 
 // Sum over the N lanes of each aligned group (every lane gets its group's sum; N = 32: warp_sum).
@@ -783,6 +806,9 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         nu = __shfl_sync(0xffffffffu, nu, 0);
         int row, p, np, j;
         unit(u, row, p, np, j);
+        KQ_ROW_T0(kq_t0);  // (KQ_TRACE: the unit's start)
+        const int kq_grow = row;  // (node-global: find_seg below makes row segment-local)
+        (void)kq_grow;
         float y, up = 0.f;
         int si = 0;
         // a full row and a part as separate calls, each with a compile-time stride
@@ -803,6 +829,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                             : kq_row<Q>(rp, xa, w, nsb, grp + 4 * p, 4 * P, i);
             y = group_sum<32>(y);
         }
+        if (np == 1) KQ_ROW_MARK(kq_grow, kq_t0);
         if (lane == 0) {
             if (np == 1) {
                 KQ_STORE(MODE, t, si, row, y * rs, up * rs);
@@ -946,6 +973,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     for (int base = first - h; (S > 1 ? base - Q::R * g * gstride : base) < total_rows; base += step, ++round) {
         const int row = base + h;
         const bool live = row < total_rows;
+        KQ_ROW_T0(kq_t0);  // (KQ_TRACE: the row's start; marked below for one whole row per warp)
         if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
         int r = live ? row : 0, si = 0;
         int nr = row + step;  // this lane's next row (KQ_PIPE 2, KQ_L1PF), if it has one
@@ -990,6 +1018,10 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             y = group_sum<LPR>(t.s[si].type == Q::TYPE ? kq_row_sel<Q, nparts, kKqPartRot<CS>>(rp, xa, w, nsb, sb0, st, i, &carry, np, grp, wpart, KQ_PART_ROT == 2 ? base / rpb : round, pre0, pre_skip)
                                                        : f32_row<Q::SW4, kIq4Xil && Q::TYPE == T_IQ4_XS, Q::XL>(rp, xa, K, l + LPR * ws, LPR * S));
         }
+#if KQ_TRACE
+        if constexpr (S == 1 && CS == 1 && Q::R == 1 && !P2)  // one whole row per warp
+            if (live) KQ_ROW_MARK(row, kq_t0);
+#endif
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes
                       // the next round's barrier, so the round after that may overwrite it
             float* pp = part[round & 1][warp];
