@@ -80,12 +80,15 @@ def summarize_rows(r: np.ndarray, t0_ns: int) -> dict:
     the warp trace's earliest PDL wait return (summarize's t0). Returns {"rows_marked": n} and, when
     n > 0: "row_us" [p0, p10, p50, p90, p100] of end - start (us), "row_start_us" the same of
     start - t0, "row_us_by_start" the median duration of the rows whose start is in each quarter
-    of the start times (early rows run beside every warp, late ones beside few), "row_us_by_index"
-    the median duration in each tenth of the marked rows by row index (a dependence on where a row
-    lies), and "warp_share": the share of the durations' variance between warps (sum over warps of
-    n_w (mean_w - mean)^2 / sum (d - mean)^2, the one-way ANOVA eta squared; 1: each warp's rows all
-    take its own time, 0: the warp tells nothing). Raises ValueError for a wrong shape or an end
-    before its start."""
+    of the start times (early rows run beside every warp, late ones beside few; equal starts are
+    ranked by row index), "row_us_by_index" the median duration in each tenth of the marked rows by
+    row index (a coarse dependence on where a row lies), both lists shorter when there are fewer
+    than 4 / 10 marked rows, "warp_share": the share of the durations' variance between warps (sum
+    over warps of n_w (mean_w - mean)^2 / sum (d - mean)^2, the one-way ANOVA eta squared; 1: each
+    warp's rows all take its own time) and "warp_share_null": what that share is expected to be when
+    the warp tells nothing, (warps - 1) / (rows - 1) (~0.24 for 17408 rows over 4224 warps): read the
+    share against it, not against 0. Raises ValueError for a wrong shape or an end before its
+    start."""
     r = np.asarray(r).astype(np.int64)
     if r.ndim != 2 or r.shape[1] != 3:
         raise ValueError(f"row trace of shape {r.shape}: expected [rows, 3]")
@@ -107,7 +110,8 @@ def summarize_rows(r: np.ndarray, t0_ns: int) -> dict:
     return {"rows_marked": int(len(d)), "row_us": q(d), "row_start_us": q(start),
             "row_us_by_start": [float(np.median(d[by_start == k])) for k in range(4) if (by_start == k).any()],
             "row_us_by_index": [float(np.median(d[by_index == k])) for k in range(10) if (by_index == k).any()],
-            "warp_share": between / total if total > 0 else 0.0}
+            "warp_share": between / total if total > 0 else 0.0,
+            "warp_share_null": (len(warps) - 1) / (len(d) - 1) if len(d) > 1 else 0.0}
 
 
 def format_rows(s: dict) -> str:
@@ -118,7 +122,8 @@ def format_rows(s: dict) -> str:
         f"  rows marked: {s['rows_marked']}; a row's time p0/10/50/90/100 us: " + " ".join(f"{v:.2f}" for v in s["row_us"]),
         "  a row's median time by start quarter (us): " + " ".join(f"{v:.2f}" for v in s["row_us_by_start"]),
         "  ... by row-index tenth (us): " + " ".join(f"{v:.2f}" for v in s["row_us_by_index"]),
-        f"  share of the rows' time variance between warps: {s['warp_share']:.2f}"])
+        f"  share of the rows' time variance between warps: {s['warp_share']:.2f} "
+        f"(with no warp effect: ~{s['warp_share_null']:.2f})"])
 
 
 def format_summary(spec: str, kernel: str, per_kernel_us: float, s: dict) -> str:

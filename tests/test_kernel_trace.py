@@ -116,6 +116,7 @@ def test_rows_a_slow_warp_owns_all_the_variance():
     r = _rows([5, 7, 5, 7, 5, 7, 5, 7], [0, 1, 0, 1, 0, 1, 0, 1])
     s = kt.summarize_rows(r, 10_000)
     assert s["rows_marked"] == 8 and s["warp_share"] == pytest.approx(1.0)
+    assert s["warp_share_null"] == pytest.approx(1 / 7)  # (2 warps - 1) / (8 rows - 1)
     assert s["row_us"][0] == pytest.approx(5.0) and s["row_us"][-1] == pytest.approx(7.0)
     assert s["row_start_us"][0] == pytest.approx(0.0) and s["row_start_us"][-1] == pytest.approx(7.0)
 
@@ -131,10 +132,14 @@ def test_rows_by_start_quarter_and_by_index_tenth():
     d = [8.0, 8.0, 6.0, 6.0, 4.0, 4.0, 2.0, 2.0]
     s = kt.summarize_rows(_rows(d, [0, 1, 2, 3, 4, 5, 6, 7]), 10_000)
     assert s["row_us_by_start"] == pytest.approx([8.0, 6.0, 4.0, 2.0])
-    # started in reverse row order: quarters by start no longer follow the row index
-    s = kt.summarize_rows(_rows(d, list(range(8)), starts_us=[7, 6, 5, 4, 3, 2, 1, 0]), 10_000)
-    assert s["row_us_by_start"] == pytest.approx([2.0, 4.0, 6.0, 8.0])
-    assert s["row_us_by_index"][0] == pytest.approx(8.0) and s["row_us_by_index"][-1] == pytest.approx(2.0)
+    # started out of row order (a permutation that is not its own inverse): quarters by start
+    # follow the start times, not the row index; rows 0..7 start at 2, 5, 7, 0, 6, 1, 3, 4 us
+    d = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    s = kt.summarize_rows(_rows(d, list(range(8)), starts_us=[2, 5, 7, 0, 6, 1, 3, 4]), 10_000)
+    # by start: rows 3, 5 | 0, 6 | 7, 1 | 4, 2 -> durations (4, 6), (1, 7), (8, 2), (5, 3)
+    assert s["row_us_by_start"] == pytest.approx([5.0, 4.0, 5.0, 4.0])
+    # tenths of 8 rows by index: 10 i // 8 = 0, 1, 2, 3, 5, 6, 7, 8 -> one row each, in row order
+    assert s["row_us_by_index"] == pytest.approx(d)
 
 
 def test_rows_unmarked_rows_are_left_out_and_none_is_said():
@@ -144,7 +149,7 @@ def test_rows_unmarked_rows_are_left_out_and_none_is_said():
     assert s["rows_marked"] == 3 and s["row_us"][-1] == pytest.approx(7.0) and s["row_us"][0] == pytest.approx(5.0)
     none = kt.summarize_rows(np.zeros((4, 3), dtype=np.uint64), 10_000)
     assert none == {"rows_marked": 0} and "none marked" in kt.format_rows(none)
-    assert "between warps: 1.00" in kt.format_rows(kt.summarize_rows(_rows([5, 7], [0, 1]), 10_000))
+    assert "between warps: 1.00 (with no warp effect: ~1.00)" in kt.format_rows(kt.summarize_rows(_rows([5, 7], [0, 1]), 10_000))
 
 
 @pytest.mark.parametrize("bad", [np.zeros((3, 2)), np.ones(3)])

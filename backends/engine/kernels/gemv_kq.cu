@@ -523,10 +523,11 @@ __device__ __forceinline__ void kq_mark(int k) {
 }
 #define KQ_MARK(k) kq_mark(k)
 // Per row (session 28): lane 0 of the warp that ran a whole row (the one-row-per-warp loops: the
-// queue build and the S = 1 wide rows) writes its start and end (%globaltimer, ns, taken before the
-// row's first load and after its sums) and the warp's global index to kq_trace_row[row] (node-global
-// row; rows past KQ_TRACE_ROWS are not written). Tells rows from warps: whether rows of one size
-// take unequal times, and whose.
+// queue build and the S = 1 rows of the wide and 16-warp builds) writes its start and end
+// (%globaltimer, ns, taken at the top of the row's iteration and after its sums; a first row's
+// bytes may already be in L2 (KQ_PF0) or registers (KQ_PRE, KQ_PIPE 2's carry) by then) and the
+// warp's global index to kq_trace_row[row] (node-global row; rows past KQ_TRACE_ROWS are not
+// written). Tells rows from warps: whether rows of one size take unequal times, and whose.
 #define KQ_TRACE_ROWS (1 << 18)
 __device__ unsigned long long kq_trace_row[KQ_TRACE_ROWS][3];
 __device__ __forceinline__ unsigned long long kq_now() {
