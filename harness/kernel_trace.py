@@ -33,7 +33,8 @@ def summarize(a: np.ndarray, warps_per_block: int | None = None) -> dict:
     """Figures of one launch's trace. a: uint64/int64 [warps, 5] (ENTRY, WAIT, STAGED, END ns;
     SM id); kq_mark writes warp w of block b to row b W + w (W = warps per block).
     Times are relative to t0 = the earliest WAIT (the previous kernel's completion as
-    the PDL wait sees it). Returns {"warps", "sms", "<phase>_us": [p0, p10, p50, p90, p100]} for
+    the PDL wait sees it). Returns {"warps", "sms", "t0_ns" (that WAIT, %globaltimer ns),
+    "<phase>_us": [p0, p10, p50, p90, p100]} for
     entry (ENTRY - t0, negative: resident before the previous kernel ended), stage (STAGED -
     WAIT), loop (END - STAGED) and end (END - t0), "span_us" (last END - t0), "running" (share of
     warps not yet ended at t0 + 0, 1, 2, ... us), "first_last_end_us" (per SM, the median of
@@ -57,7 +58,7 @@ def summarize(a: np.ndarray, warps_per_block: int | None = None) -> dict:
     sms = a[:, SM]
     per_sm = [(end[sms == s].min(), end[sms == s].max()) for s in np.unique(sms)]
     loop = rel[:, END] - rel[:, STAGED]
-    out = {"warps": int(len(a)), "sms": int(len(per_sm)),
+    out = {"warps": int(len(a)), "sms": int(len(per_sm)), "t0_ns": int(t0),
            "entry_us": q(rel[:, ENTRY]), "stage_us": q(rel[:, STAGED] - rel[:, WAIT]),
            "loop_us": q(loop), "end_us": q(end), "span_us": float(end.max()),
            "running": [float((end > t).mean()) for t in range(int(np.ceil(end.max())) + 1)],
@@ -77,7 +78,7 @@ ROW_START, ROW_END, ROW_WARP = range(3)  # columns of the per-row array (kernels
 def summarize_rows(r: np.ndarray, t0_ns: int) -> dict:
     """Figures of the per-row marks of one launch. r: uint64/int64 [rows, 3] (start ns, end ns, global
     warp index; all 0 for a row no whole-row loop marked: split rows, P2 pairs, cluster parts); t0_ns:
-    the warp trace's earliest PDL wait return (summarize's t0). Returns {"rows_marked": n} and, when
+    the warp trace's earliest PDL wait return (summarize's "t0_ns"). Returns {"rows_marked": n} and, when
     n > 0: "row_us" [p0, p10, p50, p90, p100] of end - start (us), "row_start_us" the same of
     start - t0, "row_us_by_start" the median duration of the rows whose start is in each quarter
     of the start times (early rows run beside every warp, late ones beside few; equal starts are
@@ -164,11 +165,11 @@ def trace_shape(spec: str, copies: int, replays: int = 5):
         if not node.kernel.name.startswith("gemvkq"):
             raise ValueError(f"{spec}: the engine runs {node.kernel.name}, not a v9 kernel (no trace build)")
         # the module the node's kernel came from (the wide build for a wide node: ops.kv9_wide)
-        ptr = module._module("gemv_kq.cu", tuple(node.defines)).get_global("kq_trace")
+        mod = module._module("gemv_kq.cu", tuple(node.defines))
         warps = node.grid[0] * node.block[0] // 32
-        arr = cp.ndarray((warps, 5), dtype=cp.uint64, memptr=ptr)
-        rptr = module._module("gemv_kq.cu", tuple(node.defines)).get_global("kq_trace_row")
-        rows = cp.ndarray((min(shape.rows, 1 << 18), 3), dtype=cp.uint64, memptr=rptr)  # (KQ_TRACE_ROWS)
+        arr = cp.ndarray((warps, 5), dtype=cp.uint64, memptr=mod.get_global("kq_trace"))
+        rows = cp.ndarray((min(shape.rows, 1 << 18), 3), dtype=cp.uint64,  # (KQ_TRACE_ROWS)
+                          memptr=mod.get_global("kq_trace_row"))
         graph = capture(case.stream, [n.launch for n in case.nodes])
         ev0, ev1, runs = cp.cuda.Event(), cp.cuda.Event(), []
         for _ in range(replays):
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             kernel, us, arr, wpb, rows = trace_shape(spec, a.copies)
             # (quarters only for a multiple of 4 warps per block: every v9 build's is)
             s = summarize(arr, wpb if wpb % 4 == 0 else None)  # ValueError: a warp that left a mark unwritten
-            rs = summarize_rows(rows, int(np.asarray(arr)[:, WAIT].astype(np.int64).min()))
+            rs = summarize_rows(rows, s["t0_ns"])
         except (HarnessError, ValueError) as e:  # no GPU, a bad spec, a shape v9 does not take
             print(f"kernel_trace: {e}", file=sys.stderr)
             return 2

@@ -22,6 +22,7 @@ def _trace():
 def test_summarize_relative_times_and_quantiles():
     s = kt.summarize(_trace())
     assert s["warps"] == 4 and s["sms"] == 2
+    assert s["t0_ns"] == 10_000                       # the earliest PDL wait return
     assert s["span_us"] == pytest.approx(21.0)        # 31_000 - 10_000 ns
     assert s["entry_us"][0] == pytest.approx(-8.0)    # resident 8 us before the wait returned
     assert s["entry_us"][-1] == pytest.approx(-0.5)
@@ -182,7 +183,7 @@ def test_the_trace_build_marks_every_row_once_per_warp(dq, monkeypatch):
     kernel, us, arr, wpb, rows = kt.trace_shape("2x17408x5120:IQ4_XS", copies=2, replays=1)
     assert kernel == "gemvkq_swiglu_iq4_xs" and us > 0 and wpb % 4 == 0, (kernel, us, wpb)
     s = kt.summarize(arr, wpb)
-    r = kt.summarize_rows(rows, int(arr[:, kt.WAIT].astype(np.int64).min()))
+    r = kt.summarize_rows(rows, s["t0_ns"])
     assert r["rows_marked"] == 17408, r["rows_marked"]
     rows = rows.astype(np.int64)
     assert (rows[:, kt.ROW_WARP] < s["warps"]).all() and (rows[:, kt.ROW_END] >= rows[:, kt.ROW_START]).all()

@@ -510,11 +510,18 @@ __device__ unsigned kq_gcount[KQ_GS_MAXCB] = {0};
 #if KQ_TRACE
 #define KQ_TRACE_WARPS (4096 * 16)
 __device__ unsigned long long kq_trace[KQ_TRACE_WARPS][5];
+__device__ __forceinline__ unsigned long long kq_now() {  // %globaltimer, ns
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned kq_warp() {  // the warp's index in the grid: kq_trace's row
+    return blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+}
 __device__ __forceinline__ void kq_mark(int k) {
-    const unsigned wi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const unsigned wi = kq_warp();
     if ((threadIdx.x & 31) == 0 && wi < KQ_TRACE_WARPS) {
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        const unsigned long long t = kq_now();
         unsigned sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
         kq_trace[wi][k] = t;
@@ -530,24 +537,20 @@ __device__ __forceinline__ void kq_mark(int k) {
 // written). Tells rows from warps: whether rows of one size take unequal times, and whose.
 #define KQ_TRACE_ROWS (1 << 18)
 __device__ unsigned long long kq_trace_row[KQ_TRACE_ROWS][3];
-__device__ __forceinline__ unsigned long long kq_now() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ void kq_row_mark(int row, unsigned long long t0) {
-    if ((threadIdx.x & 31) == 0 && (unsigned)row < KQ_TRACE_ROWS) {
-        kq_trace_row[row][0] = t0;
-        kq_trace_row[row][1] = kq_now();
-        kq_trace_row[row][2] = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+struct KqRowMark { int row; unsigned long long t0; };  // a row (node-global) and its start
+__device__ __forceinline__ void kq_row_mark(const KqRowMark& m) {
+    if ((threadIdx.x & 31) == 0 && (unsigned)m.row < KQ_TRACE_ROWS) {
+        kq_trace_row[m.row][0] = m.t0;
+        kq_trace_row[m.row][1] = kq_now();
+        kq_trace_row[m.row][2] = kq_warp();
     }
 }
-#define KQ_ROW_T0(v) const unsigned long long v = kq_now()
-#define KQ_ROW_MARK(row, t0) kq_row_mark(row, t0)
+#define KQ_ROW_START(v, row) const KqRowMark v{(row), kq_now()}
+#define KQ_ROW_MARK(v) kq_row_mark(v)
 #else
 #define KQ_MARK(k)
-#define KQ_ROW_T0(v)
-#define KQ_ROW_MARK(row, t0)
+#define KQ_ROW_START(v, row)
+#define KQ_ROW_MARK(v)
 #endif
 
 // Sum over the N lanes of each aligned group (every lane gets its group's sum; N = 32: warp_sum).
@@ -807,9 +810,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         nu = __shfl_sync(0xffffffffu, nu, 0);
         int row, p, np, j;
         unit(u, row, p, np, j);
-        KQ_ROW_T0(kq_t0);  // (KQ_TRACE: the unit's start)
-        const int kq_grow = row;  // (node-global: find_seg below makes row segment-local)
-        (void)kq_grow;
+        KQ_ROW_START(kq_rm, row);  // (KQ_TRACE: the unit's start; row still node-global, find_seg below changes it)
         float y, up = 0.f;
         int si = 0;
         // a full row and a part as separate calls, each with a compile-time stride
@@ -830,7 +831,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                             : kq_row<Q>(rp, xa, w, nsb, grp + 4 * p, 4 * P, i);
             y = group_sum<32>(y);
         }
-        if (np == 1) KQ_ROW_MARK(kq_grow, kq_t0);
+        if (np == 1) KQ_ROW_MARK(kq_rm);
         if (lane == 0) {
             if (np == 1) {
                 KQ_STORE(MODE, t, si, row, y * rs, up * rs);
@@ -974,7 +975,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     for (int base = first - h; (S > 1 ? base - Q::R * g * gstride : base) < total_rows; base += step, ++round) {
         const int row = base + h;
         const bool live = row < total_rows;
-        KQ_ROW_T0(kq_t0);  // (KQ_TRACE: the row's start; marked below for one whole row per warp)
+        KQ_ROW_START(kq_rm, row);  // (KQ_TRACE: the row's start; marked below for one whole row per warp)
         if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
         int r = live ? row : 0, si = 0;
         int nr = row + step;  // this lane's next row (KQ_PIPE 2, KQ_L1PF), if it has one
@@ -1021,7 +1022,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         }
 #if KQ_TRACE
         if constexpr (S == 1 && CS == 1 && Q::R == 1 && !P2)  // one whole row per warp
-            if (live) KQ_ROW_MARK(row, kq_t0);
+            if (live) KQ_ROW_MARK(kq_rm);
 #endif
         if constexpr (S > 1) {  // double-buffered by round: part 0 reads [round & 1] before any warp passes
                       // the next round's barrier, so the round after that may overwrite it
