@@ -15,6 +15,15 @@ def cupy_or_skip():
         pytest.skip(f"needs CuPy and an NVIDIA GPU ({type(e).__name__})")
 
 
+def q16_or_skip(what: str = "these kernels") -> None:
+    """Skip unless the engine's GEMV inputs are rounded to int16 (GGUF_HARNESS_GEMV unset or q16):
+    under GGUF_HARNESS_GEMV=q8_1 (llama.cpp's int8 rounding, an A/B mode) `what` is not built, and
+    the q8_1 kernels have their own tests (tests/test_engine_q8_1.py)."""
+    from backends.engine import ops
+    if ops.GEMV_IMPL != "q16":
+        pytest.skip(f"GGUF_HARNESS_GEMV={ops.GEMV_IMPL}: {what} run on the q16 path only")
+
+
 def device_tensor(cp, name: str, raw: np.ndarray, type_id: int, ne: tuple[int, ...], keep: list):
     """Upload uint8 [rows, row_bytes] blocks into a fresh 256-aligned buffer -> DeviceTensor."""
     from backends.engine.arena import DeviceTensor

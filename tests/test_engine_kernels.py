@@ -22,7 +22,7 @@ import re
 
 import numpy as np
 import pytest
-from gpu_util import cupy_or_skip, device_tensor, nan_poisoned
+from gpu_util import cupy_or_skip, device_tensor, nan_poisoned, q16_or_skip
 
 from oracles import gemv_check, ops
 from oracles.blocks import random_blocks
@@ -359,8 +359,7 @@ def test_gemv_kquant_wide_and_narrow_loops(name, kq, monkeypatch):
     with Q6_K gemv.cu's I-quant loop."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("the wide loop is a q16 option")
+    q16_or_skip("the wide loop")
     monkeypatch.setattr(eops, "GEMV_KQ", kq)
     monkeypatch.setattr(eops, "GEMV_KQ_IQ3S", "1")
     t, keep = TYPES[name], []
@@ -396,8 +395,7 @@ def test_gemv_v9_grid_stride_segments_norm_bias(kq, split, monkeypatch):
     S = 4 without a super-block) or chosen by ops.kv9_split ("auto")."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("v9 is a q16 kernel")
+    q16_or_skip("the v9 kernels")
     monkeypatch.setattr(eops, "GEMV_KQ", kq)
     monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
     monkeypatch.setattr(eops, "GEMV_KQ_IQ3S", "1")  # IQ3_S nodes on v9 (kernels/kwide_iq3s.cuh)
@@ -513,8 +511,7 @@ def test_gemv_v9_iq3s_grid_tables(grid, monkeypatch):
     IQ3_S shapes cut to few rows, each asserted to run the iq3_s kernel; the oracle rule above."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("v9 is a q16 kernel")
+    q16_or_skip("the v9 kernels")
     _v9_default_routes(monkeypatch, eops)  # (the 8200-row pair below: the wide queue build)
     monkeypatch.setattr(eops, "GEMV_KQ_IQ3S", "1")
     monkeypatch.setattr(eops, "GEMV_KQ_IQ3S_GRID", grid)
@@ -551,8 +548,7 @@ def test_gemv_every_block_shape(monkeypatch):
     I-quants for their non-inlined row loop (kernels/gemv.cu row_dot_iq), also as gate/up pair."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("block shapes are a q16 option")
+    q16_or_skip("the block shapes")
     monkeypatch.setattr(eops, "GEMV_KQ", "wide")  # Q6_K at K = 2304 would take gemv_kq.cu (v9)
     K, keep = 2304, []
     rng = np.random.default_rng(3)
@@ -578,8 +574,7 @@ def test_gemv_nodes_mixed_split_matches_the_oracle(monkeypatch):
     the v9 tests above), and the unsplit gemv.cu node on the same inputs agreeing too."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("v9 is a q16 kernel")
+    q16_or_skip("the v9 kernels")
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     K, keep = 5120, []
     rng = np.random.default_rng(7)
@@ -640,8 +635,7 @@ def test_gemv_tma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     missing at odd row counts, the rows of a warp in two segments)."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("v10 is a q16 kernel")
+    q16_or_skip("the v10 kernels")
     for knob, val in build.items():
         monkeypatch.setattr(eops, knob, val)
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
@@ -696,8 +690,7 @@ def test_iq4_xil_build_is_bitwise_equal_to_the_default(monkeypatch):
     oracle rule."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
+    q16_or_skip()
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     t, keep = TYPES["IQ4_XS"], []
     rng = np.random.default_rng(23)
@@ -800,8 +793,7 @@ def test_wide_nodes_match_the_default(kq, monkeypatch):
     wide SwiGLU nodes run the row-queue form of the wide build since session 17, also bitwise equal.)"""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
+    q16_or_skip()
     monkeypatch.setattr(eops, "GEMV_KQ", kq)
     monkeypatch.setattr(eops, "GEMV_KQ_WIDE_MIN_ROWS", "")
     keep = []
@@ -849,8 +841,7 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot,
     fixed: only the cluster builds take it.)"""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
+    q16_or_skip()
     monkeypatch.setattr(eops, "GEMV_KQ_PART_ROT", rot)
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "1000000")  # Q6_K on the one-row-per-warp kernels
@@ -936,8 +927,7 @@ def test_part_rot_row_key_does_not_depend_on_the_grid(monkeypatch):
     and 5120 (5), and a partial one (K = 2816)."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
+    q16_or_skip()
     _v9_default_routes(monkeypatch, eops)
     monkeypatch.setattr(eops, "GEMV_KQ_PART_ROT", "")
     monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", "4")
@@ -995,8 +985,7 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch)
     without super-blocks adds 0) and Q8_0 at K = 512 (one round)."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
+    q16_or_skip()
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(eops, "GEMV_KQ_CSPLIT", "0")
     monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "1000000")  # Q6_K on the one-row-per-warp kernels
@@ -1090,8 +1079,7 @@ def test_xpf_build_is_bitwise_equal_to_the_default(switch, value, define, monkey
     but the last must have been given a target."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops, xpf
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
+    q16_or_skip()
     _v9_default_routes(monkeypatch, eops)
     for knob in ("GEMV_KQ_XPF", "GEMV_KQ_PF0", "GEMV_KQ_PF0_SB", "GEMV_KQ_PRE"):  # the default build on the "" side
         monkeypatch.setattr(eops, knob, "")
@@ -1185,8 +1173,7 @@ def test_fused_conv_is_bitwise_equal_to_the_conv_node(wide, monkeypatch):
     from backends.engine import deltanet_ops
     from backends.engine import ops as eops
     from oracles import deltanet
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
+    q16_or_skip()
     for knob, v in (("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_WIDE_MIN_ROWS", ""),
                     ("GEMV_KQ_XPF", ""), ("GEMV_KQ_BW", ""), ("GEMV_KQ_WMAJ", ""), ("GEMV_KQ_DQ", ""),
                     ("GEMV_KQ_DQ_P", ""), ("GEMV_KQ_DQ_T", ""), ("GEMV_KQ_DQ_MAP", ""), ("GEMV_KQ_P2", "q6_k"),
@@ -1244,8 +1231,7 @@ def _build_is_bitwise_equal(knob, values, define, define_when, cases, monkeypatc
     normed=False: the nodes with a fused RMSNorm (store, ssm_in) are held to the oracle rule only."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
+    q16_or_skip()
     monkeypatch.setattr(eops, "GEMV_KQ", kq)
     monkeypatch.setattr(eops, "GEMV_KQ_P2_MIN_ROWS", "")  # the Q6_K nodes below through P2 despite few rows
     monkeypatch.setattr(eops, "GEMV_KQ_WIDE_MIN_ROWS", "off")  # every node on the build under test (a knob may set it)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_util import cupy_or_skip, device_tensor, nan_poisoned
+from gpu_util import cupy_or_skip, device_tensor, nan_poisoned, q16_or_skip
 
 from backends.engine import gemv_mma as gm
 # random blocks, the qkv-like node, two launches compared bit for bit
@@ -105,8 +105,7 @@ def test_gemv_mma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     a node with F32 rows stays on v9; a NaN in x reaches every row."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("v11 is a q16-path kernel")
+    q16_or_skip("the v11 kernels")
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(eops, "GEMV_TMA", "")
     monkeypatch.setattr(gm, "GEMV_MMA", "1")

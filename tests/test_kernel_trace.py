@@ -174,11 +174,10 @@ def test_the_trace_build_marks_every_row_once_per_warp(dq, monkeypatch):
     rows per warp); each mark's warp is one of the launch's, its end follows its start, and one
     warp's rows do not overlap in time (a warp runs one row at a time). The warp trace's rows are
     all written too (summarize refuses unwritten ones)."""
-    from gpu_util import cupy_or_skip
+    from gpu_util import cupy_or_skip, q16_or_skip
     cupy_or_skip()
     from backends.engine import ops as eops
-    if eops.GEMV_IMPL != "q16":
-        pytest.skip("q16 kernels")
+    q16_or_skip()
     monkeypatch.setattr(eops, "GEMV_KQ_DQ", dq)
     kernel, us, arr, wpb, rows = kt.trace_shape("2x17408x5120:IQ4_XS", copies=2, replays=1)
     assert kernel == "gemvkq_swiglu_iq4_xs" and us > 0 and wpb % 4 == 0, (kernel, us, wpb)
