@@ -702,8 +702,8 @@ static_assert(KQ_DQ_T >= 1 && KQ_DQ_T <= 32, "KQ_DQ_T: 1..32");
 // 31.6 us per SM), and splitting the block's last rows into parts (KQ_DQ_P, session 28's round
 // ranges) did not help: the slow rows are full rows already running. How: each warp's row has a
 // claim word in shared memory, (row + 1) << 13 | done << 9 | hi << 6 | lo: the owner claims its
-// rounds 0, 1, ... one at a time (atomicAdd of lo, issued after the round's loads, so its
-// latency hides under theirs) and a helper round nr - 1 - hi from the end (atomicCAS of hi, at
+// rounds 0, 1, ... one at a time (a predicated atom.add of lo by lane 0, round k + 1's issued
+// during round k, so no round waits for its claim) and a helper round nr - 1 - hi from the end (atomicCAS of hi, at
 // most KQ_DQ_STEAL_S per row); a claim holds while lo + hi < nr. A helper writes its lanes'
 // partial dots to dq_sp[owner][hi][lane] and sets done bit hi; the owner, once a claim fails,
 // waits for the done bits and adds the helpers' partials in round order. Values: every round's
@@ -711,7 +711,11 @@ static_assert(KQ_DQ_T >= 1 && KQ_DQ_T <= 32, "KQ_DQ_T: 1..32");
 // dot's last product), in round order, whoever computed it: deterministic, the same bits with or
 // without stealing (KQ_DQ_STEAL_S 0 builds the claims without helpers: the GPU test's reference
 // and the cost of the claims alone), but not the default build's bits (whose loop may fuse the
-// add into an FMA). Limits: nr <= 63 rounds (K <= 64512) and rows < 2^19 - 1, else no claims.
+// add into an FMA). Claims only where K is a multiple of 1024 (every lane has a super-block in
+// every round: no per-lane guard in the loop), nr <= 63 rounds (K <= 64512) and rows < 2^19 - 1;
+// otherwise the owner runs every round itself (the same sums). Measured (H200, session 29, cold
+// back to back): the first form, its loads guarded per lane and the claim's atomic behind a branch
+// (each a BSSY / BSYNC region in the loop), cost the IQ4_XS pair +22 % with claims alone.
 #define KQ_DQ_STEAL 0
 #endif
 #ifndef KQ_DQ_STEAL_S
@@ -767,6 +771,16 @@ __device__ __forceinline__ void kq_pre_dot(const Carry<Q>& c, const XS& xa, int 
 }
 
 #if KQ_DQ
+#if KQ_DQ_STEAL
+// KQ_DQ_STEAL: lane 0 adds 1 to the claim word at shared address a (a predicated atom, no branch
+// around it) and gets the old word; the other lanes get 0 (the caller broadcasts lane 0's).
+__device__ __forceinline__ unsigned kq_claim(unsigned a, int lane) {
+    unsigned old = 0u;
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %1, 0;\n\t@p atom.shared.add.u32 %0, [%2], 1;\n\t}"
+                 : "+r"(old) : "r"(lane), "r"(a) : "memory");
+    return old;
+}
+#endif
 template <class Q, int MODE, int NW>
 __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, const float* norm, float eps,
                                            int K, int total_rows) {
@@ -846,34 +860,44 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         constexpr int MAXS = Q::TYPE == T_IQ3_S && KQ_DQ_STEAL_S > 1 ? 1 : KQ_DQ_STEAL_S;
         __shared__ float2 dq_sp[NW][MAXS > 0 ? MAXS : 1][32];  // [owner][hi][lane]: (gate, up)
         const int nr = (nsb + 3) >> 2;  // rounds: super-blocks grp + 4 k
-        const bool claims = nr <= 63 && total_rows < (1 << 19) - 1;
+        // claims only where every lane has a super-block in every round (no per-lane guard in the
+        // loop: session 29's first form guarded each round's loads and lost 22 % to the branches)
+        const bool claims = (nsb & 3) == 0 && nr <= 63 && total_rows < (1 << 19) - 1;
         const u8 *w0 = (const u8*)t.s[0].w, *w1 = (const u8*)t.s[1].w;
         const size_t rb0 = t.row_bytes[0], rb1 = t.row_bytes[1];
+        const unsigned my_word = (unsigned)__cvta_generic_to_shared(&dq_word[warp]);
         for (int u = warp; u < nunits;) {
             int nu = 0;
             if (lane == 0) nu = atomicAdd(&dq_next, 1);
             nu = __shfl_sync(0xffffffffu, nu, 0);
             const int row = grow(u);
             KQ_ROW_START(kq_rm, row);
-            if (claims && lane == 0) *(volatile unsigned*)&dq_word[warp] = (unsigned)(row + 1) << 13;
             const u8 *g = w0 + rb0 * row, *h = w1 + rb1 * row;
             float a0 = 0.f, a1 = 0.f;
             int hs = 0;  // rounds helpers took (the last hs)
-            for (int k = 0; k < nr; ++k) {
-                const int sb = grp + 4 * k;
-                typename Q::Blk b0, b1;
-                if (sb < nsb) {
+            if (claims) {
+                if (lane == 0) *(volatile unsigned*)&dq_word[warp] = (unsigned)(row + 1) << 13;
+                unsigned pend = kq_claim(my_word, lane);  // round 0's claim; round k + 1's is issued in round k
+                const u8 *p0 = g + grp * Q::TS, *p1 = h + grp * Q::TS;
+                for (int k = 0; k < nr; ++k, p0 += 4 * Q::TS, p1 += 4 * Q::TS) {
+                    typename Q::Blk b0, b1;
+                    Q::load(p0, i, b0);  // (loaded before the claim is known: a lost claim wastes them)
+                    Q::load(p1, i, b1);
+                    const unsigned old = __shfl_sync(0xffffffffu, pend, 0);
+                    if (k + (int)((old >> 6) & 7u) >= nr) {
+                        hs = nr - k;
+                        break;
+                    }
+                    if (k + 1 < nr) pend = kq_claim(my_word, lane);
+                    const typename Q::X x = Q::x(xa, grp + 4 * k, i, w);
+                    a0 = __fadd_rn(a0, Q::dot(b0, x, i, w));
+                    a1 = __fadd_rn(a1, Q::dot(b1, x, i, w));
+                }
+            } else {  // no claims: the same sums, every round the owner's
+                for (int sb = grp; sb < nsb; sb += 4) {
+                    typename Q::Blk b0, b1;
                     Q::load(g + (size_t)sb * Q::TS, i, b0);
                     Q::load(h + (size_t)sb * Q::TS, i, b1);
-                }
-                unsigned old = 0u;  // the claim of round k, after its loads (a lost claim wastes them)
-                if (claims && lane == 0) old = atomicAdd(&dq_word[warp], 1u);
-                old = __shfl_sync(0xffffffffu, old, 0);
-                if (k + (int)((old >> 6) & 7u) >= nr) {
-                    hs = nr - k;
-                    break;
-                }
-                if (sb < nsb) {
                     const typename Q::X x = Q::x(xa, sb, i, w);
                     a0 = __fadd_rn(a0, Q::dot(b0, x, i, w));
                     a1 = __fadd_rn(a1, Q::dot(b1, x, i, w));
@@ -910,16 +934,11 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                 if (lane == 0) got = atomicCAS(&dq_word[s], vs, vs + (1u << 6)) == vs;
                 if (!__shfl_sync(0xffffffffu, got, 0)) continue;  // the word moved: look again
                 const int q = (int)((vs >> 6) & 7u), row = (int)(vs >> 13) - 1, sb = grp + 4 * (nr - 1 - q);
-                float p0 = 0.f, p1 = 0.f;
-                if (sb < nsb) {
-                    typename Q::Blk b0, b1;
-                    Q::load(w0 + rb0 * row + (size_t)sb * Q::TS, i, b0);
-                    Q::load(w1 + rb1 * row + (size_t)sb * Q::TS, i, b1);
-                    const typename Q::X x = Q::x(xa, sb, i, w);
-                    p0 = Q::dot(b0, x, i, w);
-                    p1 = Q::dot(b1, x, i, w);
-                }
-                dq_sp[s][q][lane] = make_float2(p0, p1);
+                typename Q::Blk b0, b1;  // (claims: every lane has super-block sb)
+                Q::load(w0 + rb0 * row + (size_t)sb * Q::TS, i, b0);
+                Q::load(w1 + rb1 * row + (size_t)sb * Q::TS, i, b1);
+                const typename Q::X x = Q::x(xa, sb, i, w);
+                dq_sp[s][q][lane] = make_float2(Q::dot(b0, x, i, w), Q::dot(b1, x, i, w));
                 __syncwarp();
                 if (lane == 0) {
                     __threadfence_block();
