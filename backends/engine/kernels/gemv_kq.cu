@@ -706,16 +706,21 @@ static_assert(KQ_DQ_T >= 1 && KQ_DQ_T <= 32, "KQ_DQ_T: 1..32");
 // during round k, so no round waits for its claim) and a helper round nr - 1 - hi from the end (atomicCAS of hi, at
 // most KQ_DQ_STEAL_S per row); a claim holds while lo + hi < nr. A helper writes its lanes'
 // partial dots to dq_sp[owner][hi][lane] and sets done bit hi; the owner, once a claim fails,
-// waits for the done bits and adds the helpers' partials in round order. Values: every round's
-// lane partial is added by the owner as __fadd_rn(acc, dot) (never contracted into an FMA with the
-// dot's last product), in round order, whoever computed it: deterministic, the same bits with or
-// without stealing (KQ_DQ_STEAL_S 0 builds the claims without helpers: the GPU test's reference
-// and the cost of the claims alone), but not the default build's bits (whose loop may fuse the
-// add into an FMA). Claims only where K is a multiple of 1024 (every lane has a super-block in
+// waits for the done bits and adds the helpers' partials in round order. Only the block's last NW
+// units in queue order claim (a fixed set of rows, whichever warp runs them: about one row per
+// warp, the rows the tail is made of); the others run the default build's loop. Values: in a
+// claiming row every round's lane partial is added by the owner as __fadd_rn(acc, dot) (never
+// contracted into an FMA with the dot's last product), in round order, whoever computed it: those
+// rows are deterministic and the same with or without helpers (KQ_DQ_STEAL_S 0 builds the claims
+// without helpers: the GPU test's reference), but not the default build's bits (whose loop may
+// fuse the add into an FMA); every other row is the default build's bit for bit. Claims only where K is a multiple of 1024 (every lane has a super-block in
 // every round: no per-lane guard in the loop), nr <= 63 rounds (K <= 64512) and rows < 2^19 - 1;
 // otherwise the owner runs every round itself (the same sums). Measured (H200, session 29, cold
 // back to back): the first form, its loads guarded per lane and the claim's atomic behind a branch
-// (each a BSSY / BSYNC region in the loop), cost the IQ4_XS pair +22 % with claims alone.
+// (each a BSSY / BSYNC region in the loop), cost the IQ4_XS pair +22 % with claims alone; the
+// second (this loop, every row claiming) +9 % with claims alone and +6.9 % with helpers, whose
+// trace showed the tail cut (per-SM first / last warp end 31.0 / 32.7 us against 27.1 / 31.6) and
+// every row 6 % slower (hence claims in the last NW units only).
 #define KQ_DQ_STEAL 0
 #endif
 #ifndef KQ_DQ_STEAL_S
@@ -875,7 +880,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
             const u8 *g = w0 + rb0 * row, *h = w1 + rb1 * row;
             float a0 = 0.f, a1 = 0.f;
             int hs = 0;  // rounds helpers took (the last hs)
-            if (claims) {
+            if (claims && u >= nunits - NW) {  // one of the block's last NW units: its rounds are claimed
                 if (lane == 0) *(volatile unsigned*)&dq_word[warp] = (unsigned)(row + 1) << 13;
                 unsigned pend = kq_claim(my_word, lane);  // round 0's claim; round k + 1's is issued in round k
                 const u8 *p0 = g + grp * Q::TS, *p1 = h + grp * Q::TS;
@@ -893,15 +898,10 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                     a0 = __fadd_rn(a0, Q::dot(b0, x, i, w));
                     a1 = __fadd_rn(a1, Q::dot(b1, x, i, w));
                 }
-            } else {  // no claims: the same sums, every round the owner's
-                for (int sb = grp; sb < nsb; sb += 4) {
-                    typename Q::Blk b0, b1;
-                    Q::load(g + (size_t)sb * Q::TS, i, b0);
-                    Q::load(h + (size_t)sb * Q::TS, i, b1);
-                    const typename Q::X x = Q::x(xa, sb, i, w);
-                    a0 = __fadd_rn(a0, Q::dot(b0, x, i, w));
-                    a1 = __fadd_rn(a1, Q::dot(b1, x, i, w));
-                }
+            } else {  // the default build's row, bit for bit
+                const float2 v = kq_row2<Q>(g, h, xa, w, nsb, grp, 4, i);
+                a0 = v.x;
+                a1 = v.y;
             }
             if (hs > 0) {  // rounds nr - hs .. nr - 1 are the helpers' (slot q: round nr - 1 - q)
                 const unsigned m = ((1u << hs) - 1u) << 9;
