@@ -940,7 +940,7 @@ def test_dq_routing(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "")
     monkeypatch.setattr(ops, "GEMV_KQ_P2", "q6_k")
     monkeypatch.setattr(ops, "GEMV_KQ_P2_MIN_ROWS", "2048")
-    for knob in ("GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):  # unset: the defaults
+    for knob in ("GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_DQ_STEAL"):  # unset: the defaults
         monkeypatch.setattr(ops, knob, "")
     ptr = lambda i: 1 << 20 + i
     wide = ops.kv9_wide_defines(ops.kv9_defines())
@@ -966,6 +966,19 @@ def test_dq_routing(monkeypatch):
     assert "KQ_DQ_T=8" in _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines
     for knob in ("GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):
         monkeypatch.setattr(ops, knob, "")
+    # round stealing (KQ_DQ_STEAL): the queue build's defines, the value as the helper rounds per row
+    for v in ("0", "4"):
+        monkeypatch.setattr(ops, "GEMV_KQ_DQ_STEAL", v)
+        assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == want + ("KQ_DQ_STEAL=1", f"KQ_DQ_STEAL_S={v}")
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "1")  # a store is not queued then: the wide build, no stealing
+    assert _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines == wide
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "all")
+    for knob, v in (("GEMV_KQ_DQ_P", "2"), ("GEMV_KQ_PRE", "1")):
+        monkeypatch.setattr(ops, knob, v)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_DQ_STEAL is not built with"):
+            ops.kv9_defines()
+        monkeypatch.setattr(ops, knob, "" if knob == "GEMV_KQ_DQ_P" else "0")
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ_STEAL", "")
     for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
         monkeypatch.setattr(ops, knob, "1")
         assert "KQ_DQ=1" not in _gemv_node(*pair[:2], 5120, pair[2], ptr).defines, knob
@@ -975,13 +988,13 @@ def test_dq_routing(monkeypatch):
     assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == wide
     for knob, bad in (("GEMV_KQ_DQ", "2"), ("GEMV_KQ_DQ", "on"), ("GEMV_KQ_DQ_P", "3"), ("GEMV_KQ_DQ_P", "8"),
                       ("GEMV_KQ_DQ_T", "0"), ("GEMV_KQ_DQ_T", "33"), ("GEMV_KQ_DQ_T", "\u0668"),
-                      ("GEMV_KQ_DQ_MAP", "2")):
+                      ("GEMV_KQ_DQ_MAP", "2"), ("GEMV_KQ_DQ_STEAL", "5"), ("GEMV_KQ_DQ_STEAL", "on")):
         monkeypatch.setattr(ops, knob, bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_" + knob):
             ops.kv9_defines()
         monkeypatch.setattr(ops, knob, "")
     assert {"GGUF_HARNESS_GEMV_KQ_DQ", "GGUF_HARNESS_GEMV_KQ_DQ_P", "GGUF_HARNESS_GEMV_KQ_DQ_T",
-            "GGUF_HARNESS_GEMV_KQ_DQ_MAP"} <= set(machine.ENGINE_SWITCHES)
+            "GGUF_HARNESS_GEMV_KQ_DQ_MAP", "GGUF_HARNESS_GEMV_KQ_DQ_STEAL"} <= set(machine.ENGINE_SWITCHES)
 
 
 def test_conv_fusion_routing(monkeypatch):

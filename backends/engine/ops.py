@@ -296,6 +296,11 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 # (1..32; unset 32): the most split rows per block (no effect at P 1); GGUF_HARNESS_GEMV_KQ_DQ_MAP
 # (0 or 1; unset: the kernel's 1): 1 gives block b the rows b, b + B, ..., 0 a contiguous range
 # (with 0 the 27B's ssm_in put its 96 F32 rows into its last block: that node +61 %).
+# GGUF_HARNESS_GEMV_KQ_DQ_STEAL (A/B, session 29; "" off): the queue build's gate/up pairs let warps
+# that find the queue empty take single rounds of the rows still running (kernels/gemv_kq.cu
+# KQ_DQ_STEAL); the value (0..4) is the most rounds of a row helpers may take, 0 the claims alone
+# (no helpers: the same values, the claims' cost). Deterministic; not the default build's bits (the
+# rounds are added without FMA contraction). Refused with _DQ_P 2 / 4 and GGUF_HARNESS_GEMV_KQ_PRE=1.
 # KQ_XPF: every v9 GEMV node's warps, once their rows are done, ask L2 for the first bytes of the
 # rows the next v9 node takes first (kernels/gemv_kq.cu xpf_tail; backends/engine/xpf.py links the
 # nodes). A number of MiB (1..32): the most bytes per next node; "" or "0": off. A/B, measured
@@ -345,6 +350,7 @@ GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
 GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
 GEMV_KQ_DQ_T = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_T", "")
 GEMV_KQ_DQ_MAP = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_MAP", "")
+GEMV_KQ_DQ_STEAL = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_STEAL", "")
 
 
 def kv9_dq(kname: str) -> bool:
@@ -353,7 +359,8 @@ def kv9_dq(kname: str) -> bool:
     _s<S> suffix), SwiGLU ones unless the switch is "all" (off at "0"), and no latency A/B build
     (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF: their code is not in the queue loop). ValueError on a
     GGUF_HARNESS_GEMV_KQ_DQ other than "", 0, 1 or all, a _DQ_MAP other than "", 0 or 1, a _DQ_P
-    other than "", 1, 2 or 4, a _DQ_T other than "" or 1..32."""
+    other than "", 1, 2 or 4, a _DQ_T other than "" or 1..32, a _DQ_STEAL other than "" or 0..4, or
+    _DQ_STEAL with _DQ_P 2 / 4 or GGUF_HARNESS_GEMV_KQ_PRE=1."""
     if GEMV_KQ_DQ not in ("", "0", "1", "all"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ={GEMV_KQ_DQ!r}: expected 0, 1 or all")
     _switch01("GGUF_HARNESS_GEMV_KQ_DQ_MAP", GEMV_KQ_DQ_MAP)
@@ -361,6 +368,11 @@ def kv9_dq(kname: str) -> bool:
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_P={GEMV_KQ_DQ_P!r}: expected 1, 2 or 4")
     if GEMV_KQ_DQ_T and not (GEMV_KQ_DQ_T.isascii() and GEMV_KQ_DQ_T.isdigit() and 1 <= int(GEMV_KQ_DQ_T) <= 32):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_T={GEMV_KQ_DQ_T!r}: expected 1..32")
+    if GEMV_KQ_DQ_STEAL not in ("", "0", "1", "2", "3", "4"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_STEAL={GEMV_KQ_DQ_STEAL!r}: expected 0..4 (or unset: off)")
+    if GEMV_KQ_DQ_STEAL and (GEMV_KQ_DQ_P not in ("", "1") or GEMV_KQ_PRE == "1"):
+        raise ValueError("GGUF_HARNESS_GEMV_KQ_DQ_STEAL is not built with GGUF_HARNESS_GEMV_KQ_DQ_P 2 / 4 "
+                         "or GGUF_HARNESS_GEMV_KQ_PRE=1")
     return (GEMV_KQ_DQ != "0" and not (GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF)
             and kname.startswith("gemvkq_") and "_p2" not in kname and not kname[-3:-1] == "_s"
             and (GEMV_KQ_DQ == "all" or kname.startswith("gemvkq_swiglu_")))
@@ -369,10 +381,12 @@ def kv9_dq(kname: str) -> bool:
 def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the queue build: `defines` (a wide build's) without KQ_WMAJ (the
     queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T and
-    KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP)."""
+    KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP), and KQ_DQ_STEAL=1 with KQ_DQ_STEAL_S
+    when GGUF_HARNESS_GEMV_KQ_DQ_STEAL is set."""
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
             + tuple(f"{d}={int(v)}" for d, v in (("KQ_DQ_P", GEMV_KQ_DQ_P), ("KQ_DQ_T", GEMV_KQ_DQ_T),
-                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v))  # int: "08" is no C literal
+                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v)  # int: "08" is no C literal
+            + (("KQ_DQ_STEAL=1", f"KQ_DQ_STEAL_S={GEMV_KQ_DQ_STEAL}") if GEMV_KQ_DQ_STEAL else ()))
 
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:
