@@ -298,9 +298,11 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 # (with 0 the 27B's ssm_in put its 96 F32 rows into its last block: that node +61 %).
 # GGUF_HARNESS_GEMV_KQ_DQ_STEAL (A/B, session 29; "" off): the queue build's gate/up pairs let warps
 # that find the queue empty take single rounds of the rows still running (kernels/gemv_kq.cu
-# KQ_DQ_STEAL); the value (0..4) is the most rounds of a row helpers may take, 0 the claims alone
-# (no helpers: the same values, the claims' cost). Deterministic; not the default build's bits (the
-# rounds are added without FMA contraction). Refused with _DQ_P 2 / 4 and GGUF_HARNESS_GEMV_KQ_PRE=1.
+# KQ_DQ_STEAL); the value (0..4) is the most rounds of a row helpers may take (IQ3_S rows: 1), 0 the
+# claims alone (no helpers: the same values, the claims' cost). Only each block's last 32 rows claim,
+# and only at K a multiple of 1024; those rows are deterministic but not the default build's bits
+# (their rounds are added without FMA contraction), every other row is. Refused with _DQ_P 2 / 4 and
+# GGUF_HARNESS_GEMV_KQ_PRE=1; no effect where the queue build is not used (_DQ=0, _PF, _PIPE, _L1PF).
 # KQ_XPF: every v9 GEMV node's warps, once their rows are done, ask L2 for the first bytes of the
 # rows the next v9 node takes first (kernels/gemv_kq.cu xpf_tail; backends/engine/xpf.py links the
 # nodes). A number of MiB (1..32): the most bytes per next node; "" or "0": off. A/B, measured

@@ -715,7 +715,9 @@ static_assert(KQ_DQ_T >= 1 && KQ_DQ_T <= 32, "KQ_DQ_T: 1..32");
 // without helpers: the GPU test's reference), but not the default build's bits (whose loop may
 // fuse the add into an FMA); every other row is the default build's bit for bit. Claims only where K is a multiple of 1024 (every lane has a super-block in
 // every round: no per-lane guard in the loop), nr <= 63 rounds (K <= 64512) and rows < 2^19 - 1;
-// otherwise the owner runs every round itself (the same sums). Measured (H200, session 29, cold
+// otherwise every row runs the default loop (the default build's bits). Helpers leave once no
+// round is left to take and every unit has started (dq_next - NW units fetched: a warp fetches its
+// next unit when it starts one), sleeping briefly between scans that find nothing. Measured (H200, session 29, cold
 // back to back): the first form, its loads guarded per lane and the claim's atomic behind a branch
 // (each a BSSY / BSYNC region in the loop), cost the IQ4_XS pair +22 % with claims alone; the
 // second (this loop, every row claiming) +9 % with claims alone and +6.9 % with helpers, whose
@@ -941,7 +943,11 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                 const int left = v != 0u && hi < MAXS ? nr - (int)(v & 63u) - hi : 0;
                 // the row with the most rounds left (ties: the lowest warp)
                 const unsigned best = __reduce_max_sync(0xffffffffu, left > 0 ? ((unsigned)left << 5) | (31u - lane) : 0u);
-                if (best == 0u) break;
+                if (best == 0u) {  // nothing to take now: leave once every unit has started
+                    if (*(volatile int*)&dq_next >= nunits + NW) break;
+                    __nanosleep(64);
+                    continue;
+                }
                 const int s = 31 - (int)(best & 31u);
                 const unsigned vs = __shfl_sync(0xffffffffu, v, s);
                 int got = 0;
