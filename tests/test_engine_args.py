@@ -1258,6 +1258,40 @@ def test_gemv_routes_gsplit(monkeypatch):
             ops.kv9_defines()
 
 
+def test_cs_bal_switch(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_CS_BAL=1 (kernels/gemv_kq.cu KQ_CS_BAL, A/B): the cluster-split builds,
+    hardware clusters of 2 and groups of 4 alike, take KQ_CS_BAL=1 last, on the same kernel and
+    grid as without it; builds that are not cluster splits never take it; unset or 0 leaves the
+    kernel's default (0, read from the source); another value raises; results record the switch."""
+    Q4_K = 12
+    _fake_module(monkeypatch)
+    for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"),
+                    ("GEMV_KQ_CSPLIT", "1"), ("GEMV_KQ_BW", ""), ("GEMV_KQ_GSPLIT", ""), ("GEMV_KQ_CS_BAL", "")):
+        monkeypatch.setattr(ops, knob, v)
+    ptr = lambda i: 1 << 20 + i
+    shapes = (("add", 17408, 5120), ("add", 6144, 5120))  # the 27B's ffn_down (4 parts) and ssm_out (2)
+    off = [_gemv_node(m, [Q4_K], K, rows, ptr) for m, K, rows in shapes]
+    assert [n.kernel.name for n in off] == ["gemvkq_add_q4_k_c4", "gemvkq_add_q4_k_c2"]
+    assert not any(d.startswith("KQ_CS_BAL") for n in off for d in n.defines)
+    monkeypatch.setattr(ops, "GEMV_KQ_CS_BAL", "1")
+    on = [_gemv_node(m, [Q4_K], K, rows, ptr) for m, K, rows in shapes]
+    for a, b in zip(off, on):
+        assert (b.kernel.name, b.grid, b.block) == (a.kernel.name, a.grid, a.block)
+        assert b.defines == a.defines + ("KQ_CS_BAL=1",)
+    # a node that is not a cluster split (the 27B's [10240x5120] qkv rows: one row per warp) never takes it
+    n = _gemv_node("store", [Q4_K], 5120, 10240, ptr)
+    assert "KQ_CSPLIT=1" not in n.defines and "KQ_CS_BAL=1" not in n.defines, n.defines
+    monkeypatch.setattr(ops, "GEMV_KQ_CS_BAL", "0")
+    assert _gemv_node("add", [Q4_K], 6144, 5120, ptr).defines == off[1].defines
+    src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
+    assert re.search(r"^#define KQ_CS_BAL (\d+)", src, re.M).group(1) == "0"
+    for bad in ("2", "on", " 1"):
+        monkeypatch.setattr(ops, "GEMV_KQ_CS_BAL", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_CS_BAL"):
+            ops.kv9_defines()
+    assert "GGUF_HARNESS_GEMV_KQ_CS_BAL" in machine.ENGINE_SWITCHES
+
+
 def test_first_row_prefetch_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_PF0 (kernels/gemv_kq.cu KQ_PF0): unset or "3" keeps the kernel's default
     (the first round asked for before the PDL wait: no define), "0" / "1" / "2" build KQ_PF0=0 / 1 / 2

@@ -468,6 +468,19 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 #define KQ_GSPLIT 0
 #endif
 #define KQ_GS_MAXCB 512  // virtual clusters a KQ_GSPLIT grid may have (ops.gemv bounds it)
+#ifndef KQ_CS_BAL
+// KQ_CS_BAL=1 (with KQ_CSPLIT=1; ops GGUF_HARNESS_GEMV_KQ_CS_BAL=1; A/B, session 30): group cb of ncb
+// takes the contiguous rows [cb R / ncb, (cb + 1) R / ncb) (warp g: lo + g, lo + g + G, ...) instead
+// of the grid-stride rows rpb cb + g + k rpb ncb. Why (KQ_TRACE on the H200, session 30): the 2-part
+// [5120x6144] Q5_K nodes (ssm_out, attn_output: 64 of the 27B step's nodes, 10.1 us each) have 2.42
+// grid-stride rounds per warp, so the first 56 of 132 clusters run a third round and their SMs end
+// ~2.3 us after the others (per-SM last warp end p50 7.5 us, p90 9.7): contiguous ranges give every
+// group 38-39 rows. Each row's parts are the same as without it; only which warp runs a row changes
+// (and, at 4 parts, the row key KQ_PART_ROT=2 reads base / rpb of the new rows: the _c4 sums then
+// depend on the group count).
+#define KQ_CS_BAL 0
+#endif
+static_assert(KQ_CS_BAL == 0 || KQ_CS_BAL == 1, "KQ_CS_BAL: 0 or 1");
 #ifndef KQ_GS_FENCE
 // How a KQ_GSPLIT block publishes its parts before counting itself in (ops
 // GGUF_HARNESS_GEMV_KQ_GS_FENCE; 1 since session 19). 1: the barrier first, then thread 0 alone
@@ -1070,9 +1083,17 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 #if KQ_WMAJ  // the warp's first row group: warp-major g gridDim.x + b
     const int rpb = Q::R * G, first = Q::R * (g * ncb + cb) + h, step = rpb * ncb;
     const int gstride = ncb;  // row groups between those of the block's warp groups g and g + 1
-#else  // block-major b G + g
-    const int rpb = Q::R * G, first = rpb * cb + Q::R * g + h, step = rpb * ncb;
+#else  // block-major b G + g (KQ_CS_BAL: the group's contiguous range, above; CS > 1 has R = 1, h = 0)
+    constexpr bool bal = KQ_CS_BAL && CS > 1;
+    const int row_lo = bal ? (int)((long long)cb * total_rows / ncb) : 0;
+    const int rpb = Q::R * G, first = bal ? row_lo + g : rpb * cb + Q::R * g + h, step = bal ? G : rpb * ncb;
     constexpr int gstride = 1;
+#endif
+    // the rows this block's loop walks end here (KQ_CS_BAL: the group's range)
+#if KQ_WMAJ
+    const int row_end = total_rows;
+#else
+    const int row_end = bal ? (int)((long long)(cb + 1) * total_rows / ncb) : total_rows;
 #endif
     // A row's 128-byte lines to L2 (each of the S parts a share of them; a gate/up pair both rows).
     auto prefetch_row = [&](int r) {
@@ -1086,7 +1107,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // first round only; the KQ_PF rows ahead below stay whole rows.
     auto prefetch_first_row = [&](int r) {
         if constexpr (KQ_PF0 == 3) {
-            if (r >= total_rows) return;
+            if (r >= row_end) return;
             const int si = MODE == 2 ? 0 : find_seg(t, r);
             prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, kq_pf0_bytes(t.row_bytes[si], Q::TS, nparts),
                            l + LPR * wpart, LPR * nparts);
@@ -1106,7 +1127,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     if constexpr (KQ_PRE) {
         // (a first row past the end: none; the 4-part rotation's first sweep has that round only when
         // every part has a full sweep, kq_row_part's F >= 1)
-        if (first < total_rows && (!kKqPartRot<CS> || (((K >> 8) + 3) >> 2) >= nparts)) {
+        if (first < row_end && (!kKqPartRot<CS> || (((K >> 8) + 3) >> 2) >= nparts)) {
             if constexpr (P2) kq_pre_load2<Q>(t, first, first + 1 < total_rows ? first + 1 : first, K,
                                               Q::grp(lane) + 4 * wpart, Q::idx(lane), pre);
             else kq_pre_load<Q, MODE>(t, first, K, Q::grp(lane) + 4 * wpart, Q::idx(lane), pre);
@@ -1137,14 +1158,14 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     Carry<Q> carry;  // KQ_PIPE 2 (kq_row): the next row's first block(s), loaded in this row's last round
     carry.have = false;
     // S > 1: the block's first row group of the round (g = 0) bounds the loop for every warp
-    for (int base = first - h; (S > 1 ? base - Q::R * g * gstride : base) < total_rows; base += step, ++round) {
+    for (int base = first - h; (S > 1 ? base - Q::R * g * gstride : base) < row_end; base += step, ++round) {
         const int row = base + h;
         const bool live = row < total_rows;
         KQ_ROW_START(kq_rm, row);  // (KQ_TRACE: the row's start; marked below for one whole row per warp)
         if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
         int r = live ? row : 0, si = 0;
         int nr = row + step;  // this lane's next row (KQ_PIPE 2, KQ_L1PF), if it has one
-        const bool nlive = (kKqPipe > 1 || kKqL1pf > 0) && nr < total_rows;
+        const bool nlive = (kKqPipe > 1 || kKqL1pf > 0) && nr < row_end;
         float y, up = 0.f;  // up: a pair's up row, or (KQ_P2) the warp's second row
         int r1 = 0, si1 = 0;  // KQ_P2: the second row (segment-local) and its segment
         const bool live1 = P2 && row + 1 < total_rows;
@@ -1250,7 +1271,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 #endif
             if (lane < round && lane < KQ_CS_MAXR) {
                 int r = first + lane * step;  // (h = 0, R = 1)
-                if (r < total_rows) {
+                if (r < row_end) {
                     float y = __ldcg(&kq_gpart[cb][lane][0][g]);
 #pragma unroll
                     for (int q = 1; q < CS; ++q) y += __ldcg(&kq_gpart[cb][lane][q][g]);
@@ -1269,7 +1290,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         cluster_sync();
         if (wpart == 0 && lane < round && lane < KQ_CS_MAXR) {
             int r = first + lane * step;  // (h = 0, R = 1)
-            if (r < total_rows) {
+            if (r < row_end) {
                 float y = cpart[lane][0][g];
 #pragma unroll
                 for (int q = 1; q < CS; ++q) y += cpart[lane][q][g];
