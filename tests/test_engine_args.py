@@ -1261,7 +1261,7 @@ def test_gemv_routes_gsplit(monkeypatch):
 def test_cs_bal_switch(monkeypatch):
     """GGUF_HARNESS_GEMV_KQ_CS_BAL=1 (kernels/gemv_kq.cu KQ_CS_BAL, A/B): the cluster-split builds,
     hardware clusters of 2 and groups of 4 alike, take KQ_CS_BAL=1 last, on the same kernel and
-    grid as without it; builds that are not cluster splits never take it; unset or 0 leaves the
+    grid as without it (=2: the 2-part ones only); builds that are not cluster splits never take it; unset or 0 leaves the
     kernel's default (0, read from the source); another value raises; results record the switch."""
     Q4_K = 12
     _fake_module(monkeypatch)
@@ -1281,11 +1281,14 @@ def test_cs_bal_switch(monkeypatch):
     # a node that is not a cluster split (the 27B's [10240x5120] qkv rows: one row per warp) never takes it
     n = _gemv_node("store", [Q4_K], 5120, 10240, ptr)
     assert "KQ_CSPLIT=1" not in n.defines and "KQ_CS_BAL=1" not in n.defines, n.defines
+    monkeypatch.setattr(ops, "GEMV_KQ_CS_BAL", "2")  # the 2-part nodes only
+    two = [_gemv_node(m, [Q4_K], K, rows, ptr) for m, K, rows in shapes]
+    assert two[0].defines == off[0].defines and two[1].defines == off[1].defines + ("KQ_CS_BAL=1",)
     monkeypatch.setattr(ops, "GEMV_KQ_CS_BAL", "0")
     assert _gemv_node("add", [Q4_K], 6144, 5120, ptr).defines == off[1].defines
     src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
     assert re.search(r"^#define KQ_CS_BAL (\d+)", src, re.M).group(1) == "0"
-    for bad in ("2", "on", " 1"):
+    for bad in ("3", "on", " 1"):
         monkeypatch.setattr(ops, "GEMV_KQ_CS_BAL", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_CS_BAL"):
             ops.kv9_defines()

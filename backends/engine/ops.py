@@ -441,6 +441,7 @@ GEMV_KQ_GS_FENCE = os.environ.get("GGUF_HARNESS_GEMV_KQ_GS_FENCE", "1")
 # KQ_CS_BAL (kernels/gemv_kq.cu; A/B, session 30; "" or "0" off): a cluster-split group takes one
 # contiguous range of rows (R / groups, +-1) instead of grid-stride rounds, so a node of 2.42 rounds
 # per warp (the 27B's [5120x6144] Q5_K) no longer runs a third round on 42 % of its SMs alone.
+# "1": every cluster-split node; "2": the 2-part ones only (whose outputs stay the default's bits).
 GEMV_KQ_CS_BAL = os.environ.get("GGUF_HARNESS_GEMV_KQ_CS_BAL", "")
 
 
@@ -451,17 +452,23 @@ def kv9_csplit_defines(defines: tuple[str, ...], cs: int) -> tuple[str, ...]:
     GGUF_HARNESS_GEMV_KQ_GS_FENCE is 0; the kernel's default is 1), and KQ_PART_ROT=0 when
     GGUF_HARNESS_GEMV_KQ_PART_ROT is 0 and KQ_PART_ROT=1 when it is "round" or 1, for cs == 4 only
     (the kernel's default is 2, the row key; only the 4-part kernels read it, so other builds stay
-    the default's and compile once), and KQ_CS_BAL=1 when GGUF_HARNESS_GEMV_KQ_CS_BAL is 1 (every
-    group a contiguous row range). ValueError on a _GS_FENCE or _CS_BAL other than "", 0 or 1 and
-    as kv9_part_rot."""
+    the default's and compile once), and KQ_CS_BAL=1 when GGUF_HARNESS_GEMV_KQ_CS_BAL is 1, or 2 and
+    cs == 2 (every group a contiguous row range). ValueError on a _GS_FENCE other than "", 0 or 1,
+    a _CS_BAL other than "", 0, 1 or 2, and as kv9_part_rot."""
     _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)
-    _switch01("GGUF_HARNESS_GEMV_KQ_CS_BAL", GEMV_KQ_CS_BAL)
+    kv9_cs_bal_check()
     rot = kv9_part_rot()
     gs = kv9_gsplit(cs)
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
             + (("KQ_GSPLIT=1",) if gs else ()) + (("KQ_GS_FENCE=0",) if gs and GEMV_KQ_GS_FENCE == "0" else ())
             + ((f"KQ_PART_ROT={rot}",) if rot != 2 and cs == 4 else ())  # (only the 4-part kernels read it)
-            + (("KQ_CS_BAL=1",) if GEMV_KQ_CS_BAL == "1" else ()))
+            + (("KQ_CS_BAL=1",) if GEMV_KQ_CS_BAL == "1" or (GEMV_KQ_CS_BAL == "2" and cs == 2) else ()))
+
+
+def kv9_cs_bal_check() -> None:
+    """ValueError unless GGUF_HARNESS_GEMV_KQ_CS_BAL is "", 0, 1 or 2."""
+    if GEMV_KQ_CS_BAL not in ("", "0", "1", "2"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_CS_BAL={GEMV_KQ_CS_BAL!r}: expected 0, 1 or 2 (or unset: off)")
 
 
 def kv9_part_rot() -> int:
@@ -557,7 +564,7 @@ def kv9_defines() -> tuple[str, ...]:
     kv9_csplit("", "store", 1, False)  # refuse a bad GGUF_HARNESS_GEMV_KQ_CSPLIT (a routing switch) early
     kv9_gsplit(4)  # likewise GGUF_HARNESS_GEMV_KQ_GSPLIT (a define of the cluster build only)
     _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)  # and _GS_FENCE
-    _switch01("GGUF_HARNESS_GEMV_KQ_CS_BAL", GEMV_KQ_CS_BAL)
+    kv9_cs_bal_check()  # and _CS_BAL
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build
