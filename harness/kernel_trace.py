@@ -143,8 +143,7 @@ def format_summary(spec: str, kernel: str, per_kernel_us: float, s: dict) -> str
 
 def trace_shape(spec: str, copies: int, replays: int = 5):
     """(kernel name, per-kernel us of the median replay, its raw trace array, warps per block, its raw
-    per-row array [rows, 3] (kernels/gemv_kq.cu kq_trace_row, the first 2^18 rows), the rounds helpers
-    took per launch in that replay (kq_trace_steals / copies; 0 unless GGUF_HARNESS_GEMV_KQ_DQ_STEAL)) of one shape on
+    per-row array [rows, 3] (kernels/gemv_kq.cu kq_trace_row, the first 2^18 rows)) of one shape on
     the GPU, with the engine's v9 defines + KQ_TRACE=1 (ops.kv9_defines patched for the
     duration). Raises UnsupportedError without a GPU, ConfigError for a bad spec, ValueError for
     a shape v9 does not take."""
@@ -171,22 +170,19 @@ def trace_shape(spec: str, copies: int, replays: int = 5):
         arr = cp.ndarray((warps, 5), dtype=cp.uint64, memptr=mod.get_global("kq_trace"))
         rows = cp.ndarray((min(shape.rows, 1 << 18), 3), dtype=cp.uint64,  # (KQ_TRACE_ROWS)
                           memptr=mod.get_global("kq_trace_row"))
-        steals = cp.ndarray((1,), dtype=cp.uint64, memptr=mod.get_global("kq_trace_steals"))
         graph = capture(case.stream, [n.launch for n in case.nodes])
         ev0, ev1, runs = cp.cuda.Event(), cp.cuda.Event(), []
         for _ in range(replays):
             arr.fill(0)
             rows.fill(0)
-            steals.fill(0)
             cp.cuda.Device().synchronize()
             ev0.record(case.stream)
             graph.launch(stream=case.stream)
             ev1.record(case.stream)
             case.stream.synchronize()
-            runs.append((cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / copies, arr.get(), rows.get(),
-                         float(steals.get()[0]) / copies))
-        us, a, r, st = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
-        return node.kernel.name, us, a, node.block[0] // 32, r, st
+            runs.append((cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / copies, arr.get(), rows.get()))
+        us, a, r = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
+        return node.kernel.name, us, a, node.block[0] // 32, r
     finally:
         ops.kv9_defines = base
         if case is not None:
@@ -206,18 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     out, arrays = {}, {}
     for spec in a.specs:
         try:
-            kernel, us, arr, wpb, rows, steals = trace_shape(spec, a.copies)
+            kernel, us, arr, wpb, rows = trace_shape(spec, a.copies)
             # (quarters only for a multiple of 4 warps per block: every v9 build's is)
             s = summarize(arr, wpb if wpb % 4 == 0 else None)  # ValueError: a warp that left a mark unwritten
             rs = summarize_rows(rows, s["t0_ns"])
         except (HarnessError, ValueError) as e:  # no GPU, a bad spec, a shape v9 does not take
             print(f"kernel_trace: {e}", file=sys.stderr)
             return 2
-        out[spec], arrays[spec] = dict(s, kernel=kernel, per_kernel_us=us, rows=rs, steals_per_launch=steals), (arr, rows)
+        out[spec], arrays[spec] = dict(s, kernel=kernel, per_kernel_us=us, rows=rs), (arr, rows)
         print(format_summary(spec, kernel, us, s))
         print(format_rows(rs))
-        if steals:  # (only a GGUF_HARNESS_GEMV_KQ_DQ_STEAL build's helpers take rounds; the JSON has it always)
-            print(f"  rounds taken by helpers per launch: {steals:.1f}")
     os.makedirs(a.out, exist_ok=True)  # written only once every shape is traced
     for spec, (arr, rows) in arrays.items():
         name = "".join(c if c.isalnum() else "_" for c in spec)

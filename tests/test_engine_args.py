@@ -940,7 +940,7 @@ def test_dq_routing(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_WIDE_MIN_ROWS", "")
     monkeypatch.setattr(ops, "GEMV_KQ_P2", "q6_k")
     monkeypatch.setattr(ops, "GEMV_KQ_P2_MIN_ROWS", "2048")
-    for knob in ("GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_DQ_STEAL"):  # unset: the defaults
+    for knob in ("GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):  # unset: the defaults
         monkeypatch.setattr(ops, knob, "")
     ptr = lambda i: 1 << 20 + i
     wide = ops.kv9_wide_defines(ops.kv9_defines())
@@ -966,19 +966,6 @@ def test_dq_routing(monkeypatch):
     assert "KQ_DQ_T=8" in _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines
     for knob in ("GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP"):
         monkeypatch.setattr(ops, knob, "")
-    # round stealing (KQ_DQ_STEAL): the queue build's defines, the value as the helper rounds per row
-    for v in ("0", "4"):
-        monkeypatch.setattr(ops, "GEMV_KQ_DQ_STEAL", v)
-        assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == want + ("KQ_DQ_STEAL=1", f"KQ_DQ_STEAL_S={v}")
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "1")  # a store is not queued then: the wide build, no stealing
-    assert _gemv_node("store", [Q4_K], 5120, 12288, ptr).defines == wide
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ", "all")
-    for knob, v in (("GEMV_KQ_DQ_P", "2"), ("GEMV_KQ_PRE", "1")):
-        monkeypatch.setattr(ops, knob, v)
-        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_DQ_STEAL is not built with"):
-            ops.kv9_defines()
-        monkeypatch.setattr(ops, knob, "" if knob == "GEMV_KQ_DQ_P" else "0")
-    monkeypatch.setattr(ops, "GEMV_KQ_DQ_STEAL", "")
     for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF"):
         monkeypatch.setattr(ops, knob, "1")
         assert "KQ_DQ=1" not in _gemv_node(*pair[:2], 5120, pair[2], ptr).defines, knob
@@ -988,13 +975,13 @@ def test_dq_routing(monkeypatch):
     assert _gemv_node(*pair[:2], 5120, pair[2], ptr).defines == wide
     for knob, bad in (("GEMV_KQ_DQ", "2"), ("GEMV_KQ_DQ", "on"), ("GEMV_KQ_DQ_P", "3"), ("GEMV_KQ_DQ_P", "8"),
                       ("GEMV_KQ_DQ_T", "0"), ("GEMV_KQ_DQ_T", "33"), ("GEMV_KQ_DQ_T", "\u0668"),
-                      ("GEMV_KQ_DQ_MAP", "2"), ("GEMV_KQ_DQ_STEAL", "5"), ("GEMV_KQ_DQ_STEAL", "on")):
+                      ("GEMV_KQ_DQ_MAP", "2")):
         monkeypatch.setattr(ops, knob, bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_" + knob):
             ops.kv9_defines()
         monkeypatch.setattr(ops, knob, "")
     assert {"GGUF_HARNESS_GEMV_KQ_DQ", "GGUF_HARNESS_GEMV_KQ_DQ_P", "GGUF_HARNESS_GEMV_KQ_DQ_T",
-            "GGUF_HARNESS_GEMV_KQ_DQ_MAP", "GGUF_HARNESS_GEMV_KQ_DQ_STEAL"} <= set(machine.ENGINE_SWITCHES)
+            "GGUF_HARNESS_GEMV_KQ_DQ_MAP"} <= set(machine.ENGINE_SWITCHES)
 
 
 def test_conv_fusion_routing(monkeypatch):
@@ -1256,43 +1243,6 @@ def test_gemv_routes_gsplit(monkeypatch):
         monkeypatch.setattr(ops, "GEMV_KQ_GSPLIT", bad)
         with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_GSPLIT"):
             ops.kv9_defines()
-
-
-def test_cs_bal_switch(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_CS_BAL=1 (kernels/gemv_kq.cu KQ_CS_BAL, A/B): the cluster-split builds,
-    hardware clusters of 2 and groups of 4 alike, take KQ_CS_BAL=1 last, on the same kernel and
-    grid as without it (=2: the 2-part ones only); builds that are not cluster splits never take it; unset or 0 leaves the
-    kernel's default (0, read from the source); another value raises; results record the switch."""
-    Q4_K = 12
-    _fake_module(monkeypatch)
-    for knob, v in (("GEMV_IMPL", "q16"), ("GEMV_ARGS", "value"), ("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"),
-                    ("GEMV_KQ_CSPLIT", "1"), ("GEMV_KQ_BW", ""), ("GEMV_KQ_GSPLIT", ""), ("GEMV_KQ_CS_BAL", "")):
-        monkeypatch.setattr(ops, knob, v)
-    ptr = lambda i: 1 << 20 + i
-    shapes = (("add", 17408, 5120), ("add", 6144, 5120))  # the 27B's ffn_down (4 parts) and ssm_out (2)
-    off = [_gemv_node(m, [Q4_K], K, rows, ptr) for m, K, rows in shapes]
-    assert [n.kernel.name for n in off] == ["gemvkq_add_q4_k_c4", "gemvkq_add_q4_k_c2"]
-    assert not any(d.startswith("KQ_CS_BAL") for n in off for d in n.defines)
-    monkeypatch.setattr(ops, "GEMV_KQ_CS_BAL", "1")
-    on = [_gemv_node(m, [Q4_K], K, rows, ptr) for m, K, rows in shapes]
-    for a, b in zip(off, on):
-        assert (b.kernel.name, b.grid, b.block) == (a.kernel.name, a.grid, a.block)
-        assert b.defines == a.defines + ("KQ_CS_BAL=1",)
-    # a node that is not a cluster split (the 27B's [10240x5120] qkv rows: one row per warp) never takes it
-    n = _gemv_node("store", [Q4_K], 5120, 10240, ptr)
-    assert "KQ_CSPLIT=1" not in n.defines and "KQ_CS_BAL=1" not in n.defines, n.defines
-    monkeypatch.setattr(ops, "GEMV_KQ_CS_BAL", "2")  # the 2-part nodes only
-    two = [_gemv_node(m, [Q4_K], K, rows, ptr) for m, K, rows in shapes]
-    assert two[0].defines == off[0].defines and two[1].defines == off[1].defines + ("KQ_CS_BAL=1",)
-    monkeypatch.setattr(ops, "GEMV_KQ_CS_BAL", "0")
-    assert _gemv_node("add", [Q4_K], 6144, 5120, ptr).defines == off[1].defines
-    src = (Path(ops.__file__).parent / "kernels" / "gemv_kq.cu").read_text()
-    assert re.search(r"^#define KQ_CS_BAL (\d+)", src, re.M).group(1) == "0"
-    for bad in ("3", "on", " 1"):
-        monkeypatch.setattr(ops, "GEMV_KQ_CS_BAL", bad)
-        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_CS_BAL"):
-            ops.kv9_defines()
-    assert "GGUF_HARNESS_GEMV_KQ_CS_BAL" in machine.ENGINE_SWITCHES
 
 
 def test_first_row_prefetch_switch(monkeypatch):

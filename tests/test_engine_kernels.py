@@ -66,8 +66,8 @@ def _v9_default_routes(monkeypatch, eops):
     with groups of 4 in global memory, one fence per group block, leftover groups rotated)."""
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     for knob in ("GEMV_KQ_SPLIT", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_P2", "GEMV_KQ_P2_MIN_ROWS", "GEMV_KQ_CSPLIT",
-                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_DQ_STEAL", "GEMV_KQ_BW", "GEMV_KQ_WMAJ",
-                 "GEMV_KQ_GSPLIT", "GEMV_KQ_GS_FENCE", "GEMV_KQ_PART_ROT", "GEMV_KQ_CS_BAL"):
+                 "GEMV_KQ_DQ", "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_BW", "GEMV_KQ_WMAJ",
+                 "GEMV_KQ_GSPLIT", "GEMV_KQ_GS_FENCE", "GEMV_KQ_PART_ROT"):
         monkeypatch.setattr(eops, knob, {"GEMV_KQ_SPLIT": "auto", "GEMV_KQ_P2": "q6_k", "GEMV_KQ_P2_MIN_ROWS": "2048",
                                          "GEMV_KQ_CSPLIT": "1"}.get(knob, ""))
 
@@ -915,61 +915,6 @@ def test_csplit_nodes_are_bitwise_equal_to_the_split_kernels(split, gsplit, rot,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gsplit", ["", "1"])
-def test_cs_bal_nodes_equal_the_grid_stride_rows(gsplit, monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_CS_BAL=1 (kernels/gemv_kq.cu KQ_CS_BAL, A/B): a cluster-split group takes
-    one contiguous row range instead of grid-stride rounds. Each row's parts and their order stay
-    the same, so where the parts do not depend on the row group (every 2-part node; 4-part nodes
-    with GGUF_HARNESS_GEMV_KQ_PART_ROT=0) the outputs must equal the default build's bit for bit;
-    with the row key (the default) a 4-part node with leftover groups adds other partial sums and is
-    held to the oracle rule only. Every output starts NaN-poisoned, is checked against the oracle,
-    and a relaunch must store the same bits (a group count left unreset would store nothing).
-    Cases: the 27B's [5120x6144] Q5_K (2.42 grid-stride rounds: the case the switch is for), odd
-    row counts, fewer rows per group than warps (333 rows), K = 17408 at 4 parts, store and add;
-    gsplit "" (2-part hardware clusters, 4-part groups in global memory) and "1" (all groups)."""
-    cp = cupy_or_skip()
-    from backends.engine import ops as eops
-    q16_or_skip()
-    _v9_default_routes(monkeypatch, eops)
-    monkeypatch.setattr(eops, "GEMV_KQ_GSPLIT", gsplit)
-    rng = np.random.default_rng(67)
-    keep = []
-    for name, K, rows, split, rot in (("Q5_K", 6144, 5120, "2", ""), ("Q4_K", 6144, 4099, "2", ""),
-                                      ("Q5_K", 2048, 333, "2", ""), ("Q4_K", 17408, 1501, "4", "0"),
-                                      ("Q4_K", 17408, 1501, "4", ""), ("Q5_K", 5120, 2500, "4", "")):
-        monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", split)
-        monkeypatch.setattr(eops, "GEMV_KQ_PART_ROT", rot)
-        t = TYPES[name]
-        raw, w = _matrix(t, rows, K, seed=rows + K + 3)
-        dev = device_tensor(cp, "w", raw, t, (K, rows), keep)
-        x = (rng.normal(size=K) * 0.7).astype(np.float32)
-        base = rng.normal(size=rows).astype(np.float32)
-        got, grids = {}, {}
-        for bal in ("", "1"):
-            monkeypatch.setattr(eops, "GEMV_KQ_CS_BAL", bal)
-            y, acc = nan_poisoned(cp, rows), cp.asarray(base)
-            nodes = [eops.gemv("s", "store", [eops.Seg(dev, y)], cp.asarray(x), K),
-                     eops.gemv("a", "add", [eops.Seg(dev, acc)], cp.asarray(x), K)]
-            for n in nodes:
-                assert n.kernel.name.endswith(f"_c{split}"), n.kernel.name
-                assert ("KQ_CS_BAL=1" in n.defines) == (bal == "1"), n.defines
-                n.launch()
-            grids[bal] = nodes[0].grid
-            got[bal] = (y.get(), acc.get())
-            y.fill(np.nan)
-            nodes[0].launch()
-            what = f"{name} [{rows}x{K}] c{split} CS_BAL={bal or 0} rot={rot or 'row'}"
-            assert np.array_equal(got[bal][0], y.get()), f"{what}: store changed on relaunch"
-            _check_rows(got[bal][0].astype(np.float64), w, x, f"{what} store")
-            _check_rows(got[bal][1].astype(np.float64) - base, w, x, f"{what} add")
-        assert grids[""] == grids["1"], grids
-        if split == "4" and rot != "0" and -(-K // 1024) % 4:
-            continue  # leftover groups under the row key: other partial sums (the oracle rule above)
-        for what, u, v in zip(("store", "add"), got[""], got["1"]):
-            assert np.array_equal(u, v), f"{name} [{rows}x{K}] c{split}: {what} differs with CS_BAL=1"
-
-
-@pytest.mark.gpu
 def test_part_rot_row_key_does_not_depend_on_the_grid(monkeypatch):
     """The row key (GGUF_HARNESS_GEMV_KQ_PART_ROT "" or row, kernels/gemv_kq.cu KQ_PART_ROT=2, the
     default since session 21; session 21 ran this test with =row and then with the default, the
@@ -1114,64 +1059,6 @@ def test_dq_nodes_are_bitwise_equal_to_the_split_kernels(T, P, MAP, monkeypatch)
 
 
 @pytest.mark.gpu
-def test_dq_steal_pairs_are_deterministic_and_equal_the_claims_alone(monkeypatch):
-    """GGUF_HARNESS_GEMV_KQ_DQ_STEAL (kernels/gemv_kq.cu KQ_DQ_STEAL, A/B): warps that find the row
-    queue empty compute single rounds of the gate/up rows other warps still run (the block's last
-    32 units in queue order claim their rounds), and the owner adds every round's lane partials in
-    round order whoever computed them. So the build with helpers (4 rounds per row, the default when
-    on) must give the claims-only build's outputs (0: the same owner arithmetic, no helpers) bit for
-    bit, on each of 3 launches (where helpers took rounds, which of them they took varies from launch
-    to launch; that they take some is shown by tests/test_kernel_trace.py's steal count); the rows
-    that do not claim must equal the default build's bit for bit; each output also passes the
-    oracle. Cases: the 27B's
-    IQ4_XS pair [17408x5120] (5 rounds), an IQ4_XS pair of 8777 rows (about 2 rows per warp: most
-    warps help), an IQ3_S pair of 8777 rows at K = 4096 (4 rounds; IQ3_S rows take at most 1 helper round) and an
-    IQ4_XS pair at K = 768 (a K no row claims at: lanes past the row's end in its one round)."""
-    cp = cupy_or_skip()
-    from backends.engine import ops as eops
-    q16_or_skip()
-    _v9_default_routes(monkeypatch, eops)
-    monkeypatch.setattr(eops, "GEMV_KQ_WIDE_MIN_ROWS", "0")  # the queue build for the small cases too
-    monkeypatch.setattr(eops, "GEMV_KQ_SPLIT", "1")
-    rng = np.random.default_rng(59)
-    keep = []
-    for name, K, rows in (("IQ4_XS", 5120, 17408), ("IQ4_XS", 5120, 8777), ("IQ3_S", 4096, 8777), ("IQ4_XS", 768, 4099)):
-        t = TYPES[name]
-        (ra, wa), (rb, wb) = _matrix(t, rows, K, seed=rows + 3), _matrix(t, rows, K, seed=rows + 4)
-        a_dev = device_tensor(cp, "a", ra, t, (K, rows), keep)
-        b_dev = device_tensor(cp, "b", rb, t, (K, rows), keep)
-        nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
-        nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (K,), keep)
-        x = (rng.normal(size=K) * 0.7).astype(np.float32)
-        xn = ops.rms_norm(x[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
-        got, grid = {}, None
-        for steal in ("0", "4", ""):
-            monkeypatch.setattr(eops, "GEMV_KQ_DQ_STEAL", steal)
-            out = nan_poisoned(cp, rows)
-            node = eops.gemv("f", "swiglu", [eops.Seg(a_dev, out), eops.Seg(b_dev, out)], cp.asarray(x), K, nw_dev, 1e-6)
-            what = f"{name} [{rows}x{K}] swiglu, steal {steal!r}"
-            assert "KQ_DQ=1" in node.defines and ("KQ_DQ_STEAL=1" in node.defines) == bool(steal), (what, node.defines)
-            assert steal == "" or f"KQ_DQ_STEAL_S={steal}" in node.defines, (what, node.defines)
-            assert grid in (None, node.grid[0]), (what, grid, node.grid)  # (the claiming rows below assume one grid)
-            grid = node.grid[0]
-            runs = []
-            for _ in range(3):
-                out.fill(cp.nan)
-                node.launch()
-                runs.append(out.get())
-            for r in runs[1:]:
-                assert np.array_equal(r, runs[0]), f"{what}: changed on relaunch"
-            v = gemv_check.check_swiglu(runs[0].astype(np.float64), wa, wb, xn, impl=eops.GEMV_IMPL)
-            assert v["ok"], f"{what}: {v}"
-            got[steal] = runs[0]
-        assert np.array_equal(got["4"], got["0"]), f"{name} [{rows}x{K}]: helpers changed the outputs"
-        # the block's last 32 rows (KQ_DQ_MAP 1) claim; at other K than a multiple of 1024 no row does
-        claiming = _dq_tail(rows, grid, 32, strided=True) if K % 1024 == 0 else np.zeros(rows, bool)
-        assert K % 1024 or (claiming.any() and not claiming.all())  # (every case's blocks hold > 32 rows)
-        assert np.array_equal(got["4"][~claiming], got[""][~claiming]), f"{name} [{rows}x{K}]: rows that do not claim differ from the default"
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("switch,value,define", [("GEMV_KQ_XPF", "8", "KQ_XPF=1"), ("GEMV_KQ_PF0", "0", "KQ_PF0=0"),
                                                  ("GEMV_KQ_PF0", "1", "KQ_PF0=1"), ("GEMV_KQ_PF0", "2", "KQ_PF0=2"),
                                                  ("GEMV_KQ_PF0_SB", "2", "KQ_PF0_SB=2"), ("GEMV_KQ_PF0_SB", "4", "KQ_PF0_SB=4"),
@@ -1289,7 +1176,7 @@ def test_fused_conv_is_bitwise_equal_to_the_conv_node(wide, monkeypatch):
     q16_or_skip()
     for knob, v in (("GEMV_KQ", "v9l8"), ("GEMV_KQ_SPLIT", "auto"), ("GEMV_KQ_WIDE_MIN_ROWS", ""),
                     ("GEMV_KQ_XPF", ""), ("GEMV_KQ_BW", ""), ("GEMV_KQ_WMAJ", ""), ("GEMV_KQ_DQ", ""),
-                    ("GEMV_KQ_DQ_P", ""), ("GEMV_KQ_DQ_T", ""), ("GEMV_KQ_DQ_MAP", ""), ("GEMV_KQ_DQ_STEAL", ""), ("GEMV_KQ_P2", "q6_k"),
+                    ("GEMV_KQ_DQ_P", ""), ("GEMV_KQ_DQ_T", ""), ("GEMV_KQ_DQ_MAP", ""), ("GEMV_KQ_P2", "q6_k"),
                     ("GEMV_KQ_P2_MIN_ROWS", "2048"), ("GEMV_KQ_CSPLIT", "1"), ("GEMV_KQ_GSPLIT", "")):
         monkeypatch.setattr(eops, knob, v)
     rng = np.random.default_rng(53)

@@ -49,16 +49,9 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1"))]  # session 16: the clust
 # session 17: the queue build's A/B form with parts, tail rows and contiguous rows (the default queue
 # build, ops.kv9_dq_defines of the wide build: test_v9_wide_build_launch_bounds)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_P=4", "KQ_DQ_T=8", "KQ_DQ_MAP=0"))]
-# session 29: the pairs' round stealing (KQ_DQ_STEAL), with helpers, without (claims only), traced
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_STEAL=1", "KQ_DQ_STEAL_S=4")),
-            ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_STEAL=1", "KQ_DQ_STEAL_S=0")),
-            ("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_DQ_STEAL=1", "KQ_TRACE=1"))]
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"))]  # the cluster kernels without clusters
 # session 19: session 18's fence in every thread of a group block (GGUF_HARNESS_GEMV_KQ_GS_FENCE=0)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_GS_FENCE=0"))]
-# session 30: cluster-split groups of contiguous rows (GGUF_HARNESS_GEMV_KQ_CS_BAL), clusters and groups
-SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_CS_BAL=1")),
-            ("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_CS_BAL=1"))]
 # session 20: the group build without the leftover rotation (GGUF_HARNESS_GEMV_KQ_PART_ROT=0; on by default,
 # keyed by the row group since session 21) ... and keyed by the warp's round (=round, session 20's default)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_PART_ROT=0")),

@@ -17,8 +17,7 @@ def _default_switches(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_CSPLIT", "1")
     monkeypatch.setattr(ops, "GEMV_KQ", "v9l8")
     for knob in ("GEMV_KQ_PF", "GEMV_KQ_PIPE", "GEMV_KQ_L1PF", "GEMV_KQ_WMAJ", "GEMV_KQ_BW", "GEMV_KQ_DQ",
-                 "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_DQ_STEAL", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_GSPLIT",
-                 "GEMV_KQ_CS_BAL"):
+                 "GEMV_KQ_DQ_P", "GEMV_KQ_DQ_T", "GEMV_KQ_DQ_MAP", "GEMV_KQ_WIDE_MIN_ROWS", "GEMV_KQ_GSPLIT"):
         monkeypatch.setattr(ops, knob, "")
 
 

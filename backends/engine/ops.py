@@ -296,13 +296,6 @@ def kv9_wide_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
 # (1..32; unset 32): the most split rows per block (no effect at P 1); GGUF_HARNESS_GEMV_KQ_DQ_MAP
 # (0 or 1; unset: the kernel's 1): 1 gives block b the rows b, b + B, ..., 0 a contiguous range
 # (with 0 the 27B's ssm_in put its 96 F32 rows into its last block: that node +61 %).
-# GGUF_HARNESS_GEMV_KQ_DQ_STEAL (A/B, session 29; "" off): the queue build's gate/up pairs let warps
-# that find the queue empty take single rounds of the rows still running (kernels/gemv_kq.cu
-# KQ_DQ_STEAL); the value (0..4) is the most rounds of a row helpers may take (IQ3_S rows: 1), 0 the
-# claims alone (no helpers: the same values, the claims' cost). Only each block's last 32 rows claim,
-# and only at K a multiple of 1024; those rows are deterministic but not the default build's bits
-# (their rounds are added without FMA contraction), every other row is. Refused with _DQ_P 2 / 4 and
-# GGUF_HARNESS_GEMV_KQ_PRE=1; no effect where the queue build is not used (_DQ=0, _PF, _PIPE, _L1PF).
 # KQ_XPF: every v9 GEMV node's warps, once their rows are done, ask L2 for the first bytes of the
 # rows the next v9 node takes first (kernels/gemv_kq.cu xpf_tail; backends/engine/xpf.py links the
 # nodes). A number of MiB (1..32): the most bytes per next node; "" or "0": off. A/B, measured
@@ -352,7 +345,6 @@ GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
 GEMV_KQ_DQ_P = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_P", "")
 GEMV_KQ_DQ_T = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_T", "")
 GEMV_KQ_DQ_MAP = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_MAP", "")
-GEMV_KQ_DQ_STEAL = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ_STEAL", "")
 
 
 def kv9_dq(kname: str) -> bool:
@@ -361,8 +353,7 @@ def kv9_dq(kname: str) -> bool:
     _s<S> suffix), SwiGLU ones unless the switch is "all" (off at "0"), and no latency A/B build
     (GGUF_HARNESS_GEMV_KQ_PF / _PIPE / _L1PF: their code is not in the queue loop). ValueError on a
     GGUF_HARNESS_GEMV_KQ_DQ other than "", 0, 1 or all, a _DQ_MAP other than "", 0 or 1, a _DQ_P
-    other than "", 1, 2 or 4, a _DQ_T other than "" or 1..32, a _DQ_STEAL other than "" or 0..4, or
-    _DQ_STEAL with _DQ_P 2 / 4 or GGUF_HARNESS_GEMV_KQ_PRE=1."""
+    other than "", 1, 2 or 4, a _DQ_T other than "" or 1..32."""
     if GEMV_KQ_DQ not in ("", "0", "1", "all"):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ={GEMV_KQ_DQ!r}: expected 0, 1 or all")
     _switch01("GGUF_HARNESS_GEMV_KQ_DQ_MAP", GEMV_KQ_DQ_MAP)
@@ -370,11 +361,6 @@ def kv9_dq(kname: str) -> bool:
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_P={GEMV_KQ_DQ_P!r}: expected 1, 2 or 4")
     if GEMV_KQ_DQ_T and not (GEMV_KQ_DQ_T.isascii() and GEMV_KQ_DQ_T.isdigit() and 1 <= int(GEMV_KQ_DQ_T) <= 32):
         raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_T={GEMV_KQ_DQ_T!r}: expected 1..32")
-    if GEMV_KQ_DQ_STEAL not in ("", "0", "1", "2", "3", "4"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_DQ_STEAL={GEMV_KQ_DQ_STEAL!r}: expected 0..4 (or unset: off)")
-    if GEMV_KQ_DQ_STEAL and (GEMV_KQ_DQ_P not in ("", "1") or GEMV_KQ_PRE == "1"):
-        raise ValueError("GGUF_HARNESS_GEMV_KQ_DQ_STEAL is not built with GGUF_HARNESS_GEMV_KQ_DQ_P 2 / 4 "
-                         "or GGUF_HARNESS_GEMV_KQ_PRE=1")
     return (GEMV_KQ_DQ != "0" and not (GEMV_KQ_PF or GEMV_KQ_PIPE or GEMV_KQ_L1PF)
             and kname.startswith("gemvkq_") and "_p2" not in kname and not kname[-3:-1] == "_s"
             and (GEMV_KQ_DQ == "all" or kname.startswith("gemvkq_swiglu_")))
@@ -383,12 +369,10 @@ def kv9_dq(kname: str) -> bool:
 def kv9_dq_defines(defines: tuple[str, ...]) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the queue build: `defines` (a wide build's) without KQ_WMAJ (the
     queue deals each block its own rows), plus KQ_DQ=1 and whichever of KQ_DQ_P, KQ_DQ_T and
-    KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP), and KQ_DQ_STEAL=1 with KQ_DQ_STEAL_S
-    when GGUF_HARNESS_GEMV_KQ_DQ_STEAL is set."""
+    KQ_DQ_MAP are set (GGUF_HARNESS_GEMV_KQ_DQ_P / _T / _MAP)."""
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_DQ=1",)
             + tuple(f"{d}={int(v)}" for d, v in (("KQ_DQ_P", GEMV_KQ_DQ_P), ("KQ_DQ_T", GEMV_KQ_DQ_T),
-                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v)  # int: "08" is no C literal
-            + (("KQ_DQ_STEAL=1", f"KQ_DQ_STEAL_S={GEMV_KQ_DQ_STEAL}") if GEMV_KQ_DQ_STEAL else ()))
+                                                  ("KQ_DQ_MAP", GEMV_KQ_DQ_MAP)) if v))  # int: "08" is no C literal
 
 
 def kv9_csplit(kname: str, mode: str, split: int, normed: bool, f32_rows: bool = False) -> str | None:
@@ -438,12 +422,6 @@ GEMV_KQ_PART_ROT = os.environ.get("GGUF_HARNESS_GEMV_KQ_PART_ROT", "row")  # (re
 # grid-sync form), "0": a fence in every thread before it (session 18's). Same values either way.
 GEMV_KQ_GS_FENCE = os.environ.get("GGUF_HARNESS_GEMV_KQ_GS_FENCE", "1")
 
-# KQ_CS_BAL (kernels/gemv_kq.cu; A/B, session 30; "" or "0" off): a cluster-split group takes one
-# contiguous range of rows (R / groups, +-1) instead of grid-stride rounds, so a node of 2.42 rounds
-# per warp (the 27B's [5120x6144] Q5_K) no longer runs a third round on 42 % of its SMs alone.
-# "1": every cluster-split node; "2": the 2-part ones only (whose outputs stay the default's bits).
-GEMV_KQ_CS_BAL = os.environ.get("GGUF_HARNESS_GEMV_KQ_CS_BAL", "")
-
 
 def kv9_csplit_defines(defines: tuple[str, ...], cs: int) -> tuple[str, ...]:
     """The gemv_kq.cu defines of the cluster-split build of a node of `cs` parts: `defines`
@@ -452,23 +430,13 @@ def kv9_csplit_defines(defines: tuple[str, ...], cs: int) -> tuple[str, ...]:
     GGUF_HARNESS_GEMV_KQ_GS_FENCE is 0; the kernel's default is 1), and KQ_PART_ROT=0 when
     GGUF_HARNESS_GEMV_KQ_PART_ROT is 0 and KQ_PART_ROT=1 when it is "round" or 1, for cs == 4 only
     (the kernel's default is 2, the row key; only the 4-part kernels read it, so other builds stay
-    the default's and compile once), and KQ_CS_BAL=1 when GGUF_HARNESS_GEMV_KQ_CS_BAL is 1, or 2 and
-    cs == 2 (every group a contiguous row range). ValueError on a _GS_FENCE other than "", 0 or 1,
-    a _CS_BAL other than "", 0, 1 or 2, and as kv9_part_rot."""
+    the default's and compile once). ValueError on a _GS_FENCE other than "", 0 or 1 and as kv9_part_rot."""
     _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)
-    kv9_cs_bal_check()
     rot = kv9_part_rot()
     gs = kv9_gsplit(cs)
     return (tuple(d for d in defines if not d.startswith("KQ_WMAJ=")) + ("KQ_CSPLIT=1",)
             + (("KQ_GSPLIT=1",) if gs else ()) + (("KQ_GS_FENCE=0",) if gs and GEMV_KQ_GS_FENCE == "0" else ())
-            + ((f"KQ_PART_ROT={rot}",) if rot != 2 and cs == 4 else ())  # (only the 4-part kernels read it)
-            + (("KQ_CS_BAL=1",) if GEMV_KQ_CS_BAL == "1" or (GEMV_KQ_CS_BAL == "2" and cs == 2) else ()))
-
-
-def kv9_cs_bal_check() -> None:
-    """ValueError unless GGUF_HARNESS_GEMV_KQ_CS_BAL is "", 0, 1 or 2."""
-    if GEMV_KQ_CS_BAL not in ("", "0", "1", "2"):
-        raise ValueError(f"GGUF_HARNESS_GEMV_KQ_CS_BAL={GEMV_KQ_CS_BAL!r}: expected 0, 1 or 2 (or unset: off)")
+            + ((f"KQ_PART_ROT={rot}",) if rot != 2 and cs == 4 else ()))  # (only the 4-part kernels read it)
 
 
 def kv9_part_rot() -> int:
@@ -564,7 +532,6 @@ def kv9_defines() -> tuple[str, ...]:
     kv9_csplit("", "store", 1, False)  # refuse a bad GGUF_HARNESS_GEMV_KQ_CSPLIT (a routing switch) early
     kv9_gsplit(4)  # likewise GGUF_HARNESS_GEMV_KQ_GSPLIT (a define of the cluster build only)
     _switch01("GGUF_HARNESS_GEMV_KQ_GS_FENCE", GEMV_KQ_GS_FENCE)  # and _GS_FENCE
-    kv9_cs_bal_check()  # and _CS_BAL
     if kv9_warps() != KV9_WARPS:
         out.append(f"KQ_BLOCK_WARPS={kv9_warps()}")
     kv9_wide(0, 1)  # refuse a bad GGUF_HARNESS_GEMV_KQ_WIDE_MIN_ROWS before any build

@@ -468,19 +468,6 @@ template <class Q> struct IsP2<KQP2<Q>> { static constexpr bool v = true; };
 #define KQ_GSPLIT 0
 #endif
 #define KQ_GS_MAXCB 512  // virtual clusters a KQ_GSPLIT grid may have (ops.gemv bounds it)
-#ifndef KQ_CS_BAL
-// KQ_CS_BAL=1 (with KQ_CSPLIT=1; ops GGUF_HARNESS_GEMV_KQ_CS_BAL=1; A/B, session 30): group cb of ncb
-// takes the contiguous rows [cb R / ncb, (cb + 1) R / ncb) (warp g: lo + g, lo + g + G, ...) instead
-// of the grid-stride rows rpb cb + g + k rpb ncb. Why (KQ_TRACE on the H200, session 30): the 2-part
-// [5120x6144] Q5_K nodes (ssm_out, attn_output: 64 of the 27B step's nodes, 10.1 us each) have 2.42
-// grid-stride rounds per warp, so the first 56 of 132 clusters run a third round and their SMs end
-// ~2.3 us after the others (per-SM last warp end p50 7.5 us, p90 9.7): contiguous ranges give every
-// group 38-39 rows. Each row's parts are the same as without it; only which warp runs a row changes
-// (and, at 4 parts, the row key KQ_PART_ROT=2 reads base / rpb of the new rows: the _c4 sums then
-// depend on the group count).
-#define KQ_CS_BAL 0
-#endif
-static_assert(KQ_CS_BAL == 0 || KQ_CS_BAL == 1, "KQ_CS_BAL: 0 or 1");
 #ifndef KQ_GS_FENCE
 // How a KQ_GSPLIT block publishes its parts before counting itself in (ops
 // GGUF_HARNESS_GEMV_KQ_GS_FENCE; 1 since session 19). 1: the barrier first, then thread 0 alone
@@ -560,14 +547,10 @@ __device__ __forceinline__ void kq_row_mark(const KqRowMark& m) {
 }
 #define KQ_ROW_START(v, row) const KqRowMark v{(row), kq_now()}
 #define KQ_ROW_MARK(v) kq_row_mark(v)
-// KQ_DQ_STEAL (session 29): rounds taken by helpers, summed over the launches since it was zeroed
-__device__ unsigned long long kq_trace_steals;
-#define KQ_STEAL_COUNT() atomicAdd(&kq_trace_steals, 1ull)
 #else
 #define KQ_MARK(k)
 #define KQ_ROW_START(v, row)
 #define KQ_ROW_MARK(v)
-#define KQ_STEAL_COUNT()
 #endif
 
 // Sum over the N lanes of each aligned group (every lane gets its group's sum; N = 32: warp_sum).
@@ -704,48 +687,6 @@ static_assert(KQ_DQ_T >= 1 && KQ_DQ_T <= 32, "KQ_DQ_T: 1..32");
 #ifndef KQ_DQ_MAP
 #define KQ_DQ_MAP 1  // 1: block b's rows are b, b + B, ...; 0: a contiguous range
 #endif
-#ifndef KQ_DQ_STEAL
-// KQ_DQ_STEAL=1 (ops GGUF_HARNESS_GEMV_KQ_DQ_STEAL=S; A/B, session 29): the queue build's gate/up
-// pairs (MODE 2) let a warp that finds the queue empty take single rounds (4 super-blocks of both
-// rows) of rows other warps are still running, from their ends. Why (KQ_TRACE, H200, session 29,
-// the 2x[17408x5120] IQ4_XS pair): a row takes 5.9 us (p10-p90 5.2-6.6) at full concurrency; the
-// variance is the rows' (the warp's share of it 0.29 against 0.24 with no warp effect; no
-// dependence on the row index or its low bits, ~1 % on the SM), so each SM ends with warps still
-// in their fourth or fifth row while most of its warps are idle (first / last warp end 27.1 /
-// 31.6 us per SM), and splitting the block's last rows into parts (KQ_DQ_P, session 28's round
-// ranges) did not help: the slow rows are full rows already running. How: each warp's row has a
-// claim word in shared memory, (row + 1) << 13 | done << 9 | hi << 6 | lo: the owner claims its
-// rounds 0, 1, ... one at a time (a predicated atom.add of lo by lane 0, round k + 1's issued
-// during round k, so no round waits for its claim) and a helper round nr - 1 - hi from the end (atomicCAS of hi, at
-// most KQ_DQ_STEAL_S per row); a claim holds while lo + hi < nr. A helper writes its lanes'
-// partial dots to dq_sp[owner][hi][lane] and sets done bit hi; the owner, once a claim fails,
-// waits for the done bits and adds the helpers' partials in round order. Only the block's last NW
-// units in queue order claim (a fixed set of rows, whichever warp runs them: about one row per
-// warp, the rows the tail is made of); the others run the default build's loop. Values: in a
-// claiming row every round's lane partial is added by the owner as __fadd_rn(acc, dot) (never
-// contracted into an FMA with the dot's last product), in round order, whoever computed it: those
-// rows are deterministic and the same with or without helpers (KQ_DQ_STEAL_S 0 builds the claims
-// without helpers: the GPU test's reference), but not the default build's bits (whose loop may
-// fuse the add into an FMA); every other row is the default build's bit for bit. Claims only where K is a multiple of 1024 (every lane has a super-block in
-// every round: no per-lane guard in the loop), nr <= 63 rounds (K <= 64512) and rows < 2^19 - 1;
-// otherwise every row runs the default loop (the default build's bits). Helpers leave once no
-// round is left to take and every unit has started (dq_next - NW units fetched: a warp fetches its
-// next unit when it starts one), sleeping briefly between scans that find nothing. Measured (H200, session 29, cold
-// back to back): the first form, its loads guarded per lane and the claim's atomic behind a branch
-// (each a BSSY / BSYNC region in the loop), cost the IQ4_XS pair +22 % with claims alone; the
-// second (this loop, every row claiming) +9 % with claims alone and +6.9 % with helpers, whose
-// trace showed the tail cut (per-SM first / last warp end 31.0 / 32.7 us against 27.1 / 31.6) and
-// every row 6 % slower (hence claims in the last NW units only); the third +3.3 % with helpers
-// (+5.1 % claims alone), its default loop 15 % longer in SASS (kq_help_round, hence not inlined:
-// the fourth form, written after the device time ran out, not yet run on a GPU).
-#define KQ_DQ_STEAL 0
-#endif
-#ifndef KQ_DQ_STEAL_S
-#define KQ_DQ_STEAL_S 4  // the most rounds of a row helpers may take (0: claims only, no helpers)
-#endif
-static_assert(KQ_DQ_STEAL_S >= 0 && KQ_DQ_STEAL_S <= 4, "KQ_DQ_STEAL_S: 0..4 (4 done bits in the claim word)");
-static_assert(!KQ_DQ_STEAL || (KQ_DQ_P == 1 && !KQ_PRE && kKqPipe == 0 && kKqL1pf == 0),
-              "KQ_DQ_STEAL: not with tail parts, KQ_PRE, KQ_PIPE or KQ_L1PF");
 // KQ_PRE: round sb0 of row `row` (node-global) into c (both rows of a gate/up pair, MODE 2), when
 // the row is of the kernel's type (not an F32 row beside) and the lane has that super-block.
 // Called before the PDL wait: the weights must be constants (no kernel of the step writes them),
@@ -793,30 +734,6 @@ __device__ __forceinline__ void kq_pre_dot(const Carry<Q>& c, const XS& xa, int 
 }
 
 #if KQ_DQ
-#if KQ_DQ_STEAL
-// KQ_DQ_STEAL: lane 0 adds 1 to the claim word at shared address a (a predicated atom, no branch
-// around it) and gets the old word; the other lanes get 0 (the caller broadcasts lane 0's).
-__device__ __forceinline__ unsigned kq_claim(unsigned a, int lane) {
-    unsigned old = 0u;
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %1, 0;\n\t@p atom.shared.add.u32 %0, [%2], 1;\n\t}"
-                 : "+r"(old) : "r"(lane), "r"(a) : "memory");
-    return old;
-}
-#endif
-// KQ_DQ_STEAL: a helper's round (super-block sb of gate row g and up row h, lane partials). Not
-// inlined: inlined, its live values made ptxas move the IQ4_XS codebook words K0 / K2 to uniform
-// registers for the whole kernel (63 registers), which put 28 IMAD.U32 copies back into every
-// round of the default row loop (192 -> 221 SASS instructions: session 29's third form, whose rows
-// all ran 4 % slower); called once per stolen round, in the tail only. With it: 64 registers, no
-// spill, no stack frame, the default loop 193 and the claiming loop 216 instructions (ptxas 13.0).
-template <class Q> __device__ __noinline__ float2 kq_help_round(const u8* g, const u8* h, const XS xa, int sb, int i) {
-    typename Q::Blk b0, b1;
-    Q::load(g, i, b0);
-    Q::load(h, i, b1);
-    const typename Q::Lane w = Q::lane(i);
-    const typename Q::X x = Q::x(xa, sb, i, w);
-    return make_float2(Q::dot(b0, x, i, w), Q::dot(b1, x, i, w));
-}
 template <class Q, int MODE, int NW>
 __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, const float* norm, float eps,
                                            int K, int total_rows) {
@@ -850,10 +767,6 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     };
     if (threadIdx.x == 0) dq_next = NW;  // units 0..NW-1 are the warps' first (stage_xq's barriers publish these)
     if (threadIdx.x < KQ_DQ_T) dq_seen[threadIdx.x] = 0;
-#if KQ_DQ_STEAL
-    __shared__ unsigned dq_word[NW];  // warp w's row claim word (KQ_DQ_STEAL); 0: no row to help with
-    if (threadIdx.x < NW) dq_word[threadIdx.x] = 0u;
-#endif
     KQ_MARK(0);
     auto prefetch_first = [&]() {  // the first unit's row(s) to L2 (weights are constants)
         if (warp < nunits) {
@@ -889,98 +802,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     float pre0 = 0.f, pre1 = 0.f;  // KQ_PRE: the first unit's round grp, its loop starting 4 later
     int pre_skip = 0;
     if constexpr (KQ_PRE) kq_pre_dot<Q, MODE == 2>(pre, xa, grp, 4, i, w, pre0, pre1, pre_skip);
-#if KQ_DQ_STEAL
-    if constexpr (MODE == 2) {  // the pairs with round stealing (KQ_DQ_STEAL above); P 1: units are rows
-        // helper rounds per row: IQ3_S at most 1 (its 32 KiB of grid copies and 4 slots would pass the
-        // 48 KiB of static shared memory)
-        constexpr int MAXS = Q::TYPE == T_IQ3_S && KQ_DQ_STEAL_S > 1 ? 1 : KQ_DQ_STEAL_S;
-        __shared__ float2 dq_sp[NW][MAXS > 0 ? MAXS : 1][32];  // [owner][hi][lane]: (gate, up)
-        const int nr = (nsb + 3) >> 2;  // rounds: super-blocks grp + 4 k
-        // claims only where every lane has a super-block in every round (no per-lane guard in the
-        // loop: session 29's first form guarded each round's loads and lost 22 % to the branches)
-        const bool claims = (nsb & 3) == 0 && nr <= 63 && total_rows < (1 << 19) - 1;
-        for (int u = warp; u < nunits;) {
-            int nu = 0;
-            if (lane == 0) nu = atomicAdd(&dq_next, 1);
-            nu = __shfl_sync(0xffffffffu, nu, 0);
-            const int row = grow(u);
-            KQ_ROW_START(kq_rm, row);
-            const u8 *g = (const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row, *h = (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row;
-            float a0 = 0.f, a1 = 0.f;
-            int hs = 0;  // rounds helpers took (the last hs)
-            if (claims && u >= nunits - NW) {  // one of the block's last NW units: its rounds are claimed
-                if (lane == 0) *(volatile unsigned*)&dq_word[warp] = (unsigned)(row + 1) << 13;
-                const unsigned my_word = (unsigned)__cvta_generic_to_shared(&dq_word[warp]);
-                unsigned pend = kq_claim(my_word, lane);  // round 0's claim; round k + 1's is issued in round k
-                const u8 *p0 = g + grp * Q::TS, *p1 = h + grp * Q::TS;
-                for (int k = 0; k < nr; ++k, p0 += 4 * Q::TS, p1 += 4 * Q::TS) {
-                    typename Q::Blk b0, b1;
-                    Q::load(p0, i, b0);  // (loaded before the claim is known: a lost claim wastes them)
-                    Q::load(p1, i, b1);
-                    const unsigned old = __shfl_sync(0xffffffffu, pend, 0);
-                    if (k + (int)((old >> 6) & 7u) >= nr) {
-                        hs = nr - k;
-                        break;
-                    }
-                    if (k + 1 < nr) pend = kq_claim(my_word, lane);
-                    const typename Q::X x = Q::x(xa, grp + 4 * k, i, w);
-                    a0 = __fadd_rn(a0, Q::dot(b0, x, i, w));
-                    a1 = __fadd_rn(a1, Q::dot(b1, x, i, w));
-                }
-            } else {  // the default build's row, bit for bit
-                const float2 v = kq_row2<Q>(g, h, xa, w, nsb, grp, 4, i);
-                a0 = v.x;
-                a1 = v.y;
-            }
-            if (hs > 0) {  // rounds nr - hs .. nr - 1 are the helpers' (slot q: round nr - 1 - q)
-                const unsigned m = ((1u << hs) - 1u) << 9;
-                while ((*(volatile unsigned*)&dq_word[warp] & m) != m) {
-                }
-                __threadfence_block();
-                for (int q = hs - 1; q >= 0; --q) {
-                    const float2 p = dq_sp[warp][q][lane];
-                    a0 = __fadd_rn(a0, p.x);
-                    a1 = __fadd_rn(a1, p.y);
-                }
-            }
-            const float y = group_sum<32>(a0), up = group_sum<32>(a1);
-            KQ_ROW_MARK(kq_rm);
-            if (lane == 0) KQ_STORE(MODE, t, 0, row, y * rs, up * rs);
-            u = nu;
-        }
-        if (claims && MAXS > 0) {  // the queue is empty: help the rows still running
-            if (lane == 0) *(volatile unsigned*)&dq_word[warp] = 0u;
-            for (;;) {
-                const unsigned v = lane < NW ? *(volatile unsigned*)&dq_word[lane] : 0u;
-                const int hi = (int)((v >> 6) & 7u);
-                const int left = v != 0u && hi < MAXS ? nr - (int)(v & 63u) - hi : 0;
-                // the row with the most rounds left (ties: the lowest warp)
-                const unsigned best = __reduce_max_sync(0xffffffffu, left > 0 ? ((unsigned)left << 5) | (31u - lane) : 0u);
-                if (best == 0u) {  // nothing to take now: leave once every unit has started
-                    if (*(volatile int*)&dq_next >= nunits + NW) break;
-                    __nanosleep(64);
-                    continue;
-                }
-                const int s = 31 - (int)(best & 31u);
-                const unsigned vs = __shfl_sync(0xffffffffu, v, s);
-                int got = 0;
-                if (lane == 0) got = atomicCAS(&dq_word[s], vs, vs + (1u << 6)) == vs;
-                if (!__shfl_sync(0xffffffffu, got, 0)) continue;  // the word moved: look again
-                const int q = (int)((vs >> 6) & 7u), row = (int)(vs >> 13) - 1, sb = grp + 4 * (nr - 1 - q);
-                dq_sp[s][q][lane] = kq_help_round<Q>((const u8*)t.s[0].w + (size_t)t.row_bytes[0] * row + (size_t)sb * Q::TS,
-                                                     (const u8*)t.s[1].w + (size_t)t.row_bytes[1] * row + (size_t)sb * Q::TS,
-                                                     xa, sb, i);
-                __syncwarp();
-                if (lane == 0) {
-                    __threadfence_block();
-                    atomicOr(&dq_word[s], 1u << (9 + q));
-                    KQ_STEAL_COUNT();
-                }
-            }
-        }
-    }
-#endif
-    for (int u = warp; u < nunits && !(KQ_DQ_STEAL && MODE == 2);) {  // (the steal build's pairs: above)
+    for (int u = warp; u < nunits;) {
         int nu = 0;  // the warp's next unit, asked for before this one's loads
         if (lane == 0) nu = atomicAdd(&dq_next, 1);
         // (broadcast here, not after the row: measured H200 session 19, the 27B's gate/up +1.5 %
@@ -1083,17 +905,9 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 #if KQ_WMAJ  // the warp's first row group: warp-major g gridDim.x + b
     const int rpb = Q::R * G, first = Q::R * (g * ncb + cb) + h, step = rpb * ncb;
     const int gstride = ncb;  // row groups between those of the block's warp groups g and g + 1
-#else  // block-major b G + g (KQ_CS_BAL: the group's contiguous range, above; CS > 1 has R = 1, h = 0)
-    constexpr bool bal = KQ_CS_BAL && CS > 1;
-    const int row_lo = bal ? (int)((long long)cb * total_rows / ncb) : 0;
-    const int rpb = Q::R * G, first = bal ? row_lo + g : rpb * cb + Q::R * g + h, step = bal ? G : rpb * ncb;
+#else  // block-major b G + g
+    const int rpb = Q::R * G, first = rpb * cb + Q::R * g + h, step = rpb * ncb;
     constexpr int gstride = 1;
-#endif
-    // the rows this block's loop walks end here (KQ_CS_BAL: the group's range)
-#if KQ_WMAJ
-    const int row_end = total_rows;
-#else
-    const int row_end = bal ? (int)((long long)(cb + 1) * total_rows / ncb) : total_rows;
 #endif
     // A row's 128-byte lines to L2 (each of the S parts a share of them; a gate/up pair both rows).
     auto prefetch_row = [&](int r) {
@@ -1107,7 +921,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // first round only; the KQ_PF rows ahead below stay whole rows.
     auto prefetch_first_row = [&](int r) {
         if constexpr (KQ_PF0 == 3) {
-            if (r >= row_end) return;
+            if (r >= total_rows) return;
             const int si = MODE == 2 ? 0 : find_seg(t, r);
             prefetch_bytes((const u8*)t.s[si].w + (size_t)t.row_bytes[si] * r, kq_pf0_bytes(t.row_bytes[si], Q::TS, nparts),
                            l + LPR * wpart, LPR * nparts);
@@ -1127,7 +941,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     if constexpr (KQ_PRE) {
         // (a first row past the end: none; the 4-part rotation's first sweep has that round only when
         // every part has a full sweep, kq_row_part's F >= 1)
-        if (first < row_end && (!kKqPartRot<CS> || (((K >> 8) + 3) >> 2) >= nparts)) {
+        if (first < total_rows && (!kKqPartRot<CS> || (((K >> 8) + 3) >> 2) >= nparts)) {
             if constexpr (P2) kq_pre_load2<Q>(t, first, first + 1 < total_rows ? first + 1 : first, K,
                                               Q::grp(lane) + 4 * wpart, Q::idx(lane), pre);
             else kq_pre_load<Q, MODE>(t, first, K, Q::grp(lane) + 4 * wpart, Q::idx(lane), pre);
@@ -1158,14 +972,14 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     Carry<Q> carry;  // KQ_PIPE 2 (kq_row): the next row's first block(s), loaded in this row's last round
     carry.have = false;
     // S > 1: the block's first row group of the round (g = 0) bounds the loop for every warp
-    for (int base = first - h; (S > 1 ? base - Q::R * g * gstride : base) < row_end; base += step, ++round) {
+    for (int base = first - h; (S > 1 ? base - Q::R * g * gstride : base) < total_rows; base += step, ++round) {
         const int row = base + h;
         const bool live = row < total_rows;
         KQ_ROW_START(kq_rm, row);  // (KQ_TRACE: the row's start; marked below for one whole row per warp)
         if constexpr (kKqPf > 0) prefetch_row(row + kKqPf * step);  // KQ_PF rows ahead of this one
         int r = live ? row : 0, si = 0;
         int nr = row + step;  // this lane's next row (KQ_PIPE 2, KQ_L1PF), if it has one
-        const bool nlive = (kKqPipe > 1 || kKqL1pf > 0) && nr < row_end;
+        const bool nlive = (kKqPipe > 1 || kKqL1pf > 0) && nr < total_rows;
         float y, up = 0.f;  // up: a pair's up row, or (KQ_P2) the warp's second row
         int r1 = 0, si1 = 0;  // KQ_P2: the second row (segment-local) and its segment
         const bool live1 = P2 && row + 1 < total_rows;
@@ -1271,7 +1085,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
 #endif
             if (lane < round && lane < KQ_CS_MAXR) {
                 int r = first + lane * step;  // (h = 0, R = 1)
-                if (r < row_end) {
+                if (r < total_rows) {
                     float y = __ldcg(&kq_gpart[cb][lane][0][g]);
 #pragma unroll
                     for (int q = 1; q < CS; ++q) y += __ldcg(&kq_gpart[cb][lane][q][g]);
@@ -1290,7 +1104,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         cluster_sync();
         if (wpart == 0 && lane < round && lane < KQ_CS_MAXR) {
             int r = first + lane * step;  // (h = 0, R = 1)
-            if (r < row_end) {
+            if (r < total_rows) {
                 float y = cpart[lane][0][g];
 #pragma unroll
                 for (int q = 1; q < CS; ++q) y += cpart[lane][q][g];
