@@ -7,6 +7,14 @@ Rows (times in microseconds per decode step; delta = us_B / us_A - 1, negative i
   - "decode step": the captured step graph over chained replays (nodes.step_us, the median of
     the replay samples). noise = max over A and B of (max - min) / median of
     nodes.step_samples_us (recorded since session 9; absent in older files);
+  - "decode step, unslowed windows" (only when either file has a replay window slowed by a
+    power cap or thermal limit, nodes.step_samples_slowdown > 0, and both have samples of
+    windows without one, nodes.step_clean_samples_us; bench_nodes retakes slowed windows after
+    a cool-down; files from before session 30 give both from their raw GPU-state readings and
+    replay windows, where kept): their medians, noise their spread as above (>= 3 each, else the threshold
+    alone). Why: a capped GPU slows the later windows by a few percent and unevenly, and the
+    median of three then hides a change of under 1 % (session 30: the plain step row said SAME,
+    +0.44 % within +-3.68 %, for a change whose unslowed windows moved +0.9 % in two pairs);
   - "sum of nodes", then one row per node group of the timing method both files have (graph,
     else eager): nodes of one name without the layer prefix and one format (e.g. all 48
     "ffn_down [Q4_K]"), the sum of their per-node medians, largest |us_B - us_A| first.
@@ -153,6 +161,48 @@ def switch_notes(a: dict, b: dict, most: int = 40) -> list[str]:
     return notes
 
 
+def _shares(body: dict) -> list:
+    """Each replay window's share of slowdown readings: recorded (step_samples_slowdown, since
+    session 30), else derived from the raw GPU-state readings and the windows that older files
+    keep (gpu_state.samples, step_windows: gpu_state.window_slowdown)."""
+    if "step_samples_slowdown" in body:
+        return as_list(body.get("step_samples_slowdown"))
+    from .gpu_state import window_slowdown
+    samples = [s for s in as_list(as_dict(body.get("gpu_state")).get("samples")) if isinstance(s, dict)]
+    return window_slowdown(samples, as_list(body.get("step_windows"))) if samples else []
+
+
+def slowed_windows(body: dict) -> int:
+    """How many of a nodes result's replay windows ran slowed (a share of slowdown readings > 0)."""
+    return sum(1 for x in _shares(body) if (_finite(x) or 0) > 0)
+
+
+def clean_samples(body: dict) -> list[float]:
+    """The finite positive step samples of windows with no slowdown reading: recorded
+    (step_clean_samples_us; bench_nodes.clean_samples), else those of step_samples_us whose window
+    has a derived share of 0 (_shares)."""
+    if "step_clean_samples_us" in body:
+        xs = as_list(body.get("step_clean_samples_us"))
+    else:
+        xs = [us for us, x in zip(as_list(body.get("step_samples_us")), _shares(body)) if x == 0]
+    return [x for x in (_finite(v) for v in xs) if x is not None and x > 0]
+
+
+def clean_step_row(na: dict, nb: dict, threshold: float) -> KernelPerf | None:
+    """The "decode step, unslowed windows" row (module docstring), or None when neither side had a
+    slowed window or either lacks unslowed samples."""
+    import statistics
+    ca, cb = clean_samples(na), clean_samples(nb)
+    if not (slowed_windows(na) or slowed_windows(nb)) or not ca or not cb:
+        return None
+    sa, sb = spread(ca), spread(cb)
+    noise = None if sa is None or sb is None else max(sa, sb)
+    counts = f"{len(ca)} / {len(cb)} windows"
+    return KernelPerf("step_unslowed", "decode step, unslowed windows", "graph",
+                      **verdict(statistics.median(ca), statistics.median(cb), noise, threshold),
+                      note=counts if noise is not None else f"{counts}; {NO_SPREAD}")
+
+
 def _both(na: float | None, nb: float | None) -> float | None:
     return None if na is None or nb is None else max(na, nb)
 
@@ -193,6 +243,11 @@ def compare_nodes(a: dict, b: dict, threshold: float = 0.02, force: bool = False
     perf.append(KernelPerf("step", "decode step (graph replay)", "graph",
                            **verdict(na.get("step_us"), nb.get("step_us"), noise, threshold),
                            note="" if noise is not None else NO_SPREAD))
+    if clean := clean_step_row(na, nb, threshold):
+        perf.append(clean)
+    elif any(slowed_windows(n) for n in (na, nb)):
+        notes.append("step: replay windows slowed by a power or thermal limit, and no unslowed windows "
+                     "on both sides to compare (harness bench nodes --clean-samples)")
     # a timing-only build (GGUF_HARNESS_DIAG): its step is a bound; its nodes, each replayed in a
     # graph of its own without the PDL wait or the staging, are not a decode step's
     if diag := diag_sides(a, b):

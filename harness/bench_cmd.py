@@ -63,6 +63,9 @@ def add_bench_parser(sub) -> None:
     n.add_argument("--prompt-ids", default=None, metavar="1,2,3",
                    help="the prompt as token ids instead of the standard prompt tokenised by llama.cpp "
                         "(then llama-cpp-python is not needed)")
+    n.add_argument("--clean-samples", type=int, default=4, metavar="N",
+                   help="when a step window ran slowed (power cap, thermal), time up to N more after a "
+                        "cool-down; `harness ab` compares the unslowed ones (0: none; default 4)")
     n.add_argument("--no-chain", action="store_true",
                    help="skip the chain roofline (a streaming read of each node's bytes, chained "
                         "with PDL; needs the step's bytes again in free device memory)")
@@ -80,6 +83,8 @@ def run_bench(args, console: Console) -> int:
         raise ConfigError(f"--method {args.method!r}: expected a comma list of {', '.join(METHODS)}")
     if args.ctx < MIN_CTX or args.steps < 1:
         raise ConfigError(f"need --ctx >= {MIN_CTX} and --steps >= 1")
+    if not 0 <= args.clean_samples <= 20:
+        raise ConfigError(f"--clean-samples {args.clean_samples}: expected 0..20")
     from .layerdiff_cmd import parse_prompt_ids
     given = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     require_engine("harness bench nodes")  # before the model is assembled and tokenised
@@ -99,7 +104,8 @@ def run_bench(args, console: Console) -> int:
         tok, ids = tokenize_prompt(model, STANDARD_PROMPT, STANDARD_PROMPT_TOKENS)
         tok.close()
     res = run_nodes(model, args.ctx, list(ids), methods, steps=args.steps,
-                    log=lambda m: console.print(m, markup=False), chain=not args.no_chain)
+                    log=lambda m: console.print(m, markup=False), chain=not args.no_chain,
+                    clean=args.clean_samples)
     result = {"schema": res["schema"], "created": datetime.now(timezone.utc).isoformat(),
               "machine": machine_info(), "model": model_meta(info) | {"name": model.name,
                                                                          "sha256": model.sha256},

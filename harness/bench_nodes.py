@@ -8,7 +8,16 @@ Two timings per node (backends/engine/executor.py):
          of 5 replays, the replays kept per node (us_samples) for harness ab's spread.
 Next to them the step time of the captured step graph (chained replays, as decoding runs);
 step - sum(node times) is what per-node figures do not show: dependency gaps between
-kernels, and weights that are cold in a real step.
+kernels, and weights that are cold in a real step (and how a node's early-ending SMs start the
+next node: docs/perf-notes.md session 30).
+
+Slowed samples: a GPU at its power limit lowers its clocks after the first replay window (the
+H200 here at 700 W: the 27B step's first window clean, the next two capped in ~2/3 of their
+readings, +3.5 % step time). Which windows were slowed is read from the GPU-state readings
+(harness/gpu_state.py window_slowdown); when any was, up to `clean` more single windows are
+taken, each after the GPU has cooled (no slowdown reason and power <= COOL_POWER of its limit,
+at most cool_s seconds of waiting), and the windows with no slowdown reading are kept as
+step_clean_samples_us: what `harness ab` compares when either side was slowed.
 
 Result: schema gguf-harness/nodes/1, written with the HTML beside it into a new run folder.
 """
@@ -21,6 +30,7 @@ from contextlib import contextmanager
 SCHEMA = "gguf-harness/nodes/1"
 METHODS = ("graph", "eager")
 TOP_N = 20
+COOL_POWER = 0.5  # share of the power limit below which a retaken step window may start
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -122,12 +132,59 @@ def loaded_engine(model, n_ctx: int):
         e.close()
 
 
+def cooled(reading: dict | None) -> bool:
+    """Whether a GPU-state reading (harness/gpu_state.py GpuStateSampler.sample) shows a GPU that
+    may start a clean timing window: no slowdown reason and power at most COOL_POWER of its limit
+    (NVML's power reading lags the load by ~1 s, so this also waits that lag out). False for a
+    reading that cannot say (None, unknown reasons or power)."""
+    from .gpu_state import slowed
+    if not isinstance(reading, dict) or slowed(reading) is not False:
+        return False
+    p, lim = reading.get("power_w"), reading.get("power_limit_w")
+    return isinstance(p, (int, float)) and isinstance(lim, (int, float)) and lim > 0 and p <= COOL_POWER * lim
+
+
+def retake_slowed(readings, bench_once, windows, n: int, cool_s: float = 5.0, sleep=None, now=None) -> list:
+    """Up to `n` more step windows when any of `windows` ([a, b] time.monotonic() s) was slowed
+    (gpu_state.window_slowdown over readings() > 0); none when no window was, or none could be
+    judged (no readings: no NVML). Before each: wait (polling every 0.1 s, at most cool_s s)
+    until the latest reading is `cooled`, then bench_once() (the engine's bench with one
+    repetition) -> (decode seconds, its window). Returns [(decode_s, [a, b], waited_s)]."""
+    import time
+
+    from .gpu_state import window_slowdown
+    sleep, now = sleep or time.sleep, now or time.monotonic
+    shares = window_slowdown(readings(), windows)
+    if n <= 0 or not any(x for x in shares if x is not None):
+        return []
+    out = []
+    for _ in range(n):
+        t0 = now()
+        while now() - t0 < cool_s:
+            last = readings()[-1:]
+            if last and cooled(last[0]):
+                break
+            sleep(0.1)
+        r = bench_once()
+        out.append((r["decode_s"][0], r["decode_window"][0], now() - t0))
+    return out
+
+
+def clean_samples(samples_us: list[float], windows, readings) -> tuple[list[float | None], list[float]]:
+    """(each window's slowdown share (gpu_state.window_slowdown), the samples whose window has a
+    share of 0)."""
+    from .gpu_state import window_slowdown
+    shares = window_slowdown(readings, windows)
+    return shares, [us for us, x in zip(samples_us, shares) if x == 0]
+
+
 def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: int = 64,
-              log=print, chain: bool = True) -> dict:
+              log=print, chain: bool = True, clean: int = 4, cool_s: float = 5.0) -> dict:
     """Load the engine on `model` (harness.config.ModelRef), feed the prompt, time the step
     graph over `steps` chained replays (median of 3) and every node with each method; with
     `chain`, also the step's chain roofline (harness/step_roofline.py: a streaming read of each
-    node's bytes, chained with PDL) as "chain_roofline".
+    node's bytes, chained with PDL) as "chain_roofline"; when a replay window was slowed (power
+    cap, thermal), up to `clean` more windows after a cool-down (retake_slowed, module docstring).
     Raises UnsupportedError without CuPy/GPU (from the engine), ConfigError on bad input."""
     import statistics
 
@@ -147,9 +204,19 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
         # with the GPU's clocks, power and slowdown reasons sampled while it runs
         with GpuStateSampler(period_s=0.02) as gpu:  # 20 ms: the energy windows (gpu_state.window_energy_j)
             timed = e.bench(prompt_ids, steps, 3)
+            retaken = retake_slowed(gpu.readings, lambda: e.bench(prompt_ids, steps, 1), timed.get("decode_window"),
+                                    clean, cool_s)
         decode_s = timed["decode_s"]
         step_us = 1e6 * statistics.median(decode_s) / steps
         state = gpu.summary()  # harness/gpu_state.py: clocks / slowdown while timed
+        # the windows with no slowdown reading, of the three and of the retaken ones
+        samples_us = [1e6 * s / steps for s in decode_s] + [1e6 * d / steps for d, _, _ in retaken]
+        shares, clean_us = clean_samples(samples_us, list(timed.get("decode_window") or [])
+                                         + [w for _, w, _ in retaken], gpu.readings())
+        if retaken or any(shares):
+            msg = (f"{len(clean_us)} of {len(samples_us)} windows unslowed, median "
+                   f"{statistics.median(clean_us):.1f} us" if clean_us else "no window unslowed")
+            log(f"step graph: slowed windows (power / thermal): {len(retaken)} retaken after a cool-down; {msg}")
         # the step's energy from the board's energy counter over the replays' windows (bench_e2e)
         energy = decode_energy(timed.get("decode_window"), gpu.energy_j, steps)
         log(f"step graph: {step_us:.1f} us/token ({steps} chained replays, median of 3)")
@@ -164,6 +231,13 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
                    "step_energy_method": energy["decode_energy_method"]} if energy else {}),
                # the replays' windows (time.monotonic() s) beside gpu_state's samples: step_j recomputable
                "step_windows": timed.get("decode_window"),
+               # slowed windows (module docstring): each window's share of slowdown readings, the
+               # retaken windows, and the samples of every window with none
+               "step_samples_slowdown": shares[:len(decode_s)],
+               "step_retakes": [{"us": 1e6 * d / steps, "window": w, "waited_s": round(t, 3), "slowdown": x}
+                                for (d, w, t), x in zip(retaken, shares[len(decode_s):])],
+               "step_clean_samples_us": clean_us,
+               "step_clean_us": statistics.median(clean_us) if clean_us else None,
                "engine": e.info(), "methods": {}}
         if chain:  # what one kernel per node could reach on these sizes (cold, dependent, no arithmetic)
             from . import step_roofline

@@ -159,6 +159,10 @@ class GpuStateSampler:
         out["reasons"] = None if mask is None else reason_names(mask, n)
         return out
 
+    def readings(self) -> list[dict]:
+        """The readings kept so far (a copy; sample's dicts), oldest first."""
+        return list(self._samples)
+
     def energy_j(self, a: float, b: float) -> float | None:
         """Joules the GPU used between time.monotonic() instants a < b (window_energy_j over
         this sampler's readings so far; None when it cannot say)."""
@@ -243,6 +247,32 @@ def window_energy_j(samples: list[dict], a: float, b: float) -> float | None:
     em = sum(e for _, e in inside) / n
     slope_mj_s = (sum((t - tm) * (e - em) for t, e in inside) / sum((t - tm) ** 2 for t, _ in inside))
     return slope_mj_s / 1000.0 * (b - a)
+
+
+def slowed(sample: dict) -> bool | None:
+    """Whether a reading reports any SLOWDOWN_REASONS (power cap, thermal, hardware slowdown);
+    None when its reasons are unknown (the query failed)."""
+    reasons = sample.get("reasons") if isinstance(sample, dict) else None
+    if not isinstance(reasons, list):
+        return None
+    return any(r in SLOWDOWN_REASONS for r in reasons)
+
+
+def window_slowdown(samples: list[dict], windows) -> list[float | None]:
+    """Per window [a, b] (time.monotonic() s, e.g. a benchmark's decode windows): the share of
+    the readings taken inside it (a <= mono <= b) that report a slowdown reason (slowed); None for
+    a window with no reading inside, one with a reading of unknown reasons, or a malformed window.
+    A share of 0 means the clocks were not held back while that window ran, as far as readings
+    every `period_s` can see (a window shorter than the period may hold none)."""
+    out: list[float | None] = []
+    for w in windows if isinstance(windows, list) else []:
+        if not (isinstance(w, (list, tuple)) and len(w) == 2 and all(_num(x) for x in w) and w[1] >= w[0]):
+            out.append(None)
+            continue
+        inside = [slowed(s) for s in samples if isinstance(s, dict) and _num(s.get("mono"))
+                  and w[0] <= s["mono"] <= w[1]]
+        out.append(None if not inside or None in inside else sum(inside) / len(inside))
+    return out
 
 
 def summarize(samples: list[dict]) -> dict:

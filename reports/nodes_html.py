@@ -84,9 +84,26 @@ def render_nodes_html(result: dict) -> str:
     return _env().get_template(TEMPLATE).render(
         model=result["model"], res=res, created=result.get("created", ""), plots=plots,
         gpu_line=(describe(gpu) + _step_energy(res)) if gpu else None,  # clocks / slowdowns / energy while timed
+        unslowed_line=unslowed_line(res),
         chain_line=chain_line(res.get("chain_roofline")),
         diag=diag_build(result),
         machine_text=json.dumps(result.get("machine", {}), indent=1, sort_keys=True))
+
+
+def unslowed_line(res: dict) -> str | None:
+    """"<k> of the step's replay windows ran slowed (power / thermal limit); the <n> unslowed:
+    median <us> µs/token" (harness/ab_nodes.py slowed_windows / clean_samples, which also read
+    older files' raw readings), or None when no window was slowed."""
+    import statistics
+
+    from harness.ab_nodes import clean_samples, slowed_windows
+    k = slowed_windows(res)
+    if not k:
+        return None
+    clean = clean_samples(res)
+    tail = (f"the {len(clean)} unslowed: median {statistics.median(clean):.1f} µs/token" if clean
+            else "none ran unslowed")
+    return f"{k} of the step's replay windows ran slowed (power / thermal limit); {tail}"
 
 
 def _step_energy(res: dict) -> str:

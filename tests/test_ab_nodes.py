@@ -7,6 +7,8 @@ import copy
 import json
 from pathlib import Path
 
+import pytest
+
 from harness import ab_nodes
 from harness.bench_nodes import SCHEMA, aggregate
 
@@ -278,3 +280,43 @@ def test_malformed_fields_of_either_side_give_no_traceback(tmp_path, capsys):
                     raise AssertionError(f"{path} = {bad!r}: {type(e).__name__}: {e}") from e
                 err = capsys.readouterr().err
                 assert rc in (0, 1) or (rc == 2 and err.startswith("error:")), (path, bad, rc, err)
+
+
+def _slowed(doc, shares, clean):
+    doc["nodes"]["step_samples_slowdown"] = shares
+    doc["nodes"]["step_clean_samples_us"] = clean
+    return doc
+
+
+def test_unslowed_windows_decide_when_a_side_ran_capped():
+    """A power-capped run spreads its step samples (here 3.7 %), so the plain step row calls a
+    +0.9 % change SAME; the windows without a slowdown reading (5 each, spread 0.05 %) call it
+    SLOWER. The row appears only when a side was slowed and both have unslowed windows; without
+    them on one side a note says so."""
+    a = _slowed(_doc(BASE, 6243.7, [6032.6, 6262.7, 6243.7]), [0.0, 0.56, 1.0], [6032.6, 6031.6, 6033.0, 6032.0, 6034.0])
+    b = _slowed(_doc(BASE, 6271.0, [6087.8, 6271.0, 6281.4]), [0.0, 0.56, 1.0], [6087.8, 6086.9, 6089.0, 6088.0, 6087.0])
+    by = _by_label(ab_nodes.compare_nodes(a, b, threshold=0.005))
+    assert by["decode step (graph replay)"].verdict == "SAME"
+    row = by["decode step, unslowed windows"]
+    assert row.verdict == "SLOWER" and row.a_us == 6032.6 and row.b_us == 6087.8 and row.note == "5 / 5 windows"
+    assert row.noise == pytest.approx(max((6034.0 - 6031.6) / 6032.6, (6089.0 - 6086.9) / 6087.8))
+    calm = _slowed(copy.deepcopy(a), [0.0, 0.0, 0.0], [6032.6, 6262.7, 6243.7])
+    assert "decode step, unslowed windows" not in _by_label(ab_nodes.compare_nodes(calm, copy.deepcopy(calm)))
+    one = _by_label(ab_nodes.compare_nodes(a, _slowed(copy.deepcopy(b), [0.0, 0.5, 1.0], [6087.8])))
+    assert one["decode step, unslowed windows"].noise is None and "threshold only" in one["decode step, unslowed windows"].note
+    res = ab_nodes.compare_nodes(a, _slowed(copy.deepcopy(b), [1.0, 1.0, 1.0], []))
+    assert "decode step, unslowed windows" not in _by_label(res)
+    assert any("no unslowed windows on both sides" in n for n in res.notes)
+
+
+def test_files_before_session_30_give_their_unslowed_windows_from_the_raw_readings():
+    """The H200 A/B of session 30 (CS_BAL=2 against the default, both capped after their first
+    window): recorded before bench nodes kept the shares, so ab_nodes derives them from the raw
+    GPU-state readings and replay windows; the first windows (6032.6 / 6087.8 us) differ by +0.9 %."""
+    a = json.loads((SWEEPS / "2026-12-02-h200-nodes-27b-s30-1-default-1.json").read_text())
+    b = json.loads((SWEEPS / "2026-12-02-h200-nodes-27b-s30-2-csbal2-1.json").read_text())
+    assert ab_nodes.slowed_windows(a["nodes"]) == 2 and ab_nodes.clean_samples(a["nodes"]) == [a["nodes"]["step_samples_us"][0]]
+    by = _by_label(ab_nodes.compare_nodes(a, b, threshold=0.005))
+    assert by["decode step (graph replay)"].verdict == "SAME"
+    row = by["decode step, unslowed windows"]
+    assert row.verdict == "SLOWER" and row.delta == pytest.approx(6087.831 / 6032.639 - 1, abs=1e-5)

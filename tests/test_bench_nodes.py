@@ -78,7 +78,9 @@ def test_nodes_html_escapes_and_embeds_plot():
                                        (["--method", ""], "--method"),
                                        (["--ctx", "4"], "--ctx"),
                                        (["--prompt-ids", "1,x"], "--prompt-ids"),
-                                       (["--prompt-ids", "3,-1"], "--prompt-ids")])
+                                       (["--prompt-ids", "3,-1"], "--prompt-ids"),
+                                       (["--clean-samples", "-1"], "--clean-samples"),
+                                       (["--clean-samples", "21"], "--clean-samples")])
 def test_cli_bad_arguments_exit_2_before_touching_the_model(argv, says, tmp_path, capsys):
     missing = tmp_path / "missing.gguf"  # never opened: the arguments are checked first
     assert cli.main(["bench", "nodes", *argv, "--model", str(missing), "--out", str(tmp_path)]) == 2
@@ -96,13 +98,13 @@ def test_prompt_ids_replace_the_tokeniser_and_are_checked_against_the_vocabulary
     monkeypatch.setattr(main_job, "tokenize_prompt", lambda *a: pytest.fail("tokenised"))
     seen = {}
 
-    def fake_run_nodes(model, n_ctx, ids, methods, steps, log, chain):
-        seen["ids"] = ids
+    def fake_run_nodes(model, n_ctx, ids, methods, steps, log, chain, clean):
+        seen["ids"], seen["clean"] = ids, clean
         raise bench_cmd.ConfigError("stop here")
     monkeypatch.setattr(bench_nodes, "run_nodes", fake_run_nodes)
     base = ["bench", "nodes", "--model", str(tiny_qwen2_q), "--out", str(tmp_path), "--ctx", "64"]
     assert cli.main(base + ["--prompt-ids", "5, 7,511"]) == 2
-    assert seen["ids"] == [5, 7, 511] and "stop here" in capsys.readouterr().err
+    assert seen["ids"] == [5, 7, 511] and seen["clean"] == 4 and "stop here" in capsys.readouterr().err
     seen.clear()
     assert cli.main(base + ["--prompt-ids", "5,512"]) == 2
     assert not seen and "token id 512 is outside the model's vocabulary [0, 512)" in capsys.readouterr().err
@@ -135,3 +137,64 @@ def test_run_nodes_on_a_tiny_model(tiny_qwen2_q):
         for r in a["nodes"]:
             xs = r["us_samples"]
             assert (len(xs) == 5 and r["us"] == sorted(xs)[2]) if m == "graph" else xs == [r["us"]], (m, r)
+
+
+def _reading(mono, reasons=(), power=100.0, limit=700.0):
+    return {"mono": mono, "reasons": None if reasons is None else list(reasons), "power_w": power, "power_limit_w": limit}
+
+
+def test_cooled_needs_no_slowdown_and_power_under_half_the_limit():
+    from harness.bench_nodes import COOL_POWER, cooled
+    assert COOL_POWER == 0.5
+    assert cooled(_reading(0, power=350.0)) and not cooled(_reading(0, power=351.0))
+    assert not cooled(_reading(0, ["SwPowerCap"], power=100.0))
+    assert cooled(_reading(0, ["GpuIdle"], power=100.0))  # idle is no slowdown
+    assert not cooled(None) and not cooled({"reasons": None, "power_w": 1.0, "power_limit_w": 700.0})
+    assert not cooled(_reading(0, power=None)) and not cooled(_reading(0, limit=0.0))
+
+
+def test_retake_slowed_only_after_a_slowed_window_and_a_cool_down():
+    """bench_nodes.retake_slowed: nothing when no window was slowed or none can be judged; after a
+    slowed one, n windows, each started once the latest reading is cooled (polled every 0.1 s of
+    a fake clock) or after cool_s seconds of waiting."""
+    from harness.bench_nodes import retake_slowed
+    clock = [100.0]
+    calls = []
+
+    def now():
+        return clock[0]
+
+    def sleep(dt):
+        clock[0] += dt
+
+    def bench_once():
+        calls.append(clock[0])
+        clock[0] += 0.5
+        return {"decode_s": [0.4], "decode_window": [[clock[0] - 0.4, clock[0]]]}
+    windows = [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4]]
+    clean = [_reading(1.2), _reading(2.2), _reading(3.2)]
+    assert retake_slowed(lambda: clean, bench_once, windows, 4, sleep=sleep, now=now) == [] and not calls
+    unknown = [dict(x, reasons=None) for x in clean]
+    assert retake_slowed(lambda: unknown, bench_once, windows, 4, sleep=sleep, now=now) == [] and not calls
+    hot = [_reading(1.2), _reading(2.2, ["SwPowerCap"], 700.0), _reading(3.2, ["SwPowerCap"], 700.0)]
+    assert retake_slowed(lambda: hot, bench_once, windows, 0, sleep=sleep, now=now) == [] and not calls
+    # the latest reading cools 1 s after the first poll
+    t_cool = clock[0] + 1.0
+    readings = lambda: hot + [_reading(clock[0], power=100.0 if clock[0] >= t_cool else 690.0)]
+    got = retake_slowed(readings, bench_once, windows, 3, cool_s=5.0, sleep=sleep, now=now)
+    assert len(got) == 3 and len(calls) == 3
+    assert calls[0] == pytest.approx(t_cool, abs=0.11) and got[0][2] == pytest.approx(1.5, abs=0.11)
+    assert got[1][2] == pytest.approx(0.5)  # already cool: no wait, the window itself only
+    assert all(d == 0.4 and w[1] - w[0] == pytest.approx(0.4) for d, w, _ in got)
+    # never cooled: each waits cool_s, then times anyway
+    calls.clear()
+    never = lambda: hot + [_reading(clock[0], ["SwPowerCap"], 700.0)]
+    got = retake_slowed(never, bench_once, windows, 2, cool_s=2.0, sleep=sleep, now=now)
+    assert len(got) == 2 and all(t == pytest.approx(2.5, abs=0.11) for _, _, t in got)
+
+
+def test_clean_samples_keep_windows_without_a_slowdown_reading():
+    from harness.bench_nodes import clean_samples
+    readings = [_reading(1.2), _reading(2.2, ["SwPowerCap"]), _reading(2.3), _reading(4.2, None)]
+    shares, kept = clean_samples([10.0, 11.0, 12.0, 13.0], [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4], [4.0, 4.4]], readings)
+    assert shares == [0.0, 0.5, None, None] and kept == [10.0]

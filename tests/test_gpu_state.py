@@ -492,6 +492,9 @@ class _FakeSampler:
     def energy_j(self, a, b):
         return self.watts * (b - a) if self.lo <= a < b <= self.hi else None
 
+    def readings(self):
+        return []  # no readings: no window can be judged slowed (bench_nodes.retake_slowed retakes none)
+
 
 def test_bench_e2e_rows_carry_the_decode_energy_per_token(monkeypatch):
     """A backend that reports its decode windows gets J/token and W in its row (the median over
@@ -649,3 +652,71 @@ def test_harness_ab_nodes_notes_the_step_energy_by_the_same_estimator():
     assert f"step J 4 -> 4.2 not compared: estimators differ ({method} / untagged)" in ab_nodes.compare_nodes(a, b).notes
     b["nodes"]["step_j"] = "<b>x</b>"
     assert "step J only in A: 4" in ab_nodes.compare_nodes(a, b).notes
+
+
+def test_window_slowdown_is_the_share_of_slowed_readings_inside_each_window():
+    """gpu_state.window_slowdown: per [a, b] window, readings with mono inside it; a slowdown
+    reason counts (SwPowerCap, HwSlowdown), GpuIdle does not; a window holding a reading of
+    unknown reasons, none at all, or malformed bounds gives None."""
+    def r(mono, reasons):
+        return {"mono": mono, "reasons": reasons}
+    samples = [r(1.0, []), r(1.1, ["SwPowerCap"]), r(1.2, ["GpuIdle"]), r(1.3, ["SwPowerCap", "HwSlowdown"]),
+               r(2.0, None), r(2.05, []), r(3.05, ["HwSlowdown"]), "junk", {"mono": "x", "reasons": []}]
+    got = gpu_state.window_slowdown(samples, [[0.95, 1.35], [1.9, 2.1], [3.0, 3.1], [4.0, 5.0],
+                                              ["a", 1.0], [2.0, 1.0], [0.95, 1.05]])
+    assert got == [0.5, None, 1.0, None, None, None, 0.0]
+    assert gpu_state.window_slowdown(samples, None) == []
+    assert gpu_state.slowed({"reasons": ["GpuIdle"]}) is False and gpu_state.slowed({}) is None
+
+
+class _ReadingsSampler(_FakeSampler):
+    """A sampler whose readings say which windows were slowed: a clean reading inside each window
+    of `clean`, a capped one inside the others, and a cooled last reading."""
+    def __init__(self, windows, clean):
+        super().__init__(500.0)
+        self.rs = [{"mono": (a + b) / 2, "reasons": [] if i in clean else ["SwPowerCap"], "power_w": 600.0,
+                    "power_limit_w": 700.0} for i, (a, b) in enumerate(windows)]
+        self.rs.append({"mono": 99.0, "reasons": [], "power_w": 90.0, "power_limit_w": 700.0})
+
+    def readings(self):
+        return list(self.rs)
+
+
+def test_run_nodes_retakes_slowed_windows_and_keeps_the_unslowed_samples(monkeypatch):
+    """run_nodes: of three windows the last two capped, so `clean` single windows are retaken
+    (bench with reps 1) after a cool-down; the result keeps each window's share, the retakes and
+    the samples of unslowed windows with their median, and the step time stays the median of the
+    three; with clean=0, or no slowed window, nothing is retaken."""
+    import contextlib
+
+    from harness import bench_nodes
+    windows = [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4]] + [[10.0 + k, 10.4 + k] for k in range(4)]
+    reps_seen = []
+
+    def bench(ids, steps, reps):
+        reps_seen.append(reps)
+        if reps == 3:
+            return {"decode_s": [0.384, 0.4, 0.416], "decode_window": windows[:3]}
+        k = len(reps_seen) - 2
+        return {"decode_s": [0.3840 + 0.0064 * k], "decode_window": [windows[3 + k]]}
+    monkeypatch.setattr(bench_nodes, "loaded_engine", lambda model, n_ctx: contextlib.nullcontext(_NodesEngine(bench)))
+    sampler = _ReadingsSampler(windows, clean={0, 3, 4, 5, 6})
+    monkeypatch.setattr(gpu_state, "GpuStateSampler", lambda **kw: sampler)
+    lines = []
+    out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append, chain=False,
+                                clean=4)
+    assert reps_seen == [3, 1, 1, 1, 1]
+    assert out["step_us"] == pytest.approx(6250.0)  # the median of the three: 0.4 s / 64
+    assert out["step_samples_slowdown"] == [0.0, 1.0, 1.0]
+    assert [r["slowdown"] for r in out["step_retakes"]] == [0.0] * 4 and len(out["step_retakes"]) == 4
+    want = [6000.0, 6000.0, 6100.0, 6200.0, 6300.0]  # window 0, then the four retakes
+    assert out["step_clean_samples_us"] == pytest.approx(want) and out["step_clean_us"] == pytest.approx(6100.0)
+    assert any("2 retaken" not in line and "4 retaken" in line and "5 of 7 windows unslowed" in line for line in lines)
+    reps_seen.clear()
+    out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append, chain=False,
+                                clean=0)
+    assert reps_seen == [3] and out["step_retakes"] == [] and out["step_clean_samples_us"] == pytest.approx([6000.0])
+    monkeypatch.setattr(gpu_state, "GpuStateSampler", lambda **kw: _ReadingsSampler(windows, clean=set(range(7))))
+    reps_seen.clear()
+    out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append, chain=False)
+    assert reps_seen == [3] and out["step_samples_slowdown"] == [0.0, 0.0, 0.0] and len(out["step_clean_samples_us"]) == 3

@@ -119,3 +119,21 @@ def test_the_diagnostic_banner_is_bounded_and_falls_back_to_the_switches_set():
     html = render_nodes_html(d)
     assert "GGUF_HARNESS_DIAG=n\\u0000o\\u202e" + "w" * 36 + "…:" in html
     assert "\x00" not in html and "\u202e" not in html
+
+
+def test_the_page_gives_the_unslowed_windows_of_a_capped_step():
+    """A step whose later replay windows ran power-capped (the H200 file of session 30, whose
+    shares come from its raw GPU-state readings) gets a line with the unslowed windows' median;
+    an uncapped one (session 27, start 2) none; nor one whose windows cannot be judged."""
+    from pathlib import Path
+    sweeps = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"
+    capped = json.loads((sweeps / "2026-12-02-h200-nodes-27b-s30-1-default-1.json").read_text())
+    html = render_nodes_html(capped)
+    assert "2 of the step&#39;s replay windows ran slowed (power / thermal limit); the 1 unslowed: median 6032.6" in html
+    calm = json.loads((sweeps / "2026-12-02-h200-nodes-27b-s27-start2-1-default-early1.json").read_text())
+    assert "replay windows ran slowed" not in render_nodes_html(calm)
+    capped["nodes"]["step_samples_slowdown"] = [1.0, 1.0, 1.0]
+    capped["nodes"]["step_clean_samples_us"] = []
+    assert "3 of the step&#39;s replay windows ran slowed (power / thermal limit); none ran unslowed" in render_nodes_html(capped)
+    capped["nodes"]["step_samples_slowdown"] = "junk"
+    assert "replay windows ran slowed" not in render_nodes_html(capped)
