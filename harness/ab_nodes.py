@@ -7,11 +7,11 @@ Rows (times in microseconds per decode step; delta = us_B / us_A - 1, negative i
   - "decode step": the captured step graph over chained replays (nodes.step_us, the median of
     the replay samples). noise = max over A and B of (max - min) / median of
     nodes.step_samples_us (recorded since session 9; absent in older files);
-  - "decode step, unslowed windows" (only when either file has a replay window slowed by a
-    power cap or thermal limit, nodes.step_samples_slowdown > 0, and both have samples of
-    windows without one, nodes.step_clean_samples_us; bench_nodes retakes slowed windows after
-    a cool-down; files from before session 30 give both from their raw GPU-state readings and
-    replay windows, where kept): their medians, noise their spread as above (>= 3 each, else the threshold
+  - "decode step, unslowed windows" (only when either file has a step window slowed by a
+    power cap or thermal limit and both have windows without one; `windows`: the timed windows'
+    nodes.step_samples_slowdown and the retaken ones' nodes.step_retakes, since bench_nodes
+    retakes slowed windows after a cool-down; files from before session 30 give the shares from
+    their raw GPU-state readings and replay windows, where kept): their medians, noise their spread as above (>= 3 each, else the threshold
     alone). Why: a capped GPU slows the later windows by a few percent and unevenly, and the
     median of three then hides a change of under 1 % (session 30: the plain step row said SAME,
     +0.44 % within +-3.68 %, for a change whose unslowed windows moved +0.9 % in two pairs);
@@ -161,31 +161,48 @@ def switch_notes(a: dict, b: dict, most: int = 40) -> list[str]:
     return notes
 
 
-def _shares(body: dict) -> list:
-    """Each replay window's share of slowdown readings: recorded (step_samples_slowdown, since
-    session 30), else derived from the raw GPU-state readings and the windows that older files
-    keep (gpu_state.samples, step_windows: gpu_state.window_slowdown)."""
-    if "step_samples_slowdown" in body:
-        return as_list(body.get("step_samples_slowdown"))
+def windows(body: dict) -> list[tuple[float, float | None]]:
+    """(us, slowdown share) of each of a nodes result's step windows: the three timed ones
+    (step_samples_us with step_samples_slowdown, since session 30), then the retaken ones
+    (step_retakes' us and slowdown); for older files the shares are derived from the raw
+    GPU-state readings and the windows they keep (gpu_state.samples, step_windows:
+    gpu_state.window_slowdown). A sample that is not a finite positive number, or a share
+    outside 0..1 (bools and strings included), is unknown: the window is dropped, or its share is
+    None. [] when the lists do not pair up one to one (a hand-edited or damaged file cannot say
+    which share is whose)."""
     from .gpu_state import window_slowdown
-    samples = [s for s in as_list(as_dict(body.get("gpu_state")).get("samples")) if isinstance(s, dict)]
-    return window_slowdown(samples, as_list(body.get("step_windows"))) if samples else []
+    from .jsonread import finite, finite_pos
+    samples = as_list(body.get("step_samples_us"))
+    if "step_samples_slowdown" in body:
+        shares = as_list(body.get("step_samples_slowdown"))
+        retakes = [r if isinstance(r, dict) else {} for r in as_list(body.get("step_retakes"))]
+        samples = samples + [r.get("us") for r in retakes]
+        shares = shares + [r.get("slowdown") for r in retakes]
+    else:
+        readings = [s for s in as_list(as_dict(body.get("gpu_state")).get("samples")) if isinstance(s, dict)]
+        wins = as_list(body.get("step_windows"))
+        if not readings or len(wins) != len(samples):
+            return []
+        shares = window_slowdown(readings, wins)
+    if len(shares) != len(samples):
+        return []
+    out = []
+    for us, x in zip(samples, shares):
+        us, x = finite_pos(us), finite(x)
+        if us is not None:
+            out.append((us, x if x is not None and 0 <= x <= 1 else None))
+    return out
 
 
 def slowed_windows(body: dict) -> int:
-    """How many of a nodes result's replay windows ran slowed (a share of slowdown readings > 0)."""
-    return sum(1 for x in _shares(body) if (_finite(x) or 0) > 0)
+    """How many of a nodes result's step windows ran slowed (a share of slowdown readings > 0)."""
+    return sum(1 for _, x in windows(body) if x is not None and x > 0)
 
 
 def clean_samples(body: dict) -> list[float]:
-    """The finite positive step samples of windows with no slowdown reading: recorded
-    (step_clean_samples_us; bench_nodes.clean_samples), else those of step_samples_us whose window
-    has a derived share of 0 (_shares)."""
-    if "step_clean_samples_us" in body:
-        xs = as_list(body.get("step_clean_samples_us"))
-    else:
-        xs = [us for us, x in zip(as_list(body.get("step_samples_us")), _shares(body)) if x == 0]
-    return [x for x in (_finite(v) for v in xs) if x is not None and x > 0]
+    """The step samples (us) of the windows with no slowdown reading (share 0), timed and
+    retaken (bench_nodes.clean_samples made step_clean_samples_us the same way)."""
+    return [us for us, x in windows(body) if x == 0]
 
 
 def clean_step_row(na: dict, nb: dict, threshold: float) -> KernelPerf | None:

@@ -165,8 +165,9 @@ def retake_slowed(readings, bench_once, windows, n: int, cool_s: float = 5.0, sl
             if last and cooled(last[0]):
                 break
             sleep(0.1)
+        waited = now() - t0
         r = bench_once()
-        out.append((r["decode_s"][0], r["decode_window"][0], now() - t0))
+        out.append((r["decode_s"][0], r["decode_window"][0], waited))
     return out
 
 
@@ -208,7 +209,10 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
                                     clean, cool_s)
         decode_s = timed["decode_s"]
         step_us = 1e6 * statistics.median(decode_s) / steps
-        state = gpu.summary()  # harness/gpu_state.py: clocks / slowdown while timed
+        # harness/gpu_state.py: clocks / slowdown while the three windows ran (the cool-downs and
+        # retakes after them are left out of the summary, kept in its raw samples)
+        last_end = max((w[1] for w in timed.get("decode_window") or []), default=None) if retaken else None
+        state = gpu.summary(until=last_end)
         # the windows with no slowdown reading, of the three and of the retaken ones
         samples_us = [1e6 * s / steps for s in decode_s] + [1e6 * d / steps for d, _, _ in retaken]
         shares, clean_us = clean_samples(samples_us, list(timed.get("decode_window") or [])

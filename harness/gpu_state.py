@@ -202,10 +202,11 @@ class GpuStateSampler:
         self._keep(self.sample())
         self._close()
 
-    def summary(self, raw: bool = True) -> dict:
+    def summary(self, raw: bool = True, until: float | None = None) -> dict:
         """summarize(samples) plus "why" when NVML was missing or failed, and the raw samples
-        (bounded by MAX_SAMPLES) when `raw`."""
-        out = summarize(self._samples)
+        (bounded by MAX_SAMPLES) when `raw`; with `until` (time.monotonic() s) the summary covers
+        the readings up to then only (the raw samples stay all of them)."""
+        out = summarize([s for s in self._samples if until is None or not _num(s.get("mono")) or s["mono"] <= until])
         if out["available"]:
             out["period_s"] = self.period_s  # (slowdown counts are in samples of this period)
         if self.device_id:
@@ -253,7 +254,7 @@ def slowed(sample: dict) -> bool | None:
     """Whether a reading reports any SLOWDOWN_REASONS (power cap, thermal, hardware slowdown);
     None when its reasons are unknown (the query failed)."""
     reasons = sample.get("reasons") if isinstance(sample, dict) else None
-    if not isinstance(reasons, list):
+    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
         return None
     return any(r in SLOWDOWN_REASONS for r in reasons)
 

@@ -282,9 +282,10 @@ def test_malformed_fields_of_either_side_give_no_traceback(tmp_path, capsys):
                 assert rc in (0, 1) or (rc == 2 and err.startswith("error:")), (path, bad, rc, err)
 
 
-def _slowed(doc, shares, clean):
+def _slowed(doc, shares, retakes):
+    """shares of the three timed windows, and retaken windows [(us, share)]."""
     doc["nodes"]["step_samples_slowdown"] = shares
-    doc["nodes"]["step_clean_samples_us"] = clean
+    doc["nodes"]["step_retakes"] = [{"us": us, "slowdown": x} for us, x in retakes]
     return doc
 
 
@@ -293,17 +294,22 @@ def test_unslowed_windows_decide_when_a_side_ran_capped():
     +0.9 % change SAME; the windows without a slowdown reading (5 each, spread 0.05 %) call it
     SLOWER. The row appears only when a side was slowed and both have unslowed windows; without
     them on one side a note says so."""
-    a = _slowed(_doc(BASE, 6243.7, [6032.6, 6262.7, 6243.7]), [0.0, 0.56, 1.0], [6032.6, 6031.6, 6033.0, 6032.0, 6034.0])
-    b = _slowed(_doc(BASE, 6271.0, [6087.8, 6271.0, 6281.4]), [0.0, 0.56, 1.0], [6087.8, 6086.9, 6089.0, 6088.0, 6087.0])
+    a = _slowed(_doc(BASE, 6243.7, [6032.6, 6262.7, 6243.7]), [0.0, 0.56, 1.0],
+                [(6031.6, 0.0), (6033.0, 0.0), (6032.0, 0.0), (6034.0, 0.0)])
+    b = _slowed(_doc(BASE, 6271.0, [6087.8, 6271.0, 6281.4]), [0.0, 0.56, 1.0],
+                [(6086.9, 0.0), (6089.0, 0.0), (6088.0, 0.0), (6087.0, 0.0)])
     by = _by_label(ab_nodes.compare_nodes(a, b, threshold=0.005))
     assert by["decode step (graph replay)"].verdict == "SAME"
     row = by["decode step, unslowed windows"]
     assert row.verdict == "SLOWER" and row.a_us == 6032.6 and row.b_us == 6087.8 and row.note == "5 / 5 windows"
     assert row.noise == pytest.approx(max((6034.0 - 6031.6) / 6032.6, (6089.0 - 6086.9) / 6087.8))
-    calm = _slowed(copy.deepcopy(a), [0.0, 0.0, 0.0], [6032.6, 6262.7, 6243.7])
+    calm = _slowed(copy.deepcopy(a), [0.0, 0.0, 0.0], [])
     assert "decode step, unslowed windows" not in _by_label(ab_nodes.compare_nodes(calm, copy.deepcopy(calm)))
-    one = _by_label(ab_nodes.compare_nodes(a, _slowed(copy.deepcopy(b), [0.0, 0.5, 1.0], [6087.8])))
+    one = _by_label(ab_nodes.compare_nodes(a, _slowed(copy.deepcopy(b), [0.0, 0.5, 1.0], [])))
     assert one["decode step, unslowed windows"].noise is None and "threshold only" in one["decode step, unslowed windows"].note
+    # a slowed retake counts as slowed, and its sample is not an unslowed one
+    mixed = _slowed(copy.deepcopy(b), [0.0, 0.5, 1.0], [(6300.0, 0.2), (6088.0, 0.0)])
+    assert ab_nodes.slowed_windows(mixed["nodes"]) == 3 and ab_nodes.clean_samples(mixed["nodes"]) == [6087.8, 6088.0]
     res = ab_nodes.compare_nodes(a, _slowed(copy.deepcopy(b), [1.0, 1.0, 1.0], []))
     assert "decode step, unslowed windows" not in _by_label(res)
     assert any("no unslowed windows on both sides" in n for n in res.notes)
@@ -320,3 +326,30 @@ def test_files_before_session_30_give_their_unslowed_windows_from_the_raw_readin
     assert by["decode step (graph replay)"].verdict == "SAME"
     row = by["decode step, unslowed windows"]
     assert row.verdict == "SLOWER" and row.delta == pytest.approx(6087.831 / 6032.639 - 1, abs=1e-5)
+
+
+def test_damaged_window_fields_say_nothing_rather_than_something_wrong():
+    """Hand-edited or damaged files (review of session 30): bools and strings are no times or
+    shares, shares outside 0..1 are unknown, reasons that are not names are unknown, and lists
+    that do not pair up one to one give no unslowed row at all."""
+    a = _slowed(_doc(BASE, 6243.7, [6032.6, 6262.7, 6243.7]), [0.0, 0.56, 1.0], [(6031.6, 0.0), (6033.0, 0.0)])
+    n = copy.deepcopy(a)["nodes"]
+    n["step_samples_us"] = [True, "6000", 6243.7]
+    assert ab_nodes.windows(n) == [(6243.7, 1.0), (6031.6, 0.0), (6033.0, 0.0)]
+    n = copy.deepcopy(a)["nodes"]
+    n["step_samples_slowdown"] = [False, "0.75", 5.0]
+    assert ab_nodes.windows(n)[:3] == [(6032.6, None), (6262.7, None), (6243.7, None)]
+    assert ab_nodes.slowed_windows(n) == 0 and ab_nodes.clean_samples(n) == [6031.6, 6033.0]
+    n = copy.deepcopy(a)["nodes"]
+    n["step_samples_slowdown"] = [0.0] * 100000
+    assert ab_nodes.windows(n) == [] and ab_nodes.slowed_windows(n) == 0
+    # an older file: windows shifted by one against the samples, reasons that are not names
+    old = json.loads((SWEEPS / "2026-12-02-h200-nodes-27b-s30-1-default-1.json").read_text())
+    shifted = copy.deepcopy(old)
+    shifted["nodes"]["step_windows"] = [[0.0, 1.0]] + shifted["nodes"]["step_windows"]
+    assert ab_nodes.windows(shifted["nodes"]) == []
+    odd = copy.deepcopy(old)
+    for r in odd["nodes"]["gpu_state"]["samples"]:
+        r["reasons"] = [r["reasons"]]
+    assert [x for _, x in ab_nodes.windows(odd["nodes"])] == [None, None, None]
+    assert "decode step, unslowed windows" not in _by_label(ab_nodes.compare_nodes(odd, copy.deepcopy(old)))

@@ -183,14 +183,14 @@ def test_retake_slowed_only_after_a_slowed_window_and_a_cool_down():
     readings = lambda: hot + [_reading(clock[0], power=100.0 if clock[0] >= t_cool else 690.0)]
     got = retake_slowed(readings, bench_once, windows, 3, cool_s=5.0, sleep=sleep, now=now)
     assert len(got) == 3 and len(calls) == 3
-    assert calls[0] == pytest.approx(t_cool, abs=0.11) and got[0][2] == pytest.approx(1.5, abs=0.11)
-    assert got[1][2] == pytest.approx(0.5)  # already cool: no wait, the window itself only
+    assert calls[0] == pytest.approx(t_cool, abs=0.11) and got[0][2] == pytest.approx(1.0, abs=0.11)
+    assert got[1][2] == 0.0  # already cool: no wait (the window's own run is not waiting)
     assert all(d == 0.4 and w[1] - w[0] == pytest.approx(0.4) for d, w, _ in got)
     # never cooled: each waits cool_s, then times anyway
     calls.clear()
     never = lambda: hot + [_reading(clock[0], ["SwPowerCap"], 700.0)]
     got = retake_slowed(never, bench_once, windows, 2, cool_s=2.0, sleep=sleep, now=now)
-    assert len(got) == 2 and all(t == pytest.approx(2.5, abs=0.11) for _, _, t in got)
+    assert len(got) == 2 and all(t == pytest.approx(2.0, abs=0.11) for _, _, t in got)
 
 
 def test_clean_samples_keep_windows_without_a_slowdown_reading():

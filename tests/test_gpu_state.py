@@ -484,7 +484,8 @@ class _FakeSampler:
     def __exit__(self, *exc):
         pass
 
-    def summary(self, raw=True):
+    def summary(self, raw=True, until=None):
+        self.until = until
         return {"schema": gpu_state.SCHEMA, "available": True, "n": 2, "sm_mhz": [1980, 1980, 1980],
                 "mem_mhz": [3201, 3201, 3201], "power_w": [1.0, 1.0, 1.0], "power_limit_w": 700.0,
                 "temp_c": [40, 40, 40], "reasons": {}, "slowdown": 0}
@@ -667,6 +668,7 @@ def test_window_slowdown_is_the_share_of_slowed_readings_inside_each_window():
     assert got == [0.5, None, 1.0, None, None, None, 0.0]
     assert gpu_state.window_slowdown(samples, None) == []
     assert gpu_state.slowed({"reasons": ["GpuIdle"]}) is False and gpu_state.slowed({}) is None
+    assert gpu_state.slowed({"reasons": [["SwPowerCap"]]}) is None  # not names: unknown, not "none"
 
 
 class _ReadingsSampler(_FakeSampler):
@@ -706,6 +708,7 @@ def test_run_nodes_retakes_slowed_windows_and_keeps_the_unslowed_samples(monkeyp
     out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append, chain=False,
                                 clean=4)
     assert reps_seen == [3, 1, 1, 1, 1]
+    assert sampler.until == 3.4  # the GPU summary covers the three timed windows, not the retakes
     assert out["step_us"] == pytest.approx(6250.0)  # the median of the three: 0.4 s / 64
     assert out["step_samples_slowdown"] == [0.0, 1.0, 1.0]
     assert [r["slowdown"] for r in out["step_retakes"]] == [0.0] * 4 and len(out["step_retakes"]) == 4
@@ -720,3 +723,13 @@ def test_run_nodes_retakes_slowed_windows_and_keeps_the_unslowed_samples(monkeyp
     reps_seen.clear()
     out = bench_nodes.run_nodes(None, 128, [1, 2, 3], methods=("graph",), steps=64, log=lines.append, chain=False)
     assert reps_seen == [3] and out["step_samples_slowdown"] == [0.0, 0.0, 0.0] and len(out["step_clean_samples_us"]) == 3
+
+
+def test_summary_until_covers_the_readings_up_to_then_and_keeps_every_raw_one():
+    fake = FakeNVML([(1980, 3201, 500_000, 55, 0x0)])
+    with gpu_state.GpuStateSampler(period_s=0.005, nvml=fake) as g:
+        time.sleep(0.03)
+    rs = g.readings()
+    cut = rs[1]["mono"]
+    part = g.summary(until=cut)
+    assert part["n"] == 2 and len(part["samples"]) == len(rs) == g.summary()["n"] > 2

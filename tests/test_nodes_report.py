@@ -129,11 +129,14 @@ def test_the_page_gives_the_unslowed_windows_of_a_capped_step():
     sweeps = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"
     capped = json.loads((sweeps / "2026-12-02-h200-nodes-27b-s30-1-default-1.json").read_text())
     html = render_nodes_html(capped)
-    assert "2 of the step&#39;s replay windows ran slowed (power / thermal limit); the 1 unslowed: median 6032.6" in html
+    assert "2 of the step&#39;s 3 replay windows ran slowed (power / thermal limit); the 1 unslowed: median 6032.6" in html
     calm = json.loads((sweeps / "2026-12-02-h200-nodes-27b-s27-start2-1-default-early1.json").read_text())
     assert "replay windows ran slowed" not in render_nodes_html(calm)
     capped["nodes"]["step_samples_slowdown"] = [1.0, 1.0, 1.0]
-    capped["nodes"]["step_clean_samples_us"] = []
-    assert "3 of the step&#39;s replay windows ran slowed (power / thermal limit); none ran unslowed" in render_nodes_html(capped)
+    capped["nodes"]["step_retakes"] = [{"us": 6050.0, "slowdown": 0.0}, {"us": 6070.0, "slowdown": 0.5}]
+    assert ("4 of the step&#39;s 5 replay windows ran slowed (power / thermal limit; 2 of the 5 taken after a "
+            "cool-down); the 1 unslowed: median 6050.0") in render_nodes_html(capped)
+    capped["nodes"]["step_retakes"] = []
+    assert "3 of the step&#39;s 3 replay windows ran slowed (power / thermal limit); none ran unslowed" in render_nodes_html(capped)
     capped["nodes"]["step_samples_slowdown"] = "junk"
     assert "replay windows ran slowed" not in render_nodes_html(capped)
