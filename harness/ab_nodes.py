@@ -11,8 +11,8 @@ Rows (times in microseconds per decode step; delta = us_B / us_A - 1, negative i
     power cap or thermal limit and both have windows without one; `windows`: the timed windows'
     nodes.step_samples_slowdown and the retaken ones' nodes.step_retakes, since bench_nodes
     retakes slowed windows after a cool-down; files from before session 30 give the shares from
-    their raw GPU-state readings and replay windows, where kept): their medians, noise their spread as above (>= 3 each, else the threshold
-    alone). Why: a capped GPU slows the later windows by a few percent and unevenly, and the
+    their raw GPU-state readings and replay windows, where kept): their medians, noise their
+    spread as above (>= 3 each, else the threshold alone). Why: a capped GPU slows the later windows by a few percent and unevenly, and the
     median of three then hides a change of under 1 % (session 30: the plain step row said SAME,
     +0.44 % within +-3.68 %, for a change whose unslowed windows moved +0.9 % in two pairs);
   - "sum of nodes", then one row per node group of the timing method both files have (graph,
@@ -201,7 +201,7 @@ def slowed_windows(body: dict) -> int:
 
 def clean_samples(body: dict) -> list[float]:
     """The step samples (us) of the windows with no slowdown reading (share 0), timed and
-    retaken (bench_nodes.clean_samples made step_clean_samples_us the same way)."""
+    retaken (bench_nodes.split_unslowed made step_clean_samples_us the same way)."""
     return [us for us, x in windows(body) if x == 0]
 
 

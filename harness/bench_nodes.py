@@ -171,7 +171,7 @@ def retake_slowed(readings, bench_once, windows, n: int, cool_s: float = 5.0, sl
     return out
 
 
-def clean_samples(samples_us: list[float], windows, readings) -> tuple[list[float | None], list[float]]:
+def split_unslowed(samples_us: list[float], windows, readings) -> tuple[list[float | None], list[float]]:
     """(each window's slowdown share (gpu_state.window_slowdown), the samples whose window has a
     share of 0)."""
     from .gpu_state import window_slowdown
@@ -215,7 +215,7 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
         state = gpu.summary(until=last_end)
         # the windows with no slowdown reading, of the three and of the retaken ones
         samples_us = [1e6 * s / steps for s in decode_s] + [1e6 * d / steps for d, _, _ in retaken]
-        shares, clean_us = clean_samples(samples_us, list(timed.get("decode_window") or [])
+        shares, clean_us = split_unslowed(samples_us, list(timed.get("decode_window") or [])
                                          + [w for _, w, _ in retaken], gpu.readings())
         if retaken or any(shares):
             msg = (f"{len(clean_us)} of {len(samples_us)} windows unslowed, median "

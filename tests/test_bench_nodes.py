@@ -193,8 +193,8 @@ def test_retake_slowed_only_after_a_slowed_window_and_a_cool_down():
     assert len(got) == 2 and all(t == pytest.approx(2.0, abs=0.11) for _, _, t in got)
 
 
-def test_clean_samples_keep_windows_without_a_slowdown_reading():
-    from harness.bench_nodes import clean_samples
+def test_split_unslowed_keeps_windows_without_a_slowdown_reading():
+    from harness.bench_nodes import split_unslowed
     readings = [_reading(1.2), _reading(2.2, ["SwPowerCap"]), _reading(2.3), _reading(4.2, None)]
-    shares, kept = clean_samples([10.0, 11.0, 12.0, 13.0], [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4], [4.0, 4.4]], readings)
+    shares, kept = split_unslowed([10.0, 11.0, 12.0, 13.0], [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4], [4.0, 4.4]], readings)
     assert shares == [0.0, 0.5, None, None] and kept == [10.0]
