@@ -8,7 +8,7 @@ Rows (times in microseconds per decode step; delta = us_B / us_A - 1, negative i
     the replay samples). noise = max over A and B of (max - min) / median of
     nodes.step_samples_us (recorded since session 9; absent in older files);
   - "decode step, unslowed windows" (only when either file has a step window slowed by a
-    power cap or thermal limit and both have windows without one; `windows`: the timed windows'
+    power cap or thermal limit and both have windows without one; bench_nodes.windows: the timed windows'
     nodes.step_samples_slowdown and the retaken ones' nodes.step_retakes, since bench_nodes
     retakes slowed windows after a cool-down; files from before session 30 give the shares from
     their raw GPU-state readings and replay windows, where kept): their medians, noise their
@@ -43,7 +43,7 @@ from reports.fmt import visible
 from .ab import energy_note
 from .ab_kernels import KernelCheck, KernelPerf, KernelsAB, _finite
 from .bench_nodes import SCHEMA as NODES_SCHEMA
-from .bench_nodes import diag_sides, split_name
+from .bench_nodes import clean_samples, diag_sides, slowed_windows, split_name
 from .gpu_state import ab_notes
 from .jsonread import as_dict, as_list
 
@@ -159,50 +159,6 @@ def switch_notes(a: dict, b: dict, most: int = 40) -> list[str]:
     if len(notes) > most:
         notes = notes[:most - 1] + [f"... and {len(notes) - most + 1} more engine switch differences"]
     return notes
-
-
-def windows(body: dict) -> list[tuple[float, float | None]]:
-    """(us, slowdown share) of each of a nodes result's step windows: the three timed ones
-    (step_samples_us with step_samples_slowdown, since session 30), then the retaken ones
-    (step_retakes' us and slowdown); for older files the shares are derived from the raw
-    GPU-state readings and the windows they keep (gpu_state.samples, step_windows:
-    gpu_state.window_slowdown). A sample that is not a finite positive number, or a share
-    outside 0..1 (bools and strings included), is unknown: the window is dropped, or its share is
-    None. [] when the lists do not pair up one to one (a hand-edited or damaged file cannot say
-    which share is whose)."""
-    from .gpu_state import window_slowdown
-    from .jsonread import finite, finite_pos
-    samples = as_list(body.get("step_samples_us"))
-    if "step_samples_slowdown" in body:
-        shares = as_list(body.get("step_samples_slowdown"))
-        retakes = [r if isinstance(r, dict) else {} for r in as_list(body.get("step_retakes"))]
-        samples = samples + [r.get("us") for r in retakes]
-        shares = shares + [r.get("slowdown") for r in retakes]
-    else:
-        readings = [s for s in as_list(as_dict(body.get("gpu_state")).get("samples")) if isinstance(s, dict)]
-        wins = as_list(body.get("step_windows"))
-        if not readings or len(wins) != len(samples):
-            return []
-        shares = window_slowdown(readings, wins)
-    if len(shares) != len(samples):
-        return []
-    out = []
-    for us, x in zip(samples, shares):
-        us, x = finite_pos(us), finite(x)
-        if us is not None:
-            out.append((us, x if x is not None and 0 <= x <= 1 else None))
-    return out
-
-
-def slowed_windows(body: dict) -> int:
-    """How many of a nodes result's step windows ran slowed (a share of slowdown readings > 0)."""
-    return sum(1 for _, x in windows(body) if x is not None and x > 0)
-
-
-def clean_samples(body: dict) -> list[float]:
-    """The step samples (us) of the windows with no slowdown reading (share 0), timed and
-    retaken (bench_nodes.split_unslowed made step_clean_samples_us the same way)."""
-    return [us for us, x in windows(body) if x == 0]
 
 
 def clean_step_row(na: dict, nb: dict, threshold: float) -> KernelPerf | None:

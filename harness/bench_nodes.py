@@ -140,8 +140,9 @@ def cooled(reading: dict | None) -> bool:
     from .gpu_state import slowed
     if not isinstance(reading, dict) or slowed(reading) is not False:
         return False
-    p, lim = reading.get("power_w"), reading.get("power_limit_w")
-    return isinstance(p, (int, float)) and isinstance(lim, (int, float)) and lim > 0 and p <= COOL_POWER * lim
+    from .jsonread import finite
+    p, lim = finite(reading.get("power_w")), finite(reading.get("power_limit_w"))
+    return p is not None and lim is not None and lim > 0 and p <= COOL_POWER * lim
 
 
 def retake_slowed(readings, bench_once, windows, n: int, cool_s: float = 5.0, sleep=None, now=None) -> list:
@@ -171,12 +172,48 @@ def retake_slowed(readings, bench_once, windows, n: int, cool_s: float = 5.0, sl
     return out
 
 
-def split_unslowed(samples_us: list[float], windows, readings) -> tuple[list[float | None], list[float]]:
-    """(each window's slowdown share (gpu_state.window_slowdown), the samples whose window has a
-    share of 0)."""
+def windows(body: dict) -> list[tuple[float, float | None]]:
+    """(us, slowdown share) of each of a nodes result's step windows: the three timed ones
+    (step_samples_us with step_samples_slowdown, since session 30), then the retaken ones
+    (step_retakes' us and slowdown); for older files the shares are derived from the raw
+    GPU-state readings and the windows they keep (gpu_state.samples, step_windows:
+    gpu_state.window_slowdown). A sample that is not a finite positive number, or a share
+    outside 0..1 (bools and strings included), is unknown: the window is dropped, or its share is
+    None. [] when the lists do not pair up one to one (a hand-edited or damaged file cannot say
+    which share is whose)."""
     from .gpu_state import window_slowdown
-    shares = window_slowdown(readings, windows)
-    return shares, [us for us, x in zip(samples_us, shares) if x == 0]
+    from .jsonread import as_dict, as_list, finite, finite_pos
+    samples = as_list(body.get("step_samples_us"))
+    if "step_samples_slowdown" in body:
+        shares = as_list(body.get("step_samples_slowdown"))
+        retakes = [r if isinstance(r, dict) else {} for r in as_list(body.get("step_retakes"))]
+        samples = samples + [r.get("us") for r in retakes]
+        shares = shares + [r.get("slowdown") for r in retakes]
+    else:
+        readings = [s for s in as_list(as_dict(body.get("gpu_state")).get("samples")) if isinstance(s, dict)]
+        wins = as_list(body.get("step_windows"))
+        if not readings or len(wins) != len(samples):
+            return []
+        shares = window_slowdown(readings, wins)
+    if len(shares) != len(samples):
+        return []
+    out = []
+    for us, x in zip(samples, shares):
+        us, x = finite_pos(us), finite(x)
+        if us is not None:
+            out.append((us, x if x is not None and 0 <= x <= 1 else None))
+    return out
+
+
+def slowed_windows(body: dict) -> int:
+    """How many of a nodes result's step windows ran slowed (a share of slowdown readings > 0)."""
+    return sum(1 for _, x in windows(body) if x is not None and x > 0)
+
+
+def clean_samples(body: dict) -> list[float]:
+    """The step samples (us) of the windows with no slowdown reading (share 0), timed and
+    retaken (run_nodes records them as step_clean_samples_us)."""
+    return [us for us, x in windows(body) if x == 0]
 
 
 def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: int = 64,
@@ -196,7 +233,7 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
     if len(prompt_ids) + steps + 1 > n_ctx:
         raise ConfigError(f"n_ctx {n_ctx} too small for {len(prompt_ids)} prompt tokens + {steps} steps")
     from .bench_e2e import decode_energy
-    from .gpu_state import GpuStateSampler, describe
+    from .gpu_state import GpuStateSampler, describe, window_slowdown
     with loaded_engine(model, n_ctx) as e:
         diag = e.info().get("switches_effective", {}).get("GGUF_HARNESS_DIAG")
         if diag:
@@ -213,14 +250,9 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
         # retakes after them are left out of the summary, kept in its raw samples)
         last_end = max((w[1] for w in timed.get("decode_window") or []), default=None) if retaken else None
         state = gpu.summary(until=last_end)
-        # the windows with no slowdown reading, of the three and of the retaken ones
-        samples_us = [1e6 * s / steps for s in decode_s] + [1e6 * d / steps for d, _, _ in retaken]
-        shares, clean_us = split_unslowed(samples_us, list(timed.get("decode_window") or [])
-                                         + [w for _, w, _ in retaken], gpu.readings())
-        if retaken or any(shares):
-            msg = (f"{len(clean_us)} of {len(samples_us)} windows unslowed, median "
-                   f"{statistics.median(clean_us):.1f} us" if clean_us else "no window unslowed")
-            log(f"step graph: slowed windows (power / thermal): {len(retaken)} retaken after a cool-down; {msg}")
+        # each window's share of slowdown readings, the three timed ones and the retaken ones
+        shares = window_slowdown(gpu.readings(), list(timed.get("decode_window") or [])
+                                 + [w for _, w, _ in retaken])
         # the step's energy from the board's energy counter over the replays' windows (bench_e2e)
         energy = decode_energy(timed.get("decode_window"), gpu.energy_j, steps)
         log(f"step graph: {step_us:.1f} us/token ({steps} chained replays, median of 3)")
@@ -240,9 +272,13 @@ def run_nodes(model, n_ctx: int, prompt_ids: list[int], methods=METHODS, steps: 
                "step_samples_slowdown": shares[:len(decode_s)],
                "step_retakes": [{"us": 1e6 * d / steps, "window": w, "waited_s": round(t, 3), "slowdown": x}
                                 for (d, w, t), x in zip(retaken, shares[len(decode_s):])],
-               "step_clean_samples_us": clean_us,
-               "step_clean_us": statistics.median(clean_us) if clean_us else None,
                "engine": e.info(), "methods": {}}
+        clean_us = clean_samples(out)  # (the one reading of these fields: harness ab's, the page's)
+        out.update(step_clean_samples_us=clean_us, step_clean_us=statistics.median(clean_us) if clean_us else None)
+        if retaken or slowed_windows(out):
+            msg = (f"{len(clean_us)} of {len(windows(out))} windows unslowed, median "
+                   f"{statistics.median(clean_us):.1f} us" if clean_us else "no window unslowed")
+            log(f"step graph: slowed windows (power / thermal): {len(retaken)} retaken after a cool-down; {msg}")
         if chain:  # what one kernel per node could reach on these sizes (cold, dependent, no arithmetic)
             from . import step_roofline
             try:

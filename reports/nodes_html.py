@@ -92,17 +92,16 @@ def render_nodes_html(result: dict) -> str:
 
 def unslowed_line(res: dict) -> str | None:
     """"<k> of the step's <n> replay windows ran slowed (power / thermal limit; <r> of the n taken
-    after a cool-down); the <m> unslowed: median <us> µs/token" (harness/ab_nodes.py windows,
+    after a cool-down); the <m> unslowed: median <us> µs/token" (harness/bench_nodes.py windows,
     which also reads older files' raw readings), or None when no window was slowed."""
     import statistics
 
-    from harness.ab_nodes import windows
+    from harness.bench_nodes import clean_samples, slowed_windows, windows
     from harness.jsonread import as_list
-    ws = windows(res)
-    k = sum(1 for _, x in ws if x is not None and x > 0)
+    k = slowed_windows(res)
     if not k:
         return None
-    clean = [us for us, x in ws if x == 0]
+    ws, clean = windows(res), clean_samples(res)
     retaken = len(as_list(res.get("step_retakes"))) if "step_samples_slowdown" in res else 0
     tail = (f"the {len(clean)} unslowed: median {statistics.median(clean):.1f} µs/token" if clean
             else "none ran unslowed")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ab_nodes
+from harness import ab_nodes, bench_nodes
 from harness.bench_nodes import SCHEMA, aggregate
 
 SWEEPS = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"
@@ -309,7 +309,7 @@ def test_unslowed_windows_decide_when_a_side_ran_capped():
     assert one["decode step, unslowed windows"].noise is None and "threshold only" in one["decode step, unslowed windows"].note
     # a slowed retake counts as slowed, and its sample is not an unslowed one
     mixed = _slowed(copy.deepcopy(b), [0.0, 0.5, 1.0], [(6300.0, 0.2), (6088.0, 0.0)])
-    assert ab_nodes.slowed_windows(mixed["nodes"]) == 3 and ab_nodes.clean_samples(mixed["nodes"]) == [6087.8, 6088.0]
+    assert bench_nodes.slowed_windows(mixed["nodes"]) == 3 and bench_nodes.clean_samples(mixed["nodes"]) == [6087.8, 6088.0]
     res = ab_nodes.compare_nodes(a, _slowed(copy.deepcopy(b), [1.0, 1.0, 1.0], []))
     assert "decode step, unslowed windows" not in _by_label(res)
     assert any("no unslowed windows on both sides" in n for n in res.notes)
@@ -321,7 +321,7 @@ def test_files_before_session_30_give_their_unslowed_windows_from_the_raw_readin
     GPU-state readings and replay windows; the first windows (6032.6 / 6087.8 us) differ by +0.9 %."""
     a = json.loads((SWEEPS / "2026-12-02-h200-nodes-27b-s30-1-default-1.json").read_text())
     b = json.loads((SWEEPS / "2026-12-02-h200-nodes-27b-s30-2-csbal2-1.json").read_text())
-    assert ab_nodes.slowed_windows(a["nodes"]) == 2 and ab_nodes.clean_samples(a["nodes"]) == [a["nodes"]["step_samples_us"][0]]
+    assert bench_nodes.slowed_windows(a["nodes"]) == 2 and bench_nodes.clean_samples(a["nodes"]) == [a["nodes"]["step_samples_us"][0]]
     by = _by_label(ab_nodes.compare_nodes(a, b, threshold=0.005))
     assert by["decode step (graph replay)"].verdict == "SAME"
     row = by["decode step, unslowed windows"]
@@ -335,21 +335,21 @@ def test_damaged_window_fields_say_nothing_rather_than_something_wrong():
     a = _slowed(_doc(BASE, 6243.7, [6032.6, 6262.7, 6243.7]), [0.0, 0.56, 1.0], [(6031.6, 0.0), (6033.0, 0.0)])
     n = copy.deepcopy(a)["nodes"]
     n["step_samples_us"] = [True, "6000", 6243.7]
-    assert ab_nodes.windows(n) == [(6243.7, 1.0), (6031.6, 0.0), (6033.0, 0.0)]
+    assert bench_nodes.windows(n) == [(6243.7, 1.0), (6031.6, 0.0), (6033.0, 0.0)]
     n = copy.deepcopy(a)["nodes"]
     n["step_samples_slowdown"] = [False, "0.75", 5.0]
-    assert ab_nodes.windows(n)[:3] == [(6032.6, None), (6262.7, None), (6243.7, None)]
-    assert ab_nodes.slowed_windows(n) == 0 and ab_nodes.clean_samples(n) == [6031.6, 6033.0]
+    assert bench_nodes.windows(n)[:3] == [(6032.6, None), (6262.7, None), (6243.7, None)]
+    assert bench_nodes.slowed_windows(n) == 0 and bench_nodes.clean_samples(n) == [6031.6, 6033.0]
     n = copy.deepcopy(a)["nodes"]
     n["step_samples_slowdown"] = [0.0] * 100000
-    assert ab_nodes.windows(n) == [] and ab_nodes.slowed_windows(n) == 0
+    assert bench_nodes.windows(n) == [] and bench_nodes.slowed_windows(n) == 0
     # an older file: windows shifted by one against the samples, reasons that are not names
     old = json.loads((SWEEPS / "2026-12-02-h200-nodes-27b-s30-1-default-1.json").read_text())
     shifted = copy.deepcopy(old)
     shifted["nodes"]["step_windows"] = [[0.0, 1.0]] + shifted["nodes"]["step_windows"]
-    assert ab_nodes.windows(shifted["nodes"]) == []
+    assert bench_nodes.windows(shifted["nodes"]) == []
     odd = copy.deepcopy(old)
     for r in odd["nodes"]["gpu_state"]["samples"]:
         r["reasons"] = [r["reasons"]]
-    assert [x for _, x in ab_nodes.windows(odd["nodes"])] == [None, None, None]
+    assert [x for _, x in bench_nodes.windows(odd["nodes"])] == [None, None, None]
     assert "decode step, unslowed windows" not in _by_label(ab_nodes.compare_nodes(odd, copy.deepcopy(old)))

@@ -193,8 +193,13 @@ def test_retake_slowed_only_after_a_slowed_window_and_a_cool_down():
     assert len(got) == 2 and all(t == pytest.approx(2.0, abs=0.11) for _, _, t in got)
 
 
-def test_split_unslowed_keeps_windows_without_a_slowdown_reading():
-    from harness.bench_nodes import split_unslowed
+def test_windows_pair_each_sample_with_its_windows_slowdown_share():
+    """bench_nodes.windows on a file that keeps only raw readings and windows: each sample gets
+    the share of slowdown readings inside its window (none inside, or unknown reasons: None), and
+    clean_samples keeps those with a share of 0."""
+    from harness.bench_nodes import clean_samples, slowed_windows, windows
     readings = [_reading(1.2), _reading(2.2, ["SwPowerCap"]), _reading(2.3), _reading(4.2, None)]
-    shares, kept = split_unslowed([10.0, 11.0, 12.0, 13.0], [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4], [4.0, 4.4]], readings)
-    assert shares == [0.0, 0.5, None, None] and kept == [10.0]
+    body = {"step_samples_us": [10.0, 11.0, 12.0, 13.0], "gpu_state": {"samples": readings},
+            "step_windows": [[1.0, 1.4], [2.0, 2.4], [3.0, 3.4], [4.0, 4.4]]}
+    assert windows(body) == [(10.0, 0.0), (11.0, 0.5), (12.0, None), (13.0, None)]
+    assert clean_samples(body) == [10.0] and slowed_windows(body) == 1

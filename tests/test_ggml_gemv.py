@@ -352,7 +352,7 @@ def _cuda_lib_or_skip():
     try:
         return ggml_gemv.load("cuda")
     except UnsupportedError as e:
-        pytest.skip(str(e))
+        pytest.skip(f"llama.cpp's CUDA libggml does not load here: {e}")
 
 
 @pytest.mark.gpu
