@@ -1,0 +1,188 @@
+"""Hand-over between two engine v9 GEMVs launched back to back (kernels/gemv_kq.cu, -DKQ_TRACE=1).
+
+    python -m harness.pair_trace A B [--copies 16] [--out DIR]
+
+A and B as `harness bench kernels --shapes` (e.g. 5120x6144:Q5_K 2x17408x5120:IQ4_XS): R copies of
+each, launched A0 B0 A1 B1 ... in one CUDA graph (PDL between every pair, as in a decode step); the
+trace build's per-warp marks (kernel entry, PDL wait return, x staged, last row done, SM id; see
+harness.kernel_trace) of the last A and the last B are read from their modules. Question it answers
+(session 30, docs/perf-notes.md): when A's SMs end unevenly, do B's blocks that become resident on
+the SMs A left early end earlier (a head start), and by how much? handover() gives the figures;
+runs anywhere. The GPU part needs A and B from different compiled modules (each module has one
+trace array): the cluster-split (_c2 / _c4) and wide (32-warp) builds are, two shapes of one build
+are not (refused).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from .kernel_trace import ENTRY, END, QUANTILES, SM, STAGED, WAIT
+
+EARLY_US = 1.0  # a B block "entered early" when resident at least this long before its PDL wait returned
+
+
+def _blocks(a: np.ndarray, wpb: int) -> dict:
+    """Per block of a [warps, 5] trace (warp w of block b at row b wpb + w): entry (first warp's),
+    staged and end (last warp's), ns, and the SM id."""
+    if a.ndim != 2 or a.shape[1] != 5 or len(a) == 0 or wpb < 1 or len(a) % wpb:
+        raise ValueError(f"trace array of shape {a.shape} with {wpb} warps per block: expected [blocks * wpb, 5]")
+    if (a[:, :4] == 0).any():
+        raise ValueError("trace has unwritten entries (a warp never reached a mark)")
+    r = a.reshape(-1, wpb, 5)
+    return {"entry": r[:, :, ENTRY].min(1), "wait": r[:, :, WAIT].min(1), "staged": r[:, :, STAGED].max(1),
+            "end": r[:, :, END].max(1), "sm": r[:, 0, SM]}
+
+
+def handover(a: np.ndarray, a_wpb: int, b: np.ndarray, b_wpb: int, early_us: float = EARLY_US) -> dict:
+    """Figures of one A -> B hand-over. a, b: uint64/int64 [warps, 5] traces (harness.kernel_trace
+    columns) of A's launch and of the B launched right after it; a_wpb / b_wpb: warps per block.
+    Times in us relative to t0 = B's earliest PDL wait return (A's completion as B sees it).
+    Returns {"a_sm_end_us": quantiles over SMs of A's last warp end there, "a_done_to_wait_us": t0
+    minus A's last end (grid completion latency), "b_entry_us": quantiles over B's blocks of their
+    entry, "b_after_a_sm_us": quantiles of (B block entry - A's last end on that SM: how soon a freed
+    SM takes a B block), "b_entry_a_end_corr": correlation of the two, "b_end_entry_corr":
+    correlation of B blocks' end and entry, "early" / "late": for B's blocks that entered at least
+    early_us before t0 and the others, {"blocks", "stage_us", "loop_us", "end_us"} medians (stage:
+    staged - wait, loop: end - staged, end: end - t0), "b_span_us": B's last end - t0, "quantiles":
+    the percentiles used}. A B block on an SM where A never ran gets A's end as -inf (left out of
+    b_after_a_sm_us and the correlation). Raises ValueError on a bad shape, an unwritten mark, or
+    traces that do not overlap in time (B must follow A)."""
+    A = _blocks(np.asarray(a).astype(np.int64), a_wpb)
+    B = _blocks(np.asarray(b).astype(np.int64), b_wpb)
+    t0 = int(B["wait"].min())
+    if A["end"].max() > B["end"].max() or B["wait"].min() < A["wait"].min():
+        raise ValueError("the B trace does not follow the A trace (B's wait returned before A's, or A ended after B)")
+    us = lambda v: (np.asarray(v, dtype=np.float64) - t0) / 1e3
+    q = lambda v: [float(np.percentile(v, p)) for p in QUANTILES]
+    a_sms = np.unique(A["sm"])
+    a_sm_end = {int(s): int(A["end"][A["sm"] == s].max()) for s in a_sms}
+    b_entry = us(B["entry"])
+    on = np.array([int(s) in a_sm_end for s in B["sm"]])
+    a_end_at_b = us([a_sm_end.get(int(s), t0) for s in B["sm"]])
+    after = b_entry[on] - a_end_at_b[on]
+    corr = lambda x, y: float(np.corrcoef(x, y)[0, 1]) if len(x) > 2 and np.std(x) > 0 and np.std(y) > 0 else 0.0
+    stage, loop, end = (B["staged"] - B["wait"]) / 1e3, (B["end"] - B["staged"]) / 1e3, us(B["end"])
+    early = b_entry <= -early_us
+
+    def part(m):
+        if not m.any():
+            return {"blocks": 0}
+        return {"blocks": int(m.sum()), "stage_us": float(np.median(stage[m])), "loop_us": float(np.median(loop[m])),
+                "end_us": float(np.median(end[m]))}
+
+    return {"a_sm_end_us": q(us(list(a_sm_end.values()))), "a_done_to_wait_us": float(-us(A["end"].max())),
+            "b_entry_us": q(b_entry), "b_after_a_sm_us": q(after) if len(after) else [],
+            "b_entry_a_end_corr": corr(b_entry[on], a_end_at_b[on]), "b_end_entry_corr": corr(end, b_entry),
+            "early": part(early), "late": part(~early), "b_span_us": float(end.max()), "early_us": early_us,
+            "quantiles": list(QUANTILES)}
+
+
+def format_handover(a_spec: str, b_spec: str, h: dict) -> str:
+    """A few text lines of handover's figures (for the terminal)."""
+    f = lambda v: " ".join(f"{x:7.2f}" for x in v)
+    lines = [f"{a_spec} -> {b_spec}: B's last block ends {h['b_span_us']:.2f} us after its PDL wait; "
+             f"A's last warp ended {h['a_done_to_wait_us']:.2f} us before that wait returned",
+             f"  A's last end per SM, p0/10/50/90/100 us:        {f(h['a_sm_end_us'])}",
+             f"  B block entry, p0/10/50/90/100 us:              {f(h['b_entry_us'])}",
+             f"  B entry - A's end on that SM, p0/10/50/90/100: {f(h['b_after_a_sm_us'])}" if h["b_after_a_sm_us"] else
+             "  B entry - A's end on that SM: no B block on an SM A ran on",
+             f"  corr(B entry, A's end on its SM) {h['b_entry_a_end_corr']:.2f}; corr(B end, B entry) {h['b_end_entry_corr']:.2f}"]
+    for k in ("early", "late"):
+        p = h[k]
+        lines.append(f"  B blocks entered {'>=' if k == 'early' else '< '}{h['early_us']:.1f} us before the wait: {p['blocks']}"
+                     + (f"; median stage {p['stage_us']:.2f}, loop {p['loop_us']:.2f}, end {p['end_us']:.2f} us" if p["blocks"] else ""))
+    return "\n".join(lines)
+
+
+def trace_pair(a_spec: str, b_spec: str, copies: int, replays: int = 5):
+    """Runs A0 B0 A1 B1 ... (copies each) in one CUDA graph with the trace build, replays it and
+    returns (A kernel, B kernel, us per A+B pair of the median replay, A's trace, A's warps per
+    block, B's trace, B's warps per block) of that replay. Raises UnsupportedError without a GPU,
+    ConfigError for a bad spec, ValueError for a shape v9 does not take or two shapes of one module."""
+    from .gpu import require_cupy
+    from .kernel_shapes import parse_spec
+    sa, sb = parse_spec(a_spec), parse_spec(b_spec)  # bad specs are refused before anything needs a GPU
+    cp = require_cupy()
+
+    from backends.engine import module, ops
+
+    from .gpu_timing import capture
+    from .kernel_case import GemvCase
+    base = ops.kv9_defines
+    ops.kv9_defines = lambda: base() + ("KQ_TRACE=1",)
+    cases = []
+    try:
+        stream = cp.cuda.Stream(non_blocking=True)
+        for s in (sa, sb):
+            cases.append(GemvCase(s, copies, seed=len(cases), stream=stream))
+        mods, arrs, wpbs = [], [], []
+        for spec, case in zip((a_spec, b_spec), cases):
+            node = case.nodes[0]
+            if not node.kernel.name.startswith("gemvkq"):
+                raise ValueError(f"{spec}: the engine runs {node.kernel.name}, not a v9 kernel (no trace build)")
+            mods.append(tuple(node.defines))
+            warps = node.grid[0] * node.block[0] // 32
+            mod = module._module("gemv_kq.cu", tuple(node.defines))
+            arrs.append(cp.ndarray((warps, 5), dtype=cp.uint64, memptr=mod.get_global("kq_trace")))
+            wpbs.append(node.block[0] // 32)
+        if mods[0] == mods[1]:
+            raise ValueError(f"{a_spec} and {b_spec} run kernels of one module (one trace array): pick shapes of two builds")
+        launches = [n.launch for pair in zip(cases[0].nodes, cases[1].nodes) for n in pair]
+        graph = capture(stream, launches)
+        ev0, ev1, runs = cp.cuda.Event(), cp.cuda.Event(), []
+        for _ in range(replays):
+            for arr in arrs:
+                arr.fill(0)
+            cp.cuda.Device().synchronize()
+            ev0.record(stream)
+            graph.launch(stream=stream)
+            ev1.record(stream)
+            stream.synchronize()
+            runs.append((cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / copies, arrs[0].get(), arrs[1].get()))
+        us, a, b = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
+        return cases[0].nodes[0].kernel.name, cases[1].nodes[0].kernel.name, us, a, wpbs[0], b, wpbs[1]
+    finally:
+        ops.kv9_defines = base
+        for c in cases:
+            c.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.pair_trace", description=__doc__.split("\n")[0])
+    ap.add_argument("a", help="the first shape (producer), e.g. 5120x6144:Q5_K")
+    ap.add_argument("b", help="the shape launched after it, e.g. 2x17408x5120:IQ4_XS")
+    ap.add_argument("--copies", type=int, default=16, help="copies of each, launched alternately (>= 2)")
+    ap.add_argument("--out", default=".", help="folder for pair-trace.json and the two .npy arrays")
+    a = ap.parse_args(argv)
+    if a.copies < 2:
+        print("pair_trace: --copies must be at least 2", file=sys.stderr)
+        return 2
+    from .errors import HarnessError
+    try:
+        ka, kb, us, ta, wa, tb, wb = trace_pair(a.a, a.b, a.copies)
+        h = handover(ta, wa, tb, wb)
+    except (HarnessError, ValueError) as e:  # no GPU, a bad spec, one module, an unwritten mark
+        print(f"pair_trace: {e}", file=sys.stderr)
+        return 2
+    print(f"{ka} -> {kb}: {us:.2f} us per pair")
+    print(format_handover(a.a, a.b, h))
+    os.makedirs(a.out, exist_ok=True)
+    name = "".join(c if c.isalnum() else "_" for c in f"{a.a}-{a.b}")
+    np.save(os.path.join(a.out, f"pair-trace-{name}-a.npy"), ta)
+    np.save(os.path.join(a.out, f"pair-trace-{name}-b.npy"), tb)
+    path = os.path.join(a.out, f"pair-trace-{name}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"a": a.a, "b": a.b, "a_kernel": ka, "b_kernel": kb, "us_per_pair": us, "copies": a.copies,
+                   "a_warps_per_block": wa, "b_warps_per_block": wb, "handover": h}, f, indent=1)
+    os.replace(path + ".tmp", path)  # atomic
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
