@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("a", help="the first shape (producer), e.g. 5120x6144:Q5_K")
     ap.add_argument("b", help="the shape launched after it, e.g. 2x17408x5120:IQ4_XS")
     ap.add_argument("--copies", type=int, default=16, help="copies of each, launched alternately (>= 2)")
-    ap.add_argument("--out", default=".", help="folder for pair-trace.json and the two .npy arrays")
+    ap.add_argument("--out", default=".", help="folder for pair-trace-<A>-<B>-<UTC stamp>.json (machine info, switches, figures) and its two .npy arrays")
     a = ap.parse_args(argv)
     if a.copies < 2:
         print("pair_trace: --copies must be at least 2", file=sys.stderr)
@@ -171,13 +171,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{ka} -> {kb}: {us:.2f} us per pair")
     print(format_handover(a.a, a.b, h))
+    from datetime import datetime, timezone
+
+    from .machine import machine_info
+    now = datetime.now(timezone.utc)
     os.makedirs(a.out, exist_ok=True)
-    name = "".join(c if c.isalnum() else "_" for c in f"{a.a}-{a.b}")
-    np.save(os.path.join(a.out, f"pair-trace-{name}-a.npy"), ta)
-    np.save(os.path.join(a.out, f"pair-trace-{name}-b.npy"), tb)
-    path = os.path.join(a.out, f"pair-trace-{name}.json")
+    # one stem per run (a UTC stamp, then a count if that is taken): an earlier run's files are never overwritten
+    stem = "pair-trace-" + "".join(c if c.isalnum() else "_" for c in f"{a.a}-{a.b}") + now.strftime("-%Y%m%dT%H%M%SZ")
+    n, base = 1, stem
+    while os.path.exists(os.path.join(a.out, stem + ".json")):
+        n, stem = n + 1, f"{base}-{n + 1}"
+    np.save(os.path.join(a.out, f"{stem}-a.npy"), ta)
+    np.save(os.path.join(a.out, f"{stem}-b.npy"), tb)
+    path = os.path.join(a.out, f"{stem}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({"a": a.a, "b": a.b, "a_kernel": ka, "b_kernel": kb, "us_per_pair": us, "copies": a.copies,
+        json.dump({"schema": "gguf-harness/pair-trace/1", "created": now.isoformat(), "machine": machine_info(),
+                   "a": a.a, "b": a.b, "a_kernel": ka, "b_kernel": kb, "us_per_pair": us, "copies": a.copies,
                    "a_warps_per_block": wa, "b_warps_per_block": wb, "handover": h}, f, indent=1)
     os.replace(path + ".tmp", path)  # atomic
     print(f"wrote {path}")

@@ -124,3 +124,25 @@ def test_a_real_pair_is_traced():
     assert np.isfinite(h["b_span_us"]) and h["b_span_us"] > 0 and h["a_done_to_wait_us"] >= 0
     with pytest.raises(ValueError, match="one module"):
         pt.trace_pair("4096x4096:Q8_0", "4096x4096:Q4_0", copies=2, replays=1)
+
+
+def test_main_writes_a_new_result_per_run_with_machine_info(monkeypatch, tmp_path, capsys):
+    """main with the GPU part replaced by constructed traces: the JSON holds the figures, the kernels
+    and the machine (with the engine switches set); a second run in the same second writes new files
+    and leaves the first run's as they were."""
+    import json
+    monkeypatch.setattr(pt, "trace_pair", lambda a, b, copies: ("ka", "kb", 44.5, _a(), 2, _b(), 2))
+    monkeypatch.setenv("GGUF_HARNESS_GEMV_KQ_PF0_SB", "4")
+    argv = ["5120x6144:Q5_K", "2x17408x5120:IQ4_XS", "--out", str(tmp_path)]
+    assert pt.main(argv) == 0
+    first = sorted(tmp_path.glob("*.json"))
+    assert len(first) == 1 and len(list(tmp_path.glob("*.npy"))) == 2
+    text = first[0].read_text()
+    d = json.loads(text)
+    assert d["us_per_pair"] == 44.5 and d["a_kernel"] == "ka" and d["b_kernel"] == "kb"
+    assert d["handover"] == json.loads(json.dumps(pt.handover(_a(), 2, _b(), 2)))
+    assert d["machine"]["switches"].get("GGUF_HARNESS_GEMV_KQ_PF0_SB") == "4"
+    assert pt.main(argv) == 0
+    assert len(list(tmp_path.glob("*.json"))) == 2 and len(list(tmp_path.glob("*.npy"))) == 4
+    assert first[0].read_text() == text
+    assert "44.50 us per pair" in capsys.readouterr().out
