@@ -1,21 +1,24 @@
 """Hand-over between two engine v9 GEMVs launched back to back (kernels/gemv_kq.cu, -DKQ_TRACE=1).
 
-    python -m harness.pair_trace A B [--copies 16] [--out DIR]
+    python -m harness.pair_trace A B [--copies 16] [--out out]
 
 A and B as `harness bench kernels --shapes` (e.g. 5120x6144:Q5_K 2x17408x5120:IQ4_XS): R copies of
 each, launched A0 B0 A1 B1 ... in one CUDA graph (PDL between every pair, as in a decode step); the
 trace build's per-warp marks (kernel entry, PDL wait return, x staged, last row done, SM id; see
 harness.kernel_trace) of the last A and the last B are read from their modules. Question it answers
 (session 30, docs/perf-notes.md): when A's SMs end unevenly, do B's blocks that become resident on
-the SMs A left early end earlier (a head start), and by how much? handover() gives the figures;
-runs anywhere. The GPU part needs A and B from different compiled modules (each module has one
-trace array): the cluster-split (_c2 / _c4) and wide (32-warp) builds are, two shapes of one build
-are not (refused).
+the SMs A left early end earlier (a head start), and by how much? (Session 31: not in their ends;
+the head start is their first-row prefetch landing before the wait, which shortens staging x.)
+handover() gives the figures; runs anywhere. The GPU part needs A and B from different compiled
+modules (each module has one trace array): the cluster-split (_c2 / _c4) and wide (32-warp) builds
+are, two shapes of one build are not (refused). Each run writes a new folder
+OUT/runs/<UTC stamp>-<git sha>/ with pair-trace.json (machine info, engine switches, figures) and
+a.npy / b.npy (the two raw traces).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import operator
 import os
 import sys
 
@@ -24,48 +27,76 @@ import numpy as np
 from .kernel_trace import ENTRY, END, QUANTILES, SM, STAGED, WAIT
 
 EARLY_US = 1.0  # a B block "entered early" when resident at least this long before its PDL wait returned
+CLOCK_SLACK_NS = 1_000  # A's last mark may follow B's first wait return by this much (%globaltimer updates)
+MAX_GAP_NS = 100_000  # ... and precede it by at most this much: B is the launch right after A, not a later one
 
 
-def _blocks(a: np.ndarray, wpb: int) -> dict:
+def _blocks(a, wpb) -> dict:
     """Per block of a [warps, 5] trace (warp w of block b at row b wpb + w): entry (first warp's),
-    staged and end (last warp's), ns, and the SM id."""
+    wait (first warp's), staged and end (last warp's), int64 ns, and the SM id. Raises ValueError for
+    a non-integer array, a bad shape or wpb, an unwritten mark, a warp whose marks are out of order
+    (entry <= wait <= staged <= end) or a block whose warps report different SMs (a wrong wpb)."""
+    a = np.asarray(a)
+    try:
+        wpb = operator.index(wpb)
+    except TypeError:
+        raise ValueError(f"warps per block {wpb!r}: expected an integer") from None
+    if not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"trace array of dtype {a.dtype}: expected integer ns (the trace build's uint64)")
     if a.ndim != 2 or a.shape[1] != 5 or len(a) == 0 or wpb < 1 or len(a) % wpb:
         raise ValueError(f"trace array of shape {a.shape} with {wpb} warps per block: expected [blocks * wpb, 5]")
+    a = a.astype(np.int64)
     if (a[:, :4] == 0).any():
         raise ValueError("trace has unwritten entries (a warp never reached a mark)")
+    if (np.diff(a[:, [ENTRY, WAIT, STAGED, END]], axis=1) < 0).any():
+        raise ValueError("trace has a warp whose marks are out of order (entry <= wait <= staged <= end)")
     r = a.reshape(-1, wpb, 5)
+    if (r[:, :, SM] != r[:, :1, SM]).any():
+        raise ValueError(f"a block's warps ran on different SMs: is {wpb} the warps per block?")
     return {"entry": r[:, :, ENTRY].min(1), "wait": r[:, :, WAIT].min(1), "staged": r[:, :, STAGED].max(1),
             "end": r[:, :, END].max(1), "sm": r[:, 0, SM]}
 
 
+def _corr(x: np.ndarray, y: np.ndarray) -> float | None:
+    """Pearson correlation, or None where it is undefined (fewer than 3 points, a constant series)."""
+    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return None
+    return float(np.corrcoef(x, y)[0, 1])
+
+
 def handover(a: np.ndarray, a_wpb: int, b: np.ndarray, b_wpb: int, early_us: float = EARLY_US) -> dict:
-    """Figures of one A -> B hand-over. a, b: uint64/int64 [warps, 5] traces (harness.kernel_trace
-    columns) of A's launch and of the B launched right after it; a_wpb / b_wpb: warps per block.
-    Times in us relative to t0 = B's earliest PDL wait return (A's completion as B sees it).
-    Returns {"a_sm_end_us": quantiles over SMs of A's last warp end there, "a_done_to_wait_us": t0
-    minus A's last end (grid completion latency), "b_entry_us": quantiles over B's blocks of their
+    """Figures of one A -> B hand-over. a, b: integer (the trace build's uint64) [warps, 5] traces
+    (harness.kernel_trace columns, ns) of A's launch and of the B launched right after it; a_wpb /
+    b_wpb: warps per block; early_us: finite, >= 0.
+    Times in us relative to t0 = B's earliest PDL wait return (A's completion as B sees it), taken
+    in integer ns before any float (%globaltimer values are ~1.8e18 ns: float64 would round them to
+    256 ns). Returns {"a_sm_end_us": quantiles over SMs of A's last warp end there, "a_done_to_wait_us":
+    t0 minus A's last end (grid completion latency), "b_entry_us": quantiles over B's blocks of their
     entry, "b_after_a_sm_us": quantiles of (B block entry - A's last end on that SM: how soon a freed
-    SM takes a B block), "b_entry_a_end_corr": correlation of the two, "b_end_entry_corr":
-    correlation of B blocks' end and entry, "early" / "late": for B's blocks that entered at least
-    early_us before t0 and the others, {"blocks", "stage_us", "loop_us", "end_us"} medians (stage:
-    staged - wait, loop: end - staged, end: end - t0), "b_span_us": B's last end - t0, "quantiles":
-    the percentiles used}. A B block on an SM where A never ran gets A's end as -inf (left out of
-    b_after_a_sm_us and the correlation). Raises ValueError on a bad shape, an unwritten mark, or
-    traces that do not overlap in time (B must follow A)."""
-    A = _blocks(np.asarray(a).astype(np.int64), a_wpb)
-    B = _blocks(np.asarray(b).astype(np.int64), b_wpb)
+    SM takes a B block; [] when no B block ran on an SM A ran on), "b_entry_a_end_corr": correlation
+    of the two, "b_end_entry_corr": correlation of B blocks' end and entry (either None where
+    undefined: under 3 blocks or a constant series), "early" / "late": for B's blocks that entered
+    at least early_us before t0 and the others, {"blocks"} and, when blocks > 0, {"stage_us",
+    "loop_us", "end_us"} medians (stage: staged - wait, loop: end - staged, end: end - t0),
+    "b_span_us": B's last end - t0, "early_us", "quantiles": the percentiles used}. B blocks on SMs
+    where A never ran are left out of b_after_a_sm_us and its correlation. Raises ValueError on what
+    _blocks refuses, a bad early_us, or traces that are not A then the B right after it (A's last end
+    more than CLOCK_SLACK_NS after t0 or more than MAX_GAP_NS before it)."""
+    if not (isinstance(early_us, (int, float)) and np.isfinite(early_us) and early_us >= 0):
+        raise ValueError(f"early_us {early_us!r}: expected a finite number >= 0")
+    A, B = _blocks(a, a_wpb), _blocks(b, b_wpb)
     t0 = int(B["wait"].min())
-    if A["end"].max() > B["end"].max() or B["wait"].min() < A["wait"].min():
-        raise ValueError("the B trace does not follow the A trace (B's wait returned before A's, or A ended after B)")
-    us = lambda v: (np.asarray(v, dtype=np.float64) - t0) / 1e3
+    gap = t0 - int(A["end"].max())
+    if gap < -CLOCK_SLACK_NS or gap > MAX_GAP_NS:
+        raise ValueError(f"the B trace does not follow the A trace: A's last warp ends {gap / 1e3:.3f} us before "
+                         f"B's PDL wait returns (expected 0..{MAX_GAP_NS / 1e3:.0f} us: B is the launch right after A)")
+    us = lambda v: (np.asarray(v, dtype=np.int64) - t0) / 1e3  # int64 difference first (see above)
     q = lambda v: [float(np.percentile(v, p)) for p in QUANTILES]
-    a_sms = np.unique(A["sm"])
-    a_sm_end = {int(s): int(A["end"][A["sm"] == s].max()) for s in a_sms}
+    a_sm_end = {int(sm): int(A["end"][A["sm"] == sm].max()) for sm in np.unique(A["sm"])}
     b_entry = us(B["entry"])
-    on = np.array([int(s) in a_sm_end for s in B["sm"]])
-    a_end_at_b = us([a_sm_end.get(int(s), t0) for s in B["sm"]])
+    on = np.array([int(sm) in a_sm_end for sm in B["sm"]])
+    a_end_at_b = us([a_sm_end.get(int(sm), t0) for sm in B["sm"]])
     after = b_entry[on] - a_end_at_b[on]
-    corr = lambda x, y: float(np.corrcoef(x, y)[0, 1]) if len(x) > 2 and np.std(x) > 0 and np.std(y) > 0 else 0.0
     stage, loop, end = (B["staged"] - B["wait"]) / 1e3, (B["end"] - B["staged"]) / 1e3, us(B["end"])
     early = b_entry <= -early_us
 
@@ -75,11 +106,15 @@ def handover(a: np.ndarray, a_wpb: int, b: np.ndarray, b_wpb: int, early_us: flo
         return {"blocks": int(m.sum()), "stage_us": float(np.median(stage[m])), "loop_us": float(np.median(loop[m])),
                 "end_us": float(np.median(end[m]))}
 
-    return {"a_sm_end_us": q(us(list(a_sm_end.values()))), "a_done_to_wait_us": float(-us(A["end"].max())),
+    return {"a_sm_end_us": q(us(list(a_sm_end.values()))), "a_done_to_wait_us": gap / 1e3,
             "b_entry_us": q(b_entry), "b_after_a_sm_us": q(after) if len(after) else [],
-            "b_entry_a_end_corr": corr(b_entry[on], a_end_at_b[on]), "b_end_entry_corr": corr(end, b_entry),
-            "early": part(early), "late": part(~early), "b_span_us": float(end.max()), "early_us": early_us,
+            "b_entry_a_end_corr": _corr(b_entry[on], a_end_at_b[on]), "b_end_entry_corr": _corr(end, b_entry),
+            "early": part(early), "late": part(~early), "b_span_us": float(end.max()), "early_us": float(early_us),
             "quantiles": list(QUANTILES)}
+
+
+def _fmt_corr(c: float | None) -> str:
+    return "undefined" if c is None else f"{c:.2f}"
 
 
 def format_handover(a_spec: str, b_spec: str, h: dict) -> str:
@@ -91,7 +126,8 @@ def format_handover(a_spec: str, b_spec: str, h: dict) -> str:
              f"  B block entry, p0/10/50/90/100 us:              {f(h['b_entry_us'])}",
              f"  B entry - A's end on that SM, p0/10/50/90/100: {f(h['b_after_a_sm_us'])}" if h["b_after_a_sm_us"] else
              "  B entry - A's end on that SM: no B block on an SM A ran on",
-             f"  corr(B entry, A's end on its SM) {h['b_entry_a_end_corr']:.2f}; corr(B end, B entry) {h['b_end_entry_corr']:.2f}"]
+             f"  corr(B entry, A's end on its SM) {_fmt_corr(h['b_entry_a_end_corr'])}; "
+             f"corr(B end, B entry) {_fmt_corr(h['b_end_entry_corr'])}"]
     for k in ("early", "late"):
         p = h[k]
         lines.append(f"  B blocks entered {'>=' if k == 'early' else '< '}{h['early_us']:.1f} us before the wait: {p['blocks']}"
@@ -157,39 +193,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("a", help="the first shape (producer), e.g. 5120x6144:Q5_K")
     ap.add_argument("b", help="the shape launched after it, e.g. 2x17408x5120:IQ4_XS")
     ap.add_argument("--copies", type=int, default=16, help="copies of each, launched alternately (>= 2)")
-    ap.add_argument("--out", default=".", help="folder for pair-trace-<A>-<B>-<UTC stamp>.json (machine info, switches, figures) and its two .npy arrays")
+    ap.add_argument("--out", default="out", help="results folder: each run writes OUT/runs/<UTC stamp>-<git sha>/"
+                    "pair-trace.json (machine info, engine switches, figures) and a.npy / b.npy (the raw traces)")
     a = ap.parse_args(argv)
     if a.copies < 2:
         print("pair_trace: --copies must be at least 2", file=sys.stderr)
         return 2
+    from datetime import datetime, timezone
+
     from .errors import HarnessError
+    from .kernel_shapes import parse_spec
+    from .machine import machine_info
+    from .results import check_out_root, new_run_dir, write_json
     try:
+        parse_spec(a.a), parse_spec(a.b)  # bad specs and a bad --out are refused before the GPU work
+        root = check_out_root(a.out)
         ka, kb, us, ta, wa, tb, wb = trace_pair(a.a, a.b, a.copies)
         h = handover(ta, wa, tb, wb)
-    except (HarnessError, ValueError) as e:  # no GPU, a bad spec, one module, an unwritten mark
+    except (HarnessError, ValueError) as e:  # no GPU, a bad spec or --out, one module, an unwritten mark
         print(f"pair_trace: {e}", file=sys.stderr)
         return 2
     print(f"{ka} -> {kb}: {us:.2f} us per pair")
     print(format_handover(a.a, a.b, h))
-    from datetime import datetime, timezone
-
-    from .machine import machine_info
-    now = datetime.now(timezone.utc)
-    os.makedirs(a.out, exist_ok=True)
-    # one stem per run (a UTC stamp, then a count if that is taken): an earlier run's files are never overwritten
-    stem = "pair-trace-" + "".join(c if c.isalnum() else "_" for c in f"{a.a}-{a.b}") + now.strftime("-%Y%m%dT%H%M%SZ")
-    n, base = 1, stem
-    while os.path.exists(os.path.join(a.out, stem + ".json")):
-        n, stem = n + 1, f"{base}-{n + 1}"
-    np.save(os.path.join(a.out, f"{stem}-a.npy"), ta)
-    np.save(os.path.join(a.out, f"{stem}-b.npy"), tb)
-    path = os.path.join(a.out, f"{stem}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"schema": "gguf-harness/pair-trace/1", "created": now.isoformat(), "machine": machine_info(),
-                   "a": a.a, "b": a.b, "a_kernel": ka, "b_kernel": kb, "us_per_pair": us, "copies": a.copies,
-                   "a_warps_per_block": wa, "b_warps_per_block": wb, "handover": h}, f, indent=1)
-    os.replace(path + ".tmp", path)  # atomic
-    print(f"wrote {path}")
+    machine = machine_info()  # the whole document before anything is written
+    doc = {"schema": "gguf-harness/pair-trace/1", "created": datetime.now(timezone.utc).isoformat(), "machine": machine,
+           "a": a.a, "b": a.b, "a_kernel": ka, "b_kernel": kb, "us_per_pair": us, "copies": a.copies,
+           "a_warps_per_block": wa, "b_warps_per_block": wb, "handover": h}
+    run = new_run_dir(root / "runs", (machine.get("git") or {}).get("sha"))  # a new folder: nothing earlier is overwritten
+    np.save(run / "a.npy", ta)
+    np.save(run / "b.npy", tb)
+    write_json(run / "pair-trace.json", doc)  # atomic
+    print(f"wrote {run / 'pair-trace.json'}")
     return 0
 
 

@@ -8,7 +8,7 @@ import pytest
 from harness import pair_trace as pt
 
 US = 1_000  # ns
-T0 = 100 * US  # B's earliest PDL wait return
+T0 = 1_800_000_000_123_456_789  # B's earliest PDL wait return: %globaltimer ns are ~1.8e18 (float64 steps of 256 ns)
 
 
 def _a():
@@ -127,22 +127,103 @@ def test_a_real_pair_is_traced():
 
 
 def test_main_writes_a_new_result_per_run_with_machine_info(monkeypatch, tmp_path, capsys):
-    """main with the GPU part replaced by constructed traces: the JSON holds the figures, the kernels
-    and the machine (with the engine switches set); a second run in the same second writes new files
-    and leaves the first run's as they were."""
+    """main with the GPU part replaced by constructed traces: each run writes a new folder under
+    OUT/runs with pair-trace.json (the figures, the kernels, the machine with the engine switches set)
+    and the two raw traces; a second run leaves the first run's files as they were."""
     import json
     monkeypatch.setattr(pt, "trace_pair", lambda a, b, copies: ("ka", "kb", 44.5, _a(), 2, _b(), 2))
     monkeypatch.setenv("GGUF_HARNESS_GEMV_KQ_PF0_SB", "4")
     argv = ["5120x6144:Q5_K", "2x17408x5120:IQ4_XS", "--out", str(tmp_path)]
     assert pt.main(argv) == 0
-    first = sorted(tmp_path.glob("*.json"))
-    assert len(first) == 1 and len(list(tmp_path.glob("*.npy"))) == 2
-    text = first[0].read_text()
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 1 and sorted(p.name for p in runs[0].iterdir()) == ["a.npy", "b.npy", "pair-trace.json"]
+    text = (runs[0] / "pair-trace.json").read_text()
     d = json.loads(text)
+    assert d["schema"] == "gguf-harness/pair-trace/1"
     assert d["us_per_pair"] == 44.5 and d["a_kernel"] == "ka" and d["b_kernel"] == "kb"
     assert d["handover"] == json.loads(json.dumps(pt.handover(_a(), 2, _b(), 2)))
     assert d["machine"]["switches"].get("GGUF_HARNESS_GEMV_KQ_PF0_SB") == "4"
+    assert (np.load(runs[0] / "a.npy") == _a()).all() and (np.load(runs[0] / "b.npy") == _b()).all()
     assert pt.main(argv) == 0
-    assert len(list(tmp_path.glob("*.json"))) == 2 and len(list(tmp_path.glob("*.npy"))) == 4
-    assert first[0].read_text() == text
+    assert len(list((tmp_path / "runs").iterdir())) == 2
+    assert (runs[0] / "pair-trace.json").read_text() == text
     assert "44.50 us per pair" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("out", ["", "a-file"])
+def test_a_bad_out_is_refused_before_the_gpu_work(out, monkeypatch, tmp_path, capsys):
+    called = []
+    monkeypatch.setattr(pt, "trace_pair", lambda *a: called.append(1))
+    if out:
+        (tmp_path / out).write_text("x")
+        out = str(tmp_path / out)
+    assert pt.main(["5120x6144:Q5_K", "2x17408x5120:IQ4_XS", "--out", out]) == 2
+    assert not called and "--out" in capsys.readouterr().err
+
+
+def test_times_do_not_depend_on_the_clock_origin():
+    """The figures are differences taken in integer ns: moving both traces by one offset (here from
+    ~1.8e18 ns to ~1e6 ns) changes none of them, where float64 at 1.8e18 would round to 256 ns."""
+    a, b = _a(), _b()
+    shift = np.uint64(T0 - 1_000_000)
+    h1, h2 = pt.handover(a, 2, b, 2), pt.handover(a - shift, 2, b - shift, 2)
+    assert h1 == h2
+    assert h1["b_after_a_sm_us"][0] == 0.3  # 300 ns exactly, not a multiple of 0.256
+
+
+def test_the_same_trace_as_a_and_b_is_refused():
+    with pytest.raises(ValueError, match="does not follow"):
+        pt.handover(_b(), 2, _b(), 2)
+
+
+def test_a_b_trace_from_a_later_launch_is_refused():
+    with pytest.raises(ValueError, match="does not follow"):
+        pt.handover(_a(), 2, _b() + np.uint64(10**9), 2)
+
+
+def test_a_wrong_warps_per_block_is_refused():
+    with pytest.raises(ValueError, match="different SMs"):
+        pt.handover(_a(), 4, _b(), 2)  # A's warps 0-3 ran on SMs 0 and 1
+
+
+def test_marks_out_of_order_are_refused():
+    b = _b()
+    b[0, 2] = b[0, 1] - 1  # staged before the wait
+    with pytest.raises(ValueError, match="out of order"):
+        pt.handover(_a(), 2, b, 2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "1"])
+def test_a_bad_early_threshold_is_refused(bad):
+    with pytest.raises(ValueError, match="early_us"):
+        pt.handover(_a(), 2, _b(), 2, early_us=bad)
+
+
+def test_float_traces_and_a_non_integer_wpb_are_refused():
+    with pytest.raises(ValueError, match="dtype"):
+        pt.handover(_a().astype(np.float64), 2, _b(), 2)
+    with pytest.raises(ValueError, match="integer"):
+        pt.handover(_a(), 2.0, _b(), 2)
+
+
+def test_undefined_correlations_are_none_and_said_so():
+    a, b = _a()[:4], _b()[:4]  # two blocks each: no correlation is defined
+    h = pt.handover(a, 2, b, 2)
+    assert h["b_entry_a_end_corr"] is None and h["b_end_entry_corr"] is None
+    assert "undefined" in pt.format_handover("A", "B", h)
+@pytest.mark.gpu
+def test_a_real_pair_is_traced():
+    """On the GPU: the c2 [5120x6144] Q5_K node then the IQ4_XS gate/up pair (ssm_out, then its layer's
+    gate/up, in the 27B step): both traces fully written, B's blocks follow A's, and the hand-over's
+    figures are finite; two shapes of one module are refused."""
+    from gpu_util import cupy_or_skip, q16_or_skip
+    cupy_or_skip()
+    q16_or_skip()
+    ka, kb, us, ta, wa, tb, wb = pt.trace_pair("5120x6144:Q5_K", "2x17408x5120:IQ4_XS", copies=2, replays=1)
+    assert ka.endswith("_c2") and kb == "gemvkq_swiglu_iq4_xs" and us > 0, (ka, kb, us)
+    h = pt.handover(ta, wa, tb, wb)
+    assert h["early"]["blocks"] + h["late"]["blocks"] == len(tb) // wb
+    assert np.isfinite(h["b_span_us"]) and h["b_span_us"] > 0 and h["a_done_to_wait_us"] >= 0
+    with pytest.raises(ValueError, match="one module"):
+        pt.trace_pair("4096x4096:Q8_0", "4096x4096:Q4_0", copies=2, replays=1)
+
