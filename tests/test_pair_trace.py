@@ -211,19 +211,3 @@ def test_undefined_correlations_are_none_and_said_so():
     h = pt.handover(a, 2, b, 2)
     assert h["b_entry_a_end_corr"] is None and h["b_end_entry_corr"] is None
     assert "undefined" in pt.format_handover("A", "B", h)
-@pytest.mark.gpu
-def test_a_real_pair_is_traced():
-    """On the GPU: the c2 [5120x6144] Q5_K node then the IQ4_XS gate/up pair (ssm_out, then its layer's
-    gate/up, in the 27B step): both traces fully written, B's blocks follow A's, and the hand-over's
-    figures are finite; two shapes of one module are refused."""
-    from gpu_util import cupy_or_skip, q16_or_skip
-    cupy_or_skip()
-    q16_or_skip()
-    ka, kb, us, ta, wa, tb, wb = pt.trace_pair("5120x6144:Q5_K", "2x17408x5120:IQ4_XS", copies=2, replays=1)
-    assert ka.endswith("_c2") and kb == "gemvkq_swiglu_iq4_xs" and us > 0, (ka, kb, us)
-    h = pt.handover(ta, wa, tb, wb)
-    assert h["early"]["blocks"] + h["late"]["blocks"] == len(tb) // wb
-    assert np.isfinite(h["b_span_us"]) and h["b_span_us"] > 0 and h["a_done_to_wait_us"] >= 0
-    with pytest.raises(ValueError, match="one module"):
-        pt.trace_pair("4096x4096:Q8_0", "4096x4096:Q4_0", copies=2, replays=1)
-
