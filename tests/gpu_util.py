@@ -15,6 +15,16 @@ def cupy_or_skip():
         pytest.skip(f"needs CuPy and an NVIDIA GPU ({type(e).__name__})")
 
 
+def no_gpu_or_skip() -> None:
+    """Skip a test of the no-GPU path (a clear error, exit 2) when CuPy sees a device."""
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return
+    pytest.skip("a GPU is present")
+
+
 def q16_or_skip(what: str = "these kernels") -> None:
     """Skip unless the engine's GEMV inputs are rounded to int16 (GGUF_HARNESS_GEMV unset or q16):
     under GGUF_HARNESS_GEMV=q8_1 (llama.cpp's int8 rounding, an A/B mode) `what` is not built, and

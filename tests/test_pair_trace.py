@@ -99,12 +99,8 @@ def test_a_bad_spec_is_one_line_exit_2(capsys, tmp_path):
 
 
 def test_without_a_gpu_it_exits_2(capsys):
-    try:
-        import cupy
-        cupy.cuda.runtime.getDeviceCount()
-        pytest.skip("a GPU is present")
-    except Exception:
-        pass
+    from gpu_util import no_gpu_or_skip
+    no_gpu_or_skip()
     assert pt.main(["5120x6144:Q5_K", "2x17408x5120:IQ4_XS"]) == 2
     assert "CuPy" in capsys.readouterr().err
 
