@@ -1,14 +1,16 @@
 """Per-warp timeline of an engine v9 GEMV (kernels/gemv_kq.cu built with -DKQ_TRACE=1).
 
-    python -m harness.kernel_trace SPEC [SPEC ...] [--copies 16] [--out DIR]
+    python -m harness.kernel_trace SPEC [SPEC ...] [--copies 16] [--out out]
 
 SPEC as `harness bench kernels --shapes` (e.g. 2x17408x5120:IQ4_XS). For each shape: R copies
 (harness.kernel_case.GemvCase) launched back to back in one CUDA graph, as the cold_b2b mode
 times them; in the trace build lane 0 of every warp writes %globaltimer (ns) at kernel entry,
 after the PDL wait, after staging x and after its last row, and its SM id, to a __device__
 array that each launch overwrites: after the graph it holds the last launch's timeline. Of 5
-replays the median one is summarised (summarize). Prints the table and writes
-kernel-trace.json (+ the raw [warps, 5] arrays as .npy) to --out (default: the working dir).
+replays the median one is summarised (summarize). Prints the table and writes a new folder
+OUT/runs/<UTC stamp>-<git sha>/ (--out, default out) with kernel-trace.json (schema
+gguf-harness/kernel-trace/1: machine info with the engine switches, copies, and per shape the
+figures under "shapes") and the raw [warps, 5] arrays as .npy; an earlier run is never overwritten.
 Used in session 15 (docs/perf-notes.md) to find that staging x costs 2-5 us per kernel and
 that of an SM's two blocks the one resident first ends first. Since session 28 the trace build
 also marks each whole row a warp runs (the one-row-per-warp loops: the row queue and the S = 1
@@ -19,8 +21,6 @@ whether a slow row belongs to a slow warp. GPU only; summarize and summarize_row
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import numpy as np
@@ -193,35 +193,44 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.kernel_trace", description=__doc__.split("\n")[0])
     ap.add_argument("specs", nargs="+", help="shapes, e.g. 2x17408x5120:IQ4_XS")
     ap.add_argument("--copies", type=int, default=16, help="weight copies launched back to back (>= 2)")
-    ap.add_argument("--out", default=".", help="folder for kernel-trace.json and the .npy arrays")
+    ap.add_argument("--out", default="out", help="results folder: each run writes OUT/runs/<UTC stamp>-<git sha>/"
+                    "kernel-trace.json (machine info, engine switches, figures) and the raw .npy arrays")
     a = ap.parse_args(argv)
     if a.copies < 2:
         print("kernel_trace: --copies must be at least 2 (the traced launch follows another)", file=sys.stderr)
         return 2
+    from datetime import datetime, timezone
+
     from .errors import HarnessError
+    from .kernel_shapes import parse_spec
+    from .machine import machine_info
+    from .results import check_out_root, new_run_dir, write_json
     out, arrays = {}, {}
-    for spec in a.specs:
-        try:
+    try:
+        for spec in a.specs:  # bad specs and a bad --out are refused before any GPU work
+            parse_spec(spec)
+        root = check_out_root(a.out)
+        for spec in a.specs:
             kernel, us, arr, wpb, rows = trace_shape(spec, a.copies)
             # (quarters only for a multiple of 4 warps per block: every v9 build's is)
             s = summarize(arr, wpb if wpb % 4 == 0 else None)  # ValueError: a warp that left a mark unwritten
             rs = summarize_rows(rows, s["t0_ns"])
-        except (HarnessError, ValueError) as e:  # no GPU, a bad spec, a shape v9 does not take
-            print(f"kernel_trace: {e}", file=sys.stderr)
-            return 2
-        out[spec], arrays[spec] = dict(s, kernel=kernel, per_kernel_us=us, rows=rs), (arr, rows)
-        print(format_summary(spec, kernel, us, s))
-        print(format_rows(rs))
-    os.makedirs(a.out, exist_ok=True)  # written only once every shape is traced
-    for spec, (arr, rows) in arrays.items():
+            out[spec], arrays[spec] = dict(s, kernel=kernel, per_kernel_us=us, rows=rs), (arr, rows)
+            print(format_summary(spec, kernel, us, s))
+            print(format_rows(rs))
+    except (HarnessError, ValueError) as e:  # no GPU, a bad spec or --out, a shape v9 does not take
+        print(f"kernel_trace: {e}", file=sys.stderr)
+        return 2
+    machine = machine_info()  # the whole document before anything is written
+    doc = {"schema": "gguf-harness/kernel-trace/1", "created": datetime.now(timezone.utc).isoformat(),
+           "machine": machine, "copies": a.copies, "shapes": out}
+    run = new_run_dir(root / "runs", (machine.get("git") or {}).get("sha"))  # a new folder: nothing earlier is overwritten
+    for spec, (arr, rows) in arrays.items():  # written only once every shape is traced
         name = "".join(c if c.isalnum() else "_" for c in spec)
-        np.save(os.path.join(a.out, f"kernel-trace-{name}.npy"), arr)
-        np.save(os.path.join(a.out, f"kernel-trace-rows-{name}.npy"), rows)
-    path = os.path.join(a.out, "kernel-trace.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(path + ".tmp", path)  # atomic: a reader never sees half a file
-    print(f"wrote {path}")
+        np.save(run / f"kernel-trace-{name}.npy", arr)
+        np.save(run / f"kernel-trace-rows-{name}.npy", rows)
+    write_json(run / "kernel-trace.json", doc)  # atomic
+    print(f"wrote {run / 'kernel-trace.json'}")
     return 0
 
 

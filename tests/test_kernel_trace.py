@@ -186,3 +186,35 @@ def test_the_trace_build_marks_every_row_once_per_warp(dq, monkeypatch):
         mine = rows[rows[:, kt.ROW_WARP] == w]
         mine = mine[np.argsort(mine[:, kt.ROW_START])]
         assert (mine[1:, kt.ROW_START] >= mine[:-1, kt.ROW_END]).all(), f"warp {w}'s rows overlap"
+
+
+def test_main_writes_a_new_result_per_run_with_machine_info(monkeypatch, tmp_path, capsys):
+    """main with the GPU part replaced by a constructed trace: each run writes a new folder under
+    OUT/runs with kernel-trace.json (schema, machine with the engine switches set, per shape the
+    summary) and the raw arrays; a second run leaves the first run's files as they were; a bad --out
+    is refused before any tracing."""
+    import json
+    calls = []
+
+    def fake(spec, copies):
+        calls.append(spec)
+        return "gemvkq_x", 12.5, _trace(), 4, np.zeros((8, 3), np.uint64)
+
+    monkeypatch.setattr(kt, "trace_shape", fake)
+    monkeypatch.setenv("GGUF_HARNESS_GEMV_KQ_PF0_SB", "4")
+    argv = ["2x17408x5120:IQ4_XS", "5120x6144:Q5_K", "--out", str(tmp_path)]
+    assert kt.main(argv) == 0
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 1 and len(list(runs[0].glob("*.npy"))) == 4
+    text = (runs[0] / "kernel-trace.json").read_text()
+    d = json.loads(text)
+    assert d["schema"] == "gguf-harness/kernel-trace/1" and d["copies"] == 16
+    assert list(d["shapes"]) == ["2x17408x5120:IQ4_XS", "5120x6144:Q5_K"]
+    assert d["shapes"]["5120x6144:Q5_K"]["span_us"] == pytest.approx(21.0) and d["shapes"]["5120x6144:Q5_K"]["per_kernel_us"] == 12.5
+    assert d["machine"]["switches"].get("GGUF_HARNESS_GEMV_KQ_PF0_SB") == "4"
+    assert kt.main(argv) == 0
+    assert len(list((tmp_path / "runs").iterdir())) == 2 and (runs[0] / "kernel-trace.json").read_text() == text
+    calls.clear()
+    (tmp_path / "f").write_text("x")
+    assert kt.main(["5120x6144:Q5_K", "--out", str(tmp_path / "f")]) == 2
+    assert not calls and "--out" in capsys.readouterr().err
