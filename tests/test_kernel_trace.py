@@ -94,10 +94,11 @@ def test_a_bad_spec_is_one_line_exit_2(capsys, tmp_path):
     assert not out.exists()  # nothing written for a refused run
 
 
-def test_without_a_gpu_it_exits_2(capsys):
+def test_without_a_gpu_it_exits_2(capsys, tmp_path):
     from gpu_util import no_gpu_or_skip
     no_gpu_or_skip()
-    assert kt.main(["4096x4096:Q8_0"]) == 2
+    assert kt.main(["4096x4096:Q8_0", "--out", str(tmp_path / "o")]) == 2
+    assert not list((tmp_path / "o" / "runs").iterdir())  # no run folder for a refused run
     assert "CuPy" in capsys.readouterr().err
 
 

@@ -98,10 +98,11 @@ def test_a_bad_spec_is_one_line_exit_2(capsys, tmp_path):
     assert not out.exists()
 
 
-def test_without_a_gpu_it_exits_2(capsys):
+def test_without_a_gpu_it_exits_2(capsys, tmp_path):
     from gpu_util import no_gpu_or_skip
     no_gpu_or_skip()
-    assert pt.main(["5120x6144:Q5_K", "2x17408x5120:IQ4_XS"]) == 2
+    assert pt.main(["5120x6144:Q5_K", "2x17408x5120:IQ4_XS", "--out", str(tmp_path / "o")]) == 2
+    assert not list((tmp_path / "o" / "runs").iterdir())  # no run folder for a refused run
     assert "CuPy" in capsys.readouterr().err
 
 
