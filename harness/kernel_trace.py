@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
@@ -141,52 +143,96 @@ def format_summary(spec: str, kernel: str, per_kernel_us: float, s: dict) -> str
     return "\n".join(lines)
 
 
+@contextmanager
+def trace_build():
+    """The engine's v9 GEMV nodes built in this block get kernels/gemv_kq.cu's trace build
+    (ops.kv9_defines + KQ_TRACE=1; restored on exit)."""
+    from backends.engine import ops
+    base = ops.kv9_defines
+    ops.kv9_defines = lambda: base() + ("KQ_TRACE=1",)
+    try:
+        yield
+    finally:
+        ops.kv9_defines = base
+
+
+def trace_module(spec: str, node):
+    """The compiled module of `node` (a GEMV node built under trace_build) and its warps per block.
+    Raises ValueError when the engine runs no v9 kernel for `spec` (no trace build)."""
+    from backends.engine import module
+    if not node.kernel.name.startswith("gemvkq"):
+        raise ValueError(f"{spec}: the engine runs {node.kernel.name}, not a v9 kernel (no trace build)")
+    # the module the node's kernel came from (the wide build for a wide node: ops.kv9_wide)
+    return module._module("gemv_kq.cu", tuple(node.defines)), node.block[0] // 32
+
+
+def warp_trace(cp, mod, node):
+    """The module's per-warp trace array (kq_trace) as a device view of node's [warps, 5]."""
+    return cp.ndarray((node.grid[0] * node.block[0] // 32, 5), dtype=cp.uint64, memptr=mod.get_global("kq_trace"))
+
+
+def replay_median(cp, stream, graph, arrays, replays: int, per: int):
+    """Replays `graph` on `stream` `replays` times, zeroing the device `arrays` before each, and
+    returns (us per `per` launches, [host copies of arrays]) of the median replay by time."""
+    ev0, ev1, runs = cp.cuda.Event(), cp.cuda.Event(), []
+    for _ in range(replays):
+        for arr in arrays:
+            arr.fill(0)
+        cp.cuda.Device().synchronize()
+        ev0.record(stream)
+        graph.launch(stream=stream)
+        ev1.record(stream)
+        stream.synchronize()
+        runs.append((cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / per, [arr.get() for arr in arrays]))
+    return sorted(runs, key=lambda x: x[0])[len(runs) // 2]
+
+
 def trace_shape(spec: str, copies: int, replays: int = 5):
     """(kernel name, per-kernel us of the median replay, its raw trace array, warps per block, its raw
     per-row array [rows, 3] (kernels/gemv_kq.cu kq_trace_row, the first 2^18 rows)) of one shape on
-    the GPU, with the engine's v9 defines + KQ_TRACE=1 (ops.kv9_defines patched for the
-    duration). Raises UnsupportedError without a GPU, ConfigError for a bad spec, ValueError for
-    a shape v9 does not take."""
+    the GPU, with the engine's v9 defines + KQ_TRACE=1 (trace_build). Raises UnsupportedError
+    without a GPU, ConfigError for a bad spec, ValueError for a shape v9 does not take."""
     from .gpu import require_cupy
     from .kernel_shapes import parse_spec
     shape = parse_spec(spec)  # a bad spec is refused before anything needs a GPU
     cp = require_cupy()
 
-    from backends.engine import module, ops
-
     from .gpu_timing import capture
     from .kernel_case import GemvCase
-    base = ops.kv9_defines
-    ops.kv9_defines = lambda: base() + ("KQ_TRACE=1",)
     case = None
-    try:
-        case = GemvCase(shape, copies, seed=0)
-        node = case.nodes[0]
-        if not node.kernel.name.startswith("gemvkq"):
-            raise ValueError(f"{spec}: the engine runs {node.kernel.name}, not a v9 kernel (no trace build)")
-        # the module the node's kernel came from (the wide build for a wide node: ops.kv9_wide)
-        mod = module._module("gemv_kq.cu", tuple(node.defines))
-        warps = node.grid[0] * node.block[0] // 32
-        arr = cp.ndarray((warps, 5), dtype=cp.uint64, memptr=mod.get_global("kq_trace"))
-        rows = cp.ndarray((min(shape.rows, 1 << 18), 3), dtype=cp.uint64,  # (KQ_TRACE_ROWS)
-                          memptr=mod.get_global("kq_trace_row"))
-        graph = capture(case.stream, [n.launch for n in case.nodes])
-        ev0, ev1, runs = cp.cuda.Event(), cp.cuda.Event(), []
-        for _ in range(replays):
-            arr.fill(0)
-            rows.fill(0)
-            cp.cuda.Device().synchronize()
-            ev0.record(case.stream)
-            graph.launch(stream=case.stream)
-            ev1.record(case.stream)
-            case.stream.synchronize()
-            runs.append((cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / copies, arr.get(), rows.get()))
-        us, a, r = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
-        return node.kernel.name, us, a, node.block[0] // 32, r
-    finally:
-        ops.kv9_defines = base
-        if case is not None:
-            case.close()
+    with trace_build():
+        try:
+            case = GemvCase(shape, copies, seed=0)
+            node = case.nodes[0]
+            mod, wpb = trace_module(spec, node)
+            arr = warp_trace(cp, mod, node)
+            rows = cp.ndarray((min(shape.rows, 1 << 18), 3), dtype=cp.uint64,  # (KQ_TRACE_ROWS)
+                              memptr=mod.get_global("kq_trace_row"))
+            graph = capture(case.stream, [n.launch for n in case.nodes])
+            us, (a, r) = replay_median(cp, case.stream, graph, [arr, rows], replays, copies)
+            return node.kernel.name, us, a, wpb, r
+        finally:
+            if case is not None:
+                case.close()
+
+
+def write_run(out_root: Path, stem: str, schema: str, body: dict, arrays: dict) -> Path:
+    """A new folder OUT/runs/<UTC stamp>-<git sha>/ (results.new_run_dir: an earlier run is never
+    overwritten) with <stem>.json = {"schema", "created", "machine" (machine_info, engine switches
+    included)} + body, written atomically (results.write_json), and each array as <name>.npy.
+    out_root: the folder results.check_out_root returned. The document is built before anything
+    is written. Returns the JSON's path."""
+    from datetime import datetime, timezone
+
+    from .machine import machine_info
+    from .results import new_run_dir, write_json
+    machine = machine_info()
+    doc = {"schema": schema, "created": datetime.now(timezone.utc).isoformat(), "machine": machine} | body
+    run = new_run_dir(out_root / "runs", (machine.get("git") or {}).get("sha"))
+    for name, arr in arrays.items():
+        np.save(run / f"{name}.npy", arr)
+    write_json(run / f"{stem}.json", doc)
+    return run / f"{stem}.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,13 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.copies < 2:
         print("kernel_trace: --copies must be at least 2 (the traced launch follows another)", file=sys.stderr)
         return 2
-    from datetime import datetime, timezone
-
     from .errors import HarnessError
     from .kernel_shapes import parse_spec
-    from .machine import machine_info
-    from .results import check_out_root, new_run_dir, write_json
-    out, arrays = {}, {}
+    from .results import check_out_root
+    out, raw = {}, {}
     try:
         for spec in a.specs:  # bad specs and a bad --out are refused before any GPU work
             parse_spec(spec)
@@ -215,22 +258,18 @@ def main(argv: list[str] | None = None) -> int:
             # (quarters only for a multiple of 4 warps per block: every v9 build's is)
             s = summarize(arr, wpb if wpb % 4 == 0 else None)  # ValueError: a warp that left a mark unwritten
             rs = summarize_rows(rows, s["t0_ns"])
-            out[spec], arrays[spec] = dict(s, kernel=kernel, per_kernel_us=us, rows=rs), (arr, rows)
+            out[spec], raw[spec] = dict(s, kernel=kernel, per_kernel_us=us, rows=rs), (arr, rows)
             print(format_summary(spec, kernel, us, s))
             print(format_rows(rs))
     except (HarnessError, ValueError) as e:  # no GPU, a bad spec or --out, a shape v9 does not take
         print(f"kernel_trace: {e}", file=sys.stderr)
         return 2
-    machine = machine_info()  # the whole document before anything is written
-    doc = {"schema": "gguf-harness/kernel-trace/1", "created": datetime.now(timezone.utc).isoformat(),
-           "machine": machine, "copies": a.copies, "shapes": out}
-    run = new_run_dir(root / "runs", (machine.get("git") or {}).get("sha"))  # a new folder: nothing earlier is overwritten
-    for spec, (arr, rows) in arrays.items():  # written only once every shape is traced
+    arrays = {}  # written only once every shape is traced
+    for spec, (arr, rows) in raw.items():
         name = "".join(c if c.isalnum() else "_" for c in spec)
-        np.save(run / f"kernel-trace-{name}.npy", arr)
-        np.save(run / f"kernel-trace-rows-{name}.npy", rows)
-    write_json(run / "kernel-trace.json", doc)  # atomic
-    print(f"wrote {run / 'kernel-trace.json'}")
+        arrays[f"kernel-trace-{name}"], arrays[f"kernel-trace-rows-{name}"] = arr, rows
+    path = write_run(root, "kernel-trace", "gguf-harness/kernel-trace/1", {"copies": a.copies, "shapes": out}, arrays)
+    print(f"wrote {path}")
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import operator
-import os
 import sys
 
 import numpy as np
@@ -145,47 +144,25 @@ def trace_pair(a_spec: str, b_spec: str, copies: int, replays: int = 5):
     sa, sb = parse_spec(a_spec), parse_spec(b_spec)  # bad specs are refused before anything needs a GPU
     cp = require_cupy()
 
-    from backends.engine import module, ops
-
     from .gpu_timing import capture
     from .kernel_case import GemvCase
-    base = ops.kv9_defines
-    ops.kv9_defines = lambda: base() + ("KQ_TRACE=1",)
+    from .kernel_trace import replay_median, trace_build, trace_module, warp_trace
     cases = []
-    try:
-        stream = cp.cuda.Stream(non_blocking=True)
-        for s in (sa, sb):
-            cases.append(GemvCase(s, copies, seed=len(cases), stream=stream))
-        mods, arrs, wpbs = [], [], []
-        for spec, case in zip((a_spec, b_spec), cases):
-            node = case.nodes[0]
-            if not node.kernel.name.startswith("gemvkq"):
-                raise ValueError(f"{spec}: the engine runs {node.kernel.name}, not a v9 kernel (no trace build)")
-            mods.append(tuple(node.defines))
-            warps = node.grid[0] * node.block[0] // 32
-            mod = module._module("gemv_kq.cu", tuple(node.defines))
-            arrs.append(cp.ndarray((warps, 5), dtype=cp.uint64, memptr=mod.get_global("kq_trace")))
-            wpbs.append(node.block[0] // 32)
-        if mods[0] == mods[1]:
-            raise ValueError(f"{a_spec} and {b_spec} run kernels of one module (one trace array): pick shapes of two builds")
-        launches = [n.launch for pair in zip(cases[0].nodes, cases[1].nodes) for n in pair]
-        graph = capture(stream, launches)
-        ev0, ev1, runs = cp.cuda.Event(), cp.cuda.Event(), []
-        for _ in range(replays):
-            for arr in arrs:
-                arr.fill(0)
-            cp.cuda.Device().synchronize()
-            ev0.record(stream)
-            graph.launch(stream=stream)
-            ev1.record(stream)
-            stream.synchronize()
-            runs.append((cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / copies, arrs[0].get(), arrs[1].get()))
-        us, a, b = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
-        return cases[0].nodes[0].kernel.name, cases[1].nodes[0].kernel.name, us, a, wpbs[0], b, wpbs[1]
-    finally:
-        ops.kv9_defines = base
-        for c in cases:
-            c.close()
+    with trace_build():
+        try:
+            stream = cp.cuda.Stream(non_blocking=True)
+            for s in (sa, sb):
+                cases.append(GemvCase(s, copies, seed=len(cases), stream=stream))
+            (ma, wa), (mb, wb) = (trace_module(spec, c.nodes[0]) for spec, c in zip((a_spec, b_spec), cases))
+            if ma is mb:  # (module._module caches one module per define set)
+                raise ValueError(f"{a_spec} and {b_spec} run kernels of one module (one trace array): pick shapes of two builds")
+            arrs = [warp_trace(cp, ma, cases[0].nodes[0]), warp_trace(cp, mb, cases[1].nodes[0])]
+            graph = capture(stream, [n.launch for pair in zip(cases[0].nodes, cases[1].nodes) for n in pair])
+            us, (a, b) = replay_median(cp, stream, graph, arrs, replays, copies)
+            return cases[0].nodes[0].kernel.name, cases[1].nodes[0].kernel.name, us, a, wa, b, wb
+        finally:
+            for c in cases:
+                c.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,12 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.copies < 2:
         print("pair_trace: --copies must be at least 2", file=sys.stderr)
         return 2
-    from datetime import datetime, timezone
-
     from .errors import HarnessError
     from .kernel_shapes import parse_spec
-    from .machine import machine_info
-    from .results import check_out_root, new_run_dir, write_json
+    from .kernel_trace import write_run
+    from .results import check_out_root
     try:
         parse_spec(a.a), parse_spec(a.b)  # bad specs and a bad --out are refused before the GPU work
         root = check_out_root(a.out)
@@ -215,15 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{ka} -> {kb}: {us:.2f} us per pair")
     print(format_handover(a.a, a.b, h))
-    machine = machine_info()  # the whole document before anything is written
-    doc = {"schema": "gguf-harness/pair-trace/1", "created": datetime.now(timezone.utc).isoformat(), "machine": machine,
-           "a": a.a, "b": a.b, "a_kernel": ka, "b_kernel": kb, "us_per_pair": us, "copies": a.copies,
-           "a_warps_per_block": wa, "b_warps_per_block": wb, "handover": h}
-    run = new_run_dir(root / "runs", (machine.get("git") or {}).get("sha"))  # a new folder: nothing earlier is overwritten
-    np.save(run / "a.npy", ta)
-    np.save(run / "b.npy", tb)
-    write_json(run / "pair-trace.json", doc)  # atomic
-    print(f"wrote {run / 'pair-trace.json'}")
+    body = {"a": a.a, "b": a.b, "a_kernel": ka, "b_kernel": kb, "us_per_pair": us, "copies": a.copies,
+            "a_warps_per_block": wa, "b_warps_per_block": wb, "handover": h}
+    path = write_run(root, "pair-trace", "gguf-harness/pair-trace/1", body, {"a": ta, "b": tb})
+    print(f"wrote {path}")
     return 0
 
 

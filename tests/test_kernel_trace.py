@@ -219,3 +219,62 @@ def test_main_writes_a_new_result_per_run_with_machine_info(monkeypatch, tmp_pat
     (tmp_path / "f").write_text("x")
     assert kt.main(["5120x6144:Q5_K", "--out", str(tmp_path / "f")]) == 2
     assert not calls and "--out" in capsys.readouterr().err
+
+
+def test_trace_build_adds_the_trace_define_and_restores_it():
+    from backends.engine import ops
+    base = ops.kv9_defines
+    with pytest.raises(RuntimeError):
+        with kt.trace_build():
+            assert ops.kv9_defines() == base() + ("KQ_TRACE=1",)
+            raise RuntimeError("a failed case")
+    assert ops.kv9_defines is base
+
+
+def test_replay_median_zeroes_the_arrays_and_keeps_the_median_replay():
+    """replay_median with a stand-in for CuPy: each replay's time and array contents differ; the
+    median replay's are returned, every array is zeroed before each replay, times are per launch."""
+    times = iter([20.0, 10.0, 30.0])  # ms per replay: the median is the first
+
+    class Arr:
+        def __init__(self):
+            self.v, self.fills = None, 0
+
+        def fill(self, x):
+            self.fills += 1
+            self.v = x
+
+        def get(self):
+            return self.v
+
+    arrays = [Arr(), Arr()]
+
+    class Graph:
+        n = 0
+
+        def launch(self, stream):
+            Graph.n += 1
+            for k, a in enumerate(arrays):
+                a.v = (Graph.n, k)  # what this replay "wrote"
+
+    class CP:
+        class cuda:
+            Event = object
+
+            class Device:
+                def synchronize(self):
+                    pass
+
+            @staticmethod
+            def get_elapsed_time(a, b):
+                return next(times)
+
+    class Stream:
+        def synchronize(self):
+            pass
+
+    CP.cuda.Event = type("E", (), {"record": lambda self, s: None})
+    us, got = kt.replay_median(CP, Stream(), Graph(), arrays, replays=3, per=4)
+    assert us == pytest.approx(20.0 * 1e3 / 4)       # the median replay (the first), per launch
+    assert got == [(1, 0), (1, 1)]                   # its arrays, not the last or the fastest replay's
+    assert [a.fills for a in arrays] == [3, 3]
