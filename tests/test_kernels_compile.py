@@ -251,3 +251,40 @@ def test_diag_nostage_skips_the_loads_of_x():
     name = "gemvkq_store_q4_k"
     loads = lambda t: len(re.findall(r"\bld\.global", t))
     assert 0 < loads(b[name]) < loads(a[name]), (loads(b[name]), loads(a[name]))
+
+
+def test_diag_nowait_c4_drops_the_wait_of_the_4_part_kernels_only():
+    """GGUF_HARNESS_DIAG=nowait_c4 (session 32): in the cluster-split build the _c4 entries lose their
+    griddepcontrol.wait, the _c2 entries keep it; nowait_c2 the other way round."""
+    lib = _nvrtc()
+    base = ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1")
+    plain: list = []
+    c4: list = []
+    c2: list = []
+    assert compile_source(lib, "gemv_kq.cu", base, plain)[0] == 0
+    assert compile_source(lib, "gemv_kq.cu", base + ("DIAG_NOWAIT_C4",), c4)[0] == 0
+    assert compile_source(lib, "gemv_kq.cu", base + ("DIAG_NOWAIT_C2",), c2)[0] == 0
+    a, b4, b2 = _entry_bodies(plain[0]), _entry_bodies(c4[0]), _entry_bodies(c2[0])
+    assert set(a) == set(b4) == set(b2)
+    n4 = [n for n in a if n.endswith("_c4")]
+    n2 = [n for n in a if n.endswith("_c2")]
+    assert n4 and n2
+    waits = lambda t: t.count("griddepcontrol.wait")
+    for n in n4:
+        assert waits(a[n]) >= 1 and waits(b4[n]) == 0 and waits(b2[n]) == waits(a[n]), n
+    for n in n2:
+        assert waits(a[n]) >= 1 and waits(b2[n]) == 0 and waits(b4[n]) == waits(a[n]), n
+
+
+def test_diag_nowait_c4_reaches_the_cluster_split_module_only(monkeypatch):
+    """module._module adds nowait_c4's define to gemv_kq.cu's KQ_CSPLIT build and to no other module
+    (every other module keeps its cached default build)."""
+    from backends.engine import module
+    seen = []
+    monkeypatch.setattr(module, "DIAG", "nowait_c4")
+    monkeypatch.setattr(module, "_module_for", lambda source, defines: seen.append((source, defines)))
+    module._module("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"))
+    module._module("gemv_kq.cu", ("KQ_P2=1",))
+    module._module("deltanet.cu", ())
+    assert "DIAG_NOWAIT_C4" in seen[0][1]
+    assert all("DIAG_NOWAIT_C4" not in d for _, d in seen[1:])

@@ -42,11 +42,18 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
 #            whatever its input holds as soon as its blocks are resident, so the step time bounds
 #            what any finer dependency between nodes (flags per chunk of x, a fused step) could gain;
 #   nostage  the GEMVs skip staging x (xstage.cuh stage_xq: no loads of x or the norm, no scales
-#            or codes written, no barrier beyond one): bounds what faster staging could gain.
+#            or codes written, no barrier beyond one): bounds what faster staging could gain;
+#   nowait_c4, nowait_c2
+#            only the cluster-split GEMVs of 4 (2) parts skip their PDL wait (gemv_kq.cu kq_body; the
+#            27B's ffn_down after its gate/up pair, resp. ssm_out / attn_output): bounds what
+#            per-chunk readiness flags between those consumers and their producers could gain.
+#            Added to the KQ_CSPLIT build of gemv_kq.cu only, so no other module recompiles.
 # The rooflines' sources (ROOFLINE_SOURCES) are built without them. Only `harness bench nodes` and
 # `harness bench kernels` run them (the engine refuses them elsewhere: backend.EngineBackend); the
 # engine does not raise on their non-finite logits; results record the switch (harness.machine).
-DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE"}
+DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE", "nowait_c4": "DIAG_NOWAIT_C4",
+                "nowait_c2": "DIAG_NOWAIT_C2"}
+_DIAG_CSPLIT_ONLY = frozenset({"DIAG_NOWAIT_C4", "DIAG_NOWAIT_C2"})  # defines for the KQ_CSPLIT build alone
 
 
 def _diag_words(value: str) -> list[str] | None:
@@ -90,7 +97,9 @@ def _module(source: str, defines: tuple[str, ...] = ()):
     if source == "gemv.cu" and not any(d.startswith("PF_AHEAD=") for d in defines):
         defines = tuple(defines) + gemv_pf_defines()  # ops.pf_ahead's own choice wins
     if source not in ROOFLINE_SOURCES:
-        defines = tuple(defines) + tuple(d for d in diag_defines() if d not in defines)
+        csplit = source == "gemv_kq.cu" and "KQ_CSPLIT=1" in defines
+        defines = tuple(defines) + tuple(d for d in diag_defines()
+                                         if d not in defines and (csplit or d not in _DIAG_CSPLIT_ONLY))
     return _module_for(source, tuple(defines))  # one cache key per (source, defines)
 
 

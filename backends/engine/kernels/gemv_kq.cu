@@ -487,6 +487,18 @@ static_assert(KQ_GS_FENCE == 0 || KQ_GS_FENCE == 1, "KQ_GS_FENCE: 0 or 1");
 #if KQ_CSPLIT && !KQ_GSPLIT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "KQ_CSPLIT: thread-block clusters need sm_90 or newer"
 #endif
+// GGUF_HARNESS_DIAG nowait_c4 / nowait_c2 (module.py; timing only, values wrong by design): the
+// cluster-split instances of 4 / 2 parts skip their PDL wait.
+#ifdef DIAG_NOWAIT_C4
+constexpr bool kDiagNowaitC4 = true;
+#else
+constexpr bool kDiagNowaitC4 = false;
+#endif
+#ifdef DIAG_NOWAIT_C2
+constexpr bool kDiagNowaitC2 = true;
+#else
+constexpr bool kDiagNowaitC2 = false;
+#endif
 #if KQ_GSPLIT
 static_assert(KQ_CSPLIT, "KQ_GSPLIT is a form of the KQ_CSPLIT build");
 // [virtual cluster][round][part][warp]: the parts' row sums; one count per virtual cluster
@@ -949,7 +961,8 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     }
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     KQ_CONV_PREFETCH(t);
-    pdl_wait();     // x (and the output, for "add") come from the previous kernels
+    if constexpr (!((kDiagNowaitC4 && CS == 4) || (kDiagNowaitC2 && CS == 2)))  // (timing-only builds)
+        pdl_wait();     // x (and the output, for "add") come from the previous kernels
     KQ_MARK(1);
     pdl_trigger();
     if constexpr (KQ_PF0 == 2) prefetch_first_row(first);
