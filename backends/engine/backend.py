@@ -20,7 +20,7 @@ from harness.gguf_file import open_gguf
 from ..base import CAP_GRAPH, CAP_MEMORY, CAP_NODES, CAP_TIMINGS
 from .executor import Executor
 from . import ops as _ops
-from . import module, switches, xpf
+from . import kq_flags, module, switches, xpf
 from .formats import check_type
 
 
@@ -75,6 +75,9 @@ class EngineBackend:
             self.bufs = arch.Buffers.allocate(p, n_vocab, cfg.n_ctx)
             body, head = arch.build(self.arena, self.bufs, p, cfg.n_ctx)
             xpf.link(body + head)  # GGUF_HARNESS_GEMV_KQ_XPF: each v9 GEMV learns the next one's rows
+            if kq_flags.enabled():  # GGUF_HARNESS_GEMV_KQ_FLAGS=1: gate/up -> ffn_down readiness counts
+                self.kq_counts = cp.zeros(kq_flags.MAX_GROUPS + 1, dtype=cp.uint32)
+                self.kq_linked = kq_flags.link(body, self.kq_counts)
         except BaseException:  # not loaded, so close() frees nothing: free the arena here
             self.arena.close()
             raise
@@ -113,6 +116,15 @@ class EngineBackend:
         clear = getattr(self.bufs, "clear_recurrent", None) if self._loaded else None
         if clear is not None:  # qwen35: zero the conv and delta-rule states
             clear(self.stream)
+        self._zero_counts()
+
+    def _zero_counts(self) -> None:
+        """GGUF_HARNESS_GEMV_KQ_FLAGS: zero the readiness counts (kq_flags), which a step that stopped
+        between a producer and its consumer (the eager finite check) would leave behind."""
+        counts = getattr(self, "kq_counts", None) if self._loaded else None
+        if counts is not None:
+            with self.stream:
+                counts.fill(0)
 
     def _feed(self, token: int, with_head: bool) -> None:
         if not self._loaded:
@@ -151,6 +163,7 @@ class EngineBackend:
         """Re-run the step eagerly, checking every node, and name the first bad one."""
         self.bufs.state.set(np.array([token, self.pos - 1, 0, 0], np.int32), stream=self.stream)
         node = self.step_exec.first_nonfinite()
+        self._zero_counts()  # it stops at the first bad node, maybe between a linked pair
         where = node.name if node is not None else "the logits"
         raise NumericError(f"engine: {count} non-finite logits at position {self.pos - 1}; "
                            f"first NaN/Inf produced by node {where}")
@@ -163,6 +176,7 @@ class EngineBackend:
             import cupy as cp
             self.stream.synchronize()
             del self.bufs, self.prompt_exec, self.step_exec  # the graphs first: they read the arena
+            self.__dict__.pop("kq_counts", None)
             self.arena.close()  # device arena and the pinned host memory of token_embd
             del self.arena
             cp.get_default_memory_pool().free_all_blocks()

@@ -591,7 +591,7 @@ __device__ __forceinline__ int grid_warp() { return (int)blockIdx.x * (int)(bloc
 // at 8 MiB, 6554.6 at 16 (+1.9 / +3.5 %): the step's gap over the node sum fell 171 -> 36 / -16
 // us, but every node grew more (ffn_down +11.7 % at 16 MiB): the finished warps' prefetches
 // compete with the node's own late rows. Off by default.
-static_assert(sizeof(SegTable) == 200 + 32 * KQ_CONV, "SegTable with KQ_XPF: 200 bytes, +32 with KQ_CONV (ops.table_dtype)");
+static_assert(sizeof(SegTable) == 200 + 32 * KQ_CONV + 24 * KQ_FLAGS, "SegTable with KQ_XPF: 200 bytes, +32 with KQ_CONV, +24 with KQ_FLAGS (ops.table_dtype)");
 __device__ __forceinline__ void xpf_tail(const SegTable& t) {
     const int lane = threadIdx.x & 31, W = grid_warps(), gw = grid_warp();
 #pragma unroll
@@ -624,7 +624,7 @@ __device__ __forceinline__ void xpf_tail(const SegTable& t) {
 // Measured (H200, session 18, 27B step at c = 2048): 6335 -> 6660.5 us (+5.1 %): ssm_in +33 %
 // (7 us per node: the store's dependent state / taps loads end every row), the conv's 43 us gone.
 // Off by default; to win, its loads would have to be issued before the row's weight loads.
-static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32, "SegTable with KQ_CONV (ops.table_dtype)");
+static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32 + 24 * KQ_FLAGS, "SegTable with KQ_CONV (ops.table_dtype)");
 template <int MODE> __device__ __forceinline__ void store_out(const SegTable& t, int si, int row, float y, float up) {
     store_row<MODE>(t.s[si], row, y, up);
     if (MODE == 0 && si == 0 && t.conv.state) {
@@ -660,6 +660,75 @@ __device__ __forceinline__ void conv_prefetch(const SegTable& t) {
 #else
 #define KQ_STORE(MODE, t, si, row, y, up) store_row<MODE>((t).s[si], row, y, up)
 #define KQ_CONV_PREFETCH(t)
+#endif
+
+#if KQ_FLAGS
+// KQ_FLAGS=1 (ops GGUF_HARNESS_GEMV_KQ_FLAGS=1, an A/B build of every v9 kernel; session 32, written
+// before it ran; backends/engine/kq_flags.py links the nodes): a SwiGLU pair of the queue build
+// (the producer, role 1) counts the rows it has stored per 1024-row group of its output, and the
+// 4-part group kernel after it (ffn_down, the consumer, role 2) waits on the counts of the groups
+// its part stages instead of on the producer's whole grid (griddepcontrol.wait). Why: the
+// consumer's blocks become resident on the SMs the producer's 32-warp blocks leave during its tail
+// (session 31's pair trace: 238 of 260 blocks >= 1 us before the wait); the timing-only build
+// GGUF_HARNESS_DIAG=nowait_c4 (no wait at all) took the 27B step 6048.7 -> 5974.6 us (session 32).
+// To have groups ready early the producer takes its rows in the consumer's order (kq_flag_row)
+// and the consumer's blocks are part-major (kq_body), so the blocks that land first are those
+// whose x is complete. Values: the same rows, sums and order as the default (bitwise).
+// Safety: the producer is one wave (every block resident before the consumer can launch, so a
+// waiting consumer block cannot starve it); every producer block stages its x (the residual the
+// consumer adds into) before it stores a row, and a group holds rows of every block, so the
+// consumer writes nothing the producer still reads; the counts are reset by the consumer's last
+// block, before the next producer (a later node, behind PDL waits) counts again.
+static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32 * KQ_CONV + 24, "SegTable with KQ_FLAGS (ops.table_dtype)");
+constexpr int kFlagGroup = 1024;  // values of 4 super-blocks: the consumer parts' unit (stage_xq cs_entry)
+// The producer's row L in its queue order -> the row it computes: the consumer's groups in the
+// order its parts need them (part p stages groups p + 4 j, j < F, and, KQ_PART_ROT, every part
+// the leftover groups 4 F .. ng - 1): the leftovers, then part 0's groups, 1's, 2's, 3's.
+__device__ __forceinline__ int kq_flag_row(int L, int ng, int F) {
+    const int gi = L / kFlagGroup, nl = ng - 4 * F;
+    int g;
+    if (gi < nl) {
+        g = 4 * F + gi;
+    } else {
+        const int j = gi - nl, p = j / F;
+        g = p + 4 * (j - p * F);
+    }
+    return g * kFlagGroup + L % kFlagGroup;
+}
+__device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// The consumer block of part `part`: thread 0 waits until each group the part stages holds its
+// 1024 rows (acquire; the producer released each count after its row's store), the barrier passes
+// that on to the block's threads; it then counts the block in, and the grid's last block resets
+// the counts.
+__device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
+    unsigned* cnt = (unsigned*)f.cnt;
+    if (threadIdx.x == 0) {
+        const int nl = f.ng - 4 * f.F;
+        for (int k = 0; k < f.F + nl; ++k) {
+            const int g = k < f.F ? part + 4 * k : 4 * f.F + (k - f.F);
+            while (ld_acquire_u32(cnt + g) < (unsigned)kFlagGroup) {
+            }
+        }
+        if (atomicAdd(cnt + 31, 1u) == gridDim.x - 1) {
+            for (int g = 0; g < f.ng; ++g) cnt[g] = 0u;
+            cnt[31] = 0u;
+        }
+    }
+    __syncthreads();
+}
+// the producer's row `row` (node-global) is stored: count it in its group
+#define KQ_FLAG_DONE(MODE, t, row) \
+    do { if (MODE == 2 && (t).flags.role == 1) red_release_add((unsigned*)(t).flags.cnt + (row) / kFlagGroup, 1u); } while (0)
+#else
+static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32 * KQ_CONV, "SegTable (ops.table_dtype)");
+#define KQ_FLAG_DONE(MODE, t, row)
 #endif
 
 #ifndef KQ_DQ
@@ -761,11 +830,18 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     constexpr int P = KQ_DQ_P;  // compile-time: with a runtime P every row's loop had a runtime stride (session 17)
 #if KQ_DQ_MAP  // the block's k-th row is b + k B (rows dealt round-robin over the blocks)
     const int r0 = 0, nb = (int)blockIdx.x < total_rows ? (total_rows - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
-    auto grow = [&](int k) { return (int)blockIdx.x + k * (int)gridDim.x; };
+    auto grow0 = [&](int k) { return (int)blockIdx.x + k * (int)gridDim.x; };
 #else  // the block's k-th row is r0 + k (a contiguous range)
     const int r0 = (int)((long long)blockIdx.x * total_rows / gridDim.x);
     const int nb = (int)((long long)(blockIdx.x + 1) * total_rows / gridDim.x) - r0;
-    auto grow = [&](int k) { return r0 + k; };
+    auto grow0 = [&](int k) { return r0 + k; };
+#endif
+#if KQ_FLAGS  // a producer takes its rows in its consumer's order (kq_flag_row)
+    auto grow = [&](int k) {
+        return MODE == 2 && t.flags.role == 1 ? kq_flag_row(grow0(k), t.flags.ng, t.flags.F) : grow0(k);
+    };
+#else
+    auto grow = grow0;
 #endif
     const int T = min(nb, KQ_DQ_T), F = nb - T, nunits = F + T * P;
     // unit u: its row (node-global), part and parts; j: the tail row's index
@@ -847,6 +923,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         if (lane == 0) {
             if (np == 1) {
                 KQ_STORE(MODE, t, si, row, y * rs, up * rs);
+                KQ_FLAG_DONE(MODE, t, row);
             } else {
                 volatile float* pp = &dq_part[j][0][0];
                 pp[2 * p] = y;
@@ -860,6 +937,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                         us += pp[2 * q + 1];
                     }
                     KQ_STORE(MODE, t, si, row, ys * rs, us * rs);
+                    KQ_FLAG_DONE(MODE, t, row);
                 }
             }
         }
@@ -910,8 +988,17 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     const int G = NW / S, g = warp / S, ws = warp - g * S;  // row groups per block, this warp's
     // CS > 1: the cluster takes the block's place in the row order; the block's rank is its part
     // wpart (nparts of them) where S > 1 uses the warp's part ws
+#if KQ_FLAGS && KQ_GSPLIT
+    // a KQ_FLAGS consumer's blocks are part-major (block b: part b / ncb of group b % ncb), so the
+    // blocks resident first are those of the parts whose x the producer completes first
+    const bool fcons = CS == 4 && t.flags.role == 2;
+    const int ncb = CS > 1 ? (int)gridDim.x / CS : (int)gridDim.x;
+    const int cb = fcons ? (int)blockIdx.x % ncb : CS > 1 ? (int)blockIdx.x / CS : (int)blockIdx.x;
+    const int wpart = fcons ? (int)blockIdx.x / ncb : CS > 1 ? (int)blockIdx.x % CS : ws;
+#else
     const int cb = CS > 1 ? (int)blockIdx.x / CS : (int)blockIdx.x, ncb = CS > 1 ? (int)gridDim.x / CS : (int)gridDim.x;
     const int wpart = CS > 1 ? (KQ_GSPLIT ? (int)blockIdx.x % CS : (int)cluster_rank()) : ws;
+#endif
     constexpr int nparts = CS > 1 ? CS : S;
     if constexpr (CS > 1 && !KQ_GSPLIT) cluster_arrive_relaxed();  // paired with the wait before the first DSMEM store
 #if KQ_WMAJ  // the warp's first row group: warp-major g gridDim.x + b
@@ -961,6 +1048,11 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     }
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     KQ_CONV_PREFETCH(t);
+#if KQ_FLAGS && KQ_GSPLIT
+    if (fcons)
+        kq_flag_wait(t.flags, wpart);  // x's groups of this part, not the producer's whole grid
+    else
+#endif
     if constexpr (!((kDiagNowaitC4 && CS == 4) || (kDiagNowaitC2 && CS == 2)))  // (timing-only builds)
         pdl_wait();     // x (and the output, for "add") come from the previous kernels
     KQ_MARK(1);

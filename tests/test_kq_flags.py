@@ -1,0 +1,195 @@
+"""GGUF_HARNESS_GEMV_KQ_FLAGS (kernels/gemv_kq.cu KQ_FLAGS, backends/engine/kq_flags.py): readiness
+counts from a SwiGLU pair to its 4-part ffn_down. CPU: which node pairs link() takes and what it
+writes; the builds compile and only the linked kernels carry the count operations. GPU: a linked
+pair gives the unlinked pair's outputs bit for bit with h poisoned before every producer launch (a
+consumer that read h early would see NaN), and leaves the counts at zero."""
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from gpu_util import cupy_or_skip, device_tensor, nan_poisoned, q16_or_skip
+
+from backends.engine import kq_flags, ops
+from oracles import gemv_check
+from oracles import ops as oops
+from oracles.blocks import random_blocks
+from oracles.dequant import dequantize, get_format
+
+
+class _Arr:  # a device array as link() reads it: .data.ptr, .size, .dtype
+    def __init__(self, ptr: int, size: int = 0, dtype=np.float32):
+        self.data = SimpleNamespace(ptr=ptr)
+        self.size, self.dtype = size, np.dtype(dtype)
+
+
+def _node(kname: str, defines: tuple, x_ptr: int, out_ptr: int, K: int, rows: int):
+    table = np.zeros((), ops.table_dtype(flags="KQ_FLAGS=1" in defines))[()]
+    return SimpleNamespace(kernel=SimpleNamespace(name=kname), defines=defines, out=_Arr(out_ptr),
+                           args=(table, _Arr(x_ptr), np.uint64(0), np.float32(0), np.int32(K), np.int32(rows)),
+                           _pdl="cached")
+
+
+PROD = ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_FLAGS=1")
+CONS = ("KQ_P2=1", "KQ_FLAGS=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1")
+
+
+def _pair(K=17408, rows=17408, prod=PROD, cons=CONS, pname="gemvkq_swiglu_iq4_xs", cname="gemvkq_add_q4_k_c4",
+          x_ptr=0x2000):
+    g = _node(pname, prod, 0x1000, 0x2000, 5120, rows)
+    d = _node(cname, cons, x_ptr, 0x3000, K, 5120)
+    return g, d
+
+
+def test_link_fills_both_records_of_a_pair():
+    g, d = _pair()
+    other = _node("gemvkq_store_q4_k", PROD, 0x1000, 0x5000, 5120, 10240)
+    counts = _Arr(0x9000, 32, np.uint32)
+    assert kq_flags.link([other, g, d, other], counts) == 1
+    for node, role in ((g, 1), (d, 2)):
+        f = node.args[0]["flags"]
+        assert (int(f["cnt"]), int(f["ng"]), int(f["F"]), int(f["role"])) == (0x9000, 17, 4, role)
+        assert node._pdl is None  # relaunches with the new table
+    assert int(other.args[0]["flags"]["role"]) == 0 and other._pdl == "cached"
+
+
+@pytest.mark.parametrize("change", ["not_adjacent", "x_elsewhere", "k_not_1024", "rows_differ", "c2", "no_queue",
+                                    "store_producer", "split_producer", "no_flags_build", "too_few_groups",
+                                    "too_many_groups"])
+def test_link_leaves_other_pairs_alone(change):
+    g, d = _pair()
+    nodes = [g, d]
+    if change == "not_adjacent":
+        nodes = [g, _node("gemvkq_store_q4_k", PROD, 0x1000, 0x5000, 5120, 10240), d]
+    elif change == "x_elsewhere":
+        g, d = _pair(x_ptr=0x7000)
+        nodes = [g, d]
+    elif change == "k_not_1024":
+        g, d = _pair(K=17408 + 256, rows=17408 + 256)
+        nodes = [g, d]
+    elif change == "rows_differ":
+        g, d = _pair(rows=16384)
+        nodes = [g, d]
+    elif change == "c2":
+        g, d = _pair(cname="gemvkq_add_q4_k_c2")
+        nodes = [g, d]
+    elif change == "no_queue":
+        g, d = _pair(prod=("KQ_P2=1", "KQ_FLAGS=1"))
+        nodes = [g, d]
+    elif change == "store_producer":
+        g, d = _pair(pname="gemvkq_store_iq4_xs")
+        nodes = [g, d]
+    elif change == "split_producer":  # an S-split pair's rows do not come from the queue
+        g, d = _pair(pname="gemvkq_swiglu_iq4_xs_s2")
+        nodes = [g, d]
+    elif change == "no_flags_build":
+        g, d = _pair(cons=("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"))
+        nodes = [g, d]
+    elif change == "too_few_groups":
+        g, d = _pair(K=3072, rows=3072)
+        nodes = [g, d]
+    elif change == "too_many_groups":
+        g, d = _pair(K=32768, rows=32768)
+        nodes = [g, d]
+    assert kq_flags.link(nodes, _Arr(0x9000, 32, np.uint32)) == 0
+    assert all(int(n.args[0]["flags"]["role"]) == 0 for n in nodes if "KQ_FLAGS=1" in n.defines)
+
+
+def test_link_refuses_a_short_count_array():
+    g, d = _pair()
+    with pytest.raises(ValueError, match="32 words"):
+        kq_flags.link([g, d], _Arr(0x9000, 16, np.uint32))
+    with pytest.raises(ValueError, match="uint32"):
+        kq_flags.link([g, d], _Arr(0x9000, 32, np.int64))
+
+
+def test_the_switch_adds_the_define_and_the_table_record(monkeypatch):
+    monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "1")
+    assert "KQ_FLAGS=1" in ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
+    assert "KQ_FLAGS=1" not in ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "2")
+    with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_FLAGS"):
+        ops.kv9_defines()
+    # segs.cuh FlagArgs: 24 bytes after the table (and after the XPF / CONV records)
+    assert ops.table_dtype(flags=True).itemsize == ops.table_dtype().itemsize + 24 == 176
+    assert ops.table_dtype(True, True, True).itemsize == 152 + 48 + 32 + 24
+
+
+def test_flags_builds_compile_and_count_only_where_linked():
+    """NVRTC: with KQ_FLAGS=1 the queue build's SwiGLU entries (and only those) release counts, and the
+    group build's _c4 entries (and only those) acquire them; the builds hold the default's entries."""
+    from test_kernels_compile import _entry_bodies, _nvrtc, compile_source
+    lib = _nvrtc()
+    for base, op, want in ((("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1"), "red.release.gpu", kq_flags._QUEUE_PAIR.match),
+                           (("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"), "ld.acquire.gpu", lambda n: n.endswith("_c4"))):
+        plain, flags = [], []
+        assert compile_source(lib, "gemv_kq.cu", base, plain)[0] == 0
+        rc, log = compile_source(lib, "gemv_kq.cu", base + ("KQ_FLAGS=1",), flags)
+        assert rc == 0, log
+        a, b = _entry_bodies(plain[0]), _entry_bodies(flags[0])
+        assert set(a) == set(b)
+        having = {n for n, body in b.items() if op in body}
+        assert having and having == {n for n in b if want(n)}, (op, sorted(having))
+        assert not any(op in body for body in a.values())
+
+
+def _matrix(type_id, rows, K, seed):
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(type_id, rows * K // get_format(type_id).block_size, rng).reshape(rows, -1)
+    return raw, dequantize(raw.reshape(-1), type_id, (rows, K)).astype(np.float64)
+
+
+@pytest.mark.gpu
+def test_linked_pair_is_bitwise_the_unlinked_pair(monkeypatch):
+    """The 27B's FFN shapes (an IQ4_XS gate/up pair [17408x5120] with a fused norm, then the Q4_K
+    ffn_down [5120x17408] added into a residual): with the pair linked, h is NaN before every
+    producer launch, the consumer launched right behind it (PDL) and waiting on counts only; 4
+    rounds must give the unlinked pair's residual and h bit for bit (the residual against the
+    oracle too), and the counts must be zero after each round (the consumer's last block resets)."""
+    cp = cupy_or_skip()
+    q16_or_skip()
+    from test_engine_kernels import TYPES, _v9_default_routes
+    _v9_default_routes(monkeypatch, ops)
+    IQ4, Q4 = TYPES["IQ4_XS"], TYPES["Q4_K"]
+    E, F = 5120, 17408
+    rng = np.random.default_rng(71)
+    keep = []
+    (rg, wg), (ru, wu), (rd, wd) = _matrix(IQ4, F, E, 1), _matrix(IQ4, F, E, 2), _matrix(Q4, E, F, 3)
+    gd, ud, dd = (device_tensor(cp, n, r, t, k, keep) for n, r, t, k in
+                  (("g", rg, IQ4, (E, F)), ("u", ru, IQ4, (E, F)), ("d", rd, Q4, (F, E))))
+    nw = rng.uniform(0.5, 1.5, E).astype(np.float32)
+    nw_dev = device_tensor(cp, "norm", nw.view(np.uint8).reshape(1, -1), 0, (E,), keep)
+    x0 = (rng.normal(size=E) * 0.7).astype(np.float32)
+    got = {}
+    for on in ("0", "1"):
+        monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", on)
+        x = cp.asarray(x0)  # the residual: the pair's input and ffn_down's output (add)
+        h = nan_poisoned(cp, F)
+        g = ops.gemv("ffn_gate_up", "swiglu", [ops.Seg(gd, h), ops.Seg(ud, h)], x, E, nw_dev, 1e-6)
+        d = ops.gemv("ffn_down", "add", [ops.Seg(dd, x)], h, F)
+        assert "KQ_DQ=1" in g.defines and d.kernel.name.endswith("_c4"), (g.defines, d.kernel.name)
+        counts = cp.zeros(32, dtype=cp.uint32)
+        assert kq_flags.link([g, d], counts) == (1 if on == "1" else 0)
+        hs, xs = [], []
+        for _ in range(4):
+            h.fill(np.nan)
+            g.launch()
+            d.launch()
+            hs.append(h.get())
+            xs.append(x.get())
+            assert not counts.get().any(), f"FLAGS={on}: counts left {counts.get()}"
+        got[on] = (hs, xs)
+    for i in range(4):
+        assert np.array_equal(got["0"][0][i], got["1"][0][i]), f"round {i}: h differs"
+        assert np.array_equal(got["0"][1][i], got["1"][1][i]), f"round {i}: the residual differs"
+    # round 0 against the oracle: the pair on the normed x0, ffn_down on the pair's own h
+    xn = oops.rms_norm(x0[None].astype(np.float64), nw.astype(np.float64), 1e-6)[0]
+    h0 = got["1"][0][0]
+    v = gemv_check.check_swiglu(h0.astype(np.float64), wg, wu, xn, impl=ops.GEMV_IMPL)
+    assert v["ok"], v
+    v = gemv_check.check_store(got["1"][1][0].astype(np.float64) - x0, wd, h0, impl=ops.GEMV_IMPL)
+    assert v["ok"], v
+    assert re.search(r"_c4$", d.kernel.name)
