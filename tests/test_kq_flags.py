@@ -97,6 +97,26 @@ def test_link_leaves_other_pairs_alone(change):
     assert all(int(n.args[0]["flags"]["role"]) == 0 for n in nodes if "KQ_FLAGS=1" in n.defines)
 
 
+def test_unlinked_gives_a_role_0_copy_of_a_linked_node():
+    """kq_flags.unlinked: what a node timed alone runs (executor.time_nodes_graph): a linked node's copy
+    with the whole flag record zero and no cached launch; the linked node itself unchanged; an
+    unlinked node (or one of another build) is returned as it is."""
+    from backends.engine.executor import Node
+    g, d = _pair()
+    assert kq_flags.link([g, d], _Arr(0x9000, 32, np.uint32)) == 1
+    real = Node("ffn_down", "gemv", d.kernel, (264,), (512,), d.args, defines=d.defines)
+    real._pdl = "cached"
+    assert kq_flags.linked(real)
+    alone = kq_flags.unlinked(real)
+    assert alone is not real and not kq_flags.linked(alone) and alone._pdl is None
+    assert int(alone.args[0]["flags"]["cnt"]) == 0 and int(alone.args[0]["flags"]["ng"]) == 0
+    assert int(real.args[0]["flags"]["role"]) == 2 and real._pdl == "cached"
+    assert alone.name == real.name and alone.grid == real.grid and alone.args[1:] == real.args[1:]
+    assert kq_flags.unlinked(alone) is alone
+    plain = Node("x", "gemv", d.kernel, (1,), (32,), (np.zeros((), ops.table_dtype())[()],))
+    assert kq_flags.unlinked(plain) is plain and not kq_flags.linked(plain)
+
+
 def test_link_refuses_a_short_count_array():
     g, d = _pair()
     with pytest.raises(ValueError, match="32 words"):
@@ -148,7 +168,10 @@ def test_linked_pair_is_bitwise_the_unlinked_pair(monkeypatch):
     ffn_down [5120x17408] added into a residual): with the pair linked, h is NaN before every
     producer launch, the consumer launched right behind it (PDL) and waiting on counts only; 4
     rounds must give the unlinked pair's residual and h bit for bit (the residual against the
-    oracle too), and the counts must be zero after each round (the consumer's last block resets)."""
+    oracle too), and the counts must be zero after each round (the consumer's last block resets).
+    Then each node timed alone (executor.time_nodes_graph, as `harness bench nodes` does) must
+    return and leave the counts at zero: session 32's first step A/B hung there (the consumer
+    alone waited for counts no producer wrote) before the timing took unlinked copies."""
     cp = cupy_or_skip()
     q16_or_skip()
     from test_engine_kernels import TYPES, _v9_default_routes
@@ -182,6 +205,12 @@ def test_linked_pair_is_bitwise_the_unlinked_pair(monkeypatch):
             xs.append(x.get())
             assert not counts.get().any(), f"FLAGS={on}: counts left {counts.get()}"
         got[on] = (hs, xs)
+        if on == "1":  # bench nodes' per-node graph replays run each node alone: unlinked, so no hang
+            from backends.engine.executor import Executor
+            stream = cp.cuda.Stream(non_blocking=True)
+            timed = Executor([g, d], stream).time_nodes_graph(reps=3, samples=2, restore=(x,))
+            assert [n.name for n, _, _ in timed] == ["ffn_gate_up", "ffn_down"] and all(us > 0 for _, us, _ in timed)
+            assert not counts.get().any(), f"counts after the per-node replays: {counts.get()}"
     for i in range(4):
         assert np.array_equal(got["0"][0][i], got["1"][0][i]), f"round {i}: h differs"
         assert np.array_equal(got["0"][1][i], got["1"][1][i]), f"round {i}: the residual differs"

@@ -69,12 +69,31 @@ def link(nodes: list, counts) -> int:
         if not ng:
             continue
         for node, role in ((a, PRODUCER), (b, CONSUMER)):
-            table = np.array(node.args[0])  # a copy of the by-value table (ops.table_dtype, flags=True)
+            table = np.array(node.args[0]).copy()  # (np.array of a structured scalar shares its memory)
             table["flags"] = (int(counts.data.ptr), ng, ng // 4, role, 0)
             node.args = (table[()],) + tuple(node.args[1:])
             node._pdl = None
         linked += 1
     return linked
+
+
+def linked(node) -> bool:
+    """The node's table has a flag record with a role (link() set it)."""
+    table = node.args[0] if node.args else None
+    names = getattr(getattr(table, "dtype", None), "names", None) or ()
+    return "flags" in names and int(table["flags"]["role"]) != 0
+
+
+def unlinked(node):
+    """`node` itself when not linked, else a copy whose table has role 0 (the plain PDL wait, no
+    counting): what a node timed or run alone must be, as no partner then moves the counts (a
+    consumer alone would wait forever, a producer alone would leave counts behind)."""
+    if not linked(node):
+        return node
+    import dataclasses
+    table = np.array(node.args[0]).copy()  # np.array of a structured scalar shares its memory: copy
+    table["flags"] = 0
+    return dataclasses.replace(node, args=(table[()],) + tuple(node.args[1:]))
 
 
 def enabled() -> bool:
