@@ -27,7 +27,7 @@ class _Arr:  # a device array as link() reads it: .data.ptr, .size, .dtype
 
 def _node(kname: str, defines: tuple, x_ptr: int, out_ptr: int, K: int, rows: int):
     table = np.zeros((), ops.table_dtype(flags="KQ_FLAGS=1" in defines))[()]
-    return SimpleNamespace(kernel=SimpleNamespace(name=kname), defines=defines, out=_Arr(out_ptr),
+    return SimpleNamespace(kernel=SimpleNamespace(name=kname), defines=defines, out=_Arr(out_ptr), grid=(132,),
                            args=(table, _Arr(x_ptr), np.uint64(0), np.float32(0), np.int32(K), np.int32(rows)),
                            _pdl="cached")
 
@@ -57,7 +57,7 @@ def test_link_fills_both_records_of_a_pair():
 
 @pytest.mark.parametrize("change", ["not_adjacent", "x_elsewhere", "k_not_1024", "rows_differ", "c2", "no_queue",
                                     "store_producer", "split_producer", "no_flags_build", "too_few_groups",
-                                    "too_many_groups"])
+                                    "too_many_groups", "wide_grid"])
 def test_link_leaves_other_pairs_alone(change):
     g, d = _pair()
     nodes = [g, d]
@@ -90,6 +90,8 @@ def test_link_leaves_other_pairs_alone(change):
     elif change == "too_few_groups":
         g, d = _pair(K=3072, rows=3072)
         nodes = [g, d]
+    elif change == "wide_grid":  # a group would not hold rows of every producer block
+        g.grid = (1025,)
     elif change == "too_many_groups":
         g, d = _pair(K=32768, rows=32768)
         nodes = [g, d]

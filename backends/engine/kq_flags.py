@@ -10,7 +10,7 @@ words: groups 0..ng-1, word 31 the consumer's blocks past their wait), taking it
 the consumer's parts need them; the consumer waits on its part's groups instead of on the
 producer's whole grid and resets the counts. Both nodes must be of the KQ_FLAGS build and the
 consumer's K a multiple of 1024 with 4 <= K / 1024 <= 31 (the kernel's group arithmetic), the
-producer's rows equal to it. Anything else stays unlinked (role 0: the plain PDL wait), so a
+producer's rows equal to it, its grid at most 1024 blocks. Anything else stays unlinked (role 0: the plain PDL wait), so a
 kernel benchmark or trace of one node alone never waits on counts nobody writes.
 """
 from __future__ import annotations
@@ -52,6 +52,8 @@ def pair_groups(producer, consumer) -> int:
     rows = int(producer.args[5])
     if K % GROUP or rows != K or not 4 <= K // GROUP <= MAX_GROUPS:
         return 0
+    if int(producer.grid[0]) > GROUP:  # a group must hold rows of every producer block (each has staged x
+        return 0                       # before its first row), so the consumer's adds follow every read
     return K // GROUP
 
 
