@@ -278,13 +278,34 @@ def test_diag_nowait_c4_drops_the_wait_of_the_4_part_kernels_only():
 
 def test_diag_nowait_c4_reaches_the_cluster_split_module_only(monkeypatch):
     """module._module adds nowait_c4's define to gemv_kq.cu's KQ_CSPLIT build and to no other module
-    (every other module keeps its cached default build)."""
+    (every other module keeps its cached default build); nowait_norm's to every gemv_kq.cu build and
+    no other source; plain nowait's to every source."""
     from backends.engine import module
     seen = []
-    monkeypatch.setattr(module, "DIAG", "nowait_c4")
     monkeypatch.setattr(module, "_module_for", lambda source, defines: seen.append((source, defines)))
-    module._module("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"))
-    module._module("gemv_kq.cu", ("KQ_P2=1",))
-    module._module("deltanet.cu", ())
-    assert "DIAG_NOWAIT_C4" in seen[0][1]
-    assert all("DIAG_NOWAIT_C4" not in d for _, d in seen[1:])
+    builds = [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1")), ("gemv_kq.cu", ("KQ_P2=1",)),
+              ("deltanet.cu", ()), ("gemv.cu", ())]
+    for word, define, want in (("nowait_c4", "DIAG_NOWAIT_C4", [True, False, False, False]),
+                               ("nowait_norm", "DIAG_NOWAIT_NORM", [True, True, False, False]),
+                               ("nowait", "DIAG_NOWAIT", [True, True, True, True])):
+        monkeypatch.setattr(module, "DIAG", word)
+        seen.clear()
+        for src, d in builds:
+            module._module(src, d)
+        assert [define in d for _, d in seen] == want, (word, seen)
+
+
+def test_diag_nowait_norm_compiles_with_the_wait_behind_a_branch():
+    """DIAG_NOWAIT_NORM: the v9 builds compile, every entry keeps its griddepcontrol.wait (behind a
+    runtime test of the norm pointer) and the entry list is the default's."""
+    lib = _nvrtc()
+    for base in (("KQ_P2=1",), ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1")):
+        plain: list = []
+        diag: list = []
+        assert compile_source(lib, "gemv_kq.cu", base, plain)[0] == 0
+        rc, log = compile_source(lib, "gemv_kq.cu", base + ("DIAG_NOWAIT_NORM",), diag)
+        assert rc == 0, log
+        a, b = _entry_bodies(plain[0]), _entry_bodies(diag[0])
+        assert set(a) == set(b)
+        assert all(("griddepcontrol.wait" in b[n]) == ("griddepcontrol.wait" in a[n]) for n in a)
+        assert b != a  # the builds differ (the wait is conditional now)

@@ -57,7 +57,7 @@ def test_link_fills_both_records_of_a_pair():
 
 @pytest.mark.parametrize("change", ["not_adjacent", "x_elsewhere", "k_not_1024", "rows_differ", "c2", "no_queue",
                                     "store_producer", "split_producer", "no_flags_build", "too_few_groups",
-                                    "too_many_groups", "wide_grid"])
+                                    "too_many_groups"])
 def test_link_leaves_other_pairs_alone(change):
     g, d = _pair()
     nodes = [g, d]
@@ -90,10 +90,8 @@ def test_link_leaves_other_pairs_alone(change):
     elif change == "too_few_groups":
         g, d = _pair(K=3072, rows=3072)
         nodes = [g, d]
-    elif change == "wide_grid":  # a group would not hold rows of every producer block
-        g.grid = (1025,)
     elif change == "too_many_groups":
-        g, d = _pair(K=32768, rows=32768)
+        g, d = _pair(K=31744, rows=31744)  # 31 groups: word 30 holds the errors
         nodes = [g, d]
     assert kq_flags.link(nodes, _Arr(0x9000, 32, np.uint32)) == 0
     assert all(int(n.args[0]["flags"]["role"]) == 0 for n in nodes if "KQ_FLAGS=1" in n.defines)
@@ -141,21 +139,34 @@ def test_the_switch_adds_the_define_and_the_table_record(monkeypatch):
 
 
 def test_flags_builds_compile_and_count_only_where_linked():
-    """NVRTC: with KQ_FLAGS=1 the queue build's SwiGLU entries (and only those) release counts, and the
-    group build's _c4 entries (and only those) acquire them; the builds hold the default's entries."""
+    """NVRTC: with KQ_FLAGS=1 the queue build's SwiGLU entries that take rows from the queue (and only
+    those) gain a global add (the counts), and the group build's _c4 entries (and only those) poll
+    counts (ld.relaxed.gpu) with a time limit (%globaltimer) and read x through L2 (ld.global.cg),
+    after the poll and a barrier (the x loads are volatile asm: they cannot move above it); the
+    builds hold the default's entries; the other entries' memory operations are the default's."""
     from test_kernels_compile import _entry_bodies, _nvrtc, compile_source
     lib = _nvrtc()
-    for base, op, want in ((("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1"), "red.release.gpu", kq_flags._QUEUE_PAIR.match),
-                           (("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"), "ld.acquire.gpu", lambda n: n.endswith("_c4"))):
+    ops_of = lambda t: set(re.findall(r"\b(?:red|atom|membar|fence|ld\.relaxed|ld\.acquire|ld\.global\.cg)[\w.]*", t))
+    for base, gained, want in ((("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1"), "atom.global.add.u32",
+                                kq_flags._QUEUE_PAIR.match),
+                               (("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1"), "ld.relaxed.gpu.global.u32",
+                                lambda n: n.endswith("_c4"))):
         plain, flags = [], []
         assert compile_source(lib, "gemv_kq.cu", base, plain)[0] == 0
         rc, log = compile_source(lib, "gemv_kq.cu", base + ("KQ_FLAGS=1",), flags)
         assert rc == 0, log
         a, b = _entry_bodies(plain[0]), _entry_bodies(flags[0])
         assert set(a) == set(b)
-        having = {n for n, body in b.items() if op in body}
-        assert having and having == {n for n in b if want(n)}, (op, sorted(having))
-        assert not any(op in body for body in a.values())
+        having = {n for n in b if gained in ops_of(b[n]) and gained not in ops_of(a[n])}
+        assert having and having == {n for n in b if want(n)}, (gained, sorted(having))
+        for n in set(b) - having:
+            assert ops_of(b[n]) == ops_of(a[n]), n
+        for n in having:
+            body = b[n]
+            if n.endswith("_c4"):
+                assert "%globaltimer" in body
+                poll = body.index("ld.relaxed.gpu")
+                assert body.index("ld.global.cg") > body.index("bar.sync", poll), n
 
 
 def _matrix(type_id, rows, K, seed):
@@ -171,8 +182,10 @@ def test_linked_pair_is_bitwise_the_unlinked_pair(monkeypatch):
     producer launch, the consumer launched right behind it (PDL) and waiting on counts only; 4
     rounds must give the unlinked pair's residual and h bit for bit (the residual against the
     oracle too), and the counts must be zero after each round (the consumer's last block resets).
-    Then each node timed alone (executor.time_nodes_graph, as `harness bench nodes` does) must
-    return and leave the counts at zero: session 32's first step A/B hung there (the consumer
+    Alone, the producer must leave exactly 1024 in each of the 17 group counts (and nothing in the
+    other words), the consumer then reset them, and a consumer with no producer stop after its 1 s
+    limit with the error word raised. Then each node timed alone (executor.time_nodes_graph, as
+    `harness bench nodes` does) must return and leave the counts at zero: session 32's first step A/B hung there (the consumer
     alone waited for counts no producer wrote) before the timing took unlinked copies."""
     cp = cupy_or_skip()
     q16_or_skip()
@@ -207,6 +220,19 @@ def test_linked_pair_is_bitwise_the_unlinked_pair(monkeypatch):
             xs.append(x.get())
             assert not counts.get().any(), f"FLAGS={on}: counts left {counts.get()}"
         got[on] = (hs, xs)
+        if on == "1":  # each node alone: the producer counts exactly 1024 per group; the consumer
+            # then passes, resets them and reports nothing; a consumer alone stops after its time
+            # limit (1 s) and raises the error word
+            h.fill(np.nan)
+            g.launch()
+            c = counts.get()
+            assert (c[:17] == 1024).all() and not c[17:].any(), c
+            d.launch()
+            assert not counts.get().any(), counts.get()
+            d.launch()
+            c = counts.get()
+            assert c[kq_flags.ERR] >= 1 and not c[:kq_flags.ERR].any() and c[kq_flags.SEEN] == 0, c
+            counts.fill(0)
         if on == "1":  # bench nodes' per-node graph replays run each node alone: unlinked, so no hang
             from backends.engine.executor import Executor
             stream = cp.cuda.Stream(non_blocking=True)

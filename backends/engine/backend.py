@@ -76,7 +76,7 @@ class EngineBackend:
             body, head = arch.build(self.arena, self.bufs, p, cfg.n_ctx)
             xpf.link(body + head)  # GGUF_HARNESS_GEMV_KQ_XPF: each v9 GEMV learns the next one's rows
             if kq_flags.enabled():  # GGUF_HARNESS_GEMV_KQ_FLAGS=1: gate/up -> ffn_down readiness counts
-                self.kq_counts = cp.zeros(kq_flags.MAX_GROUPS + 1, dtype=cp.uint32)
+                self.kq_counts = cp.zeros(kq_flags.WORDS, dtype=cp.uint32)
                 self.kq_linked = kq_flags.link(body, self.kq_counts)
         except BaseException:  # not loaded, so close() frees nothing: free the arena here
             self.arena.close()
@@ -118,6 +118,20 @@ class EngineBackend:
             clear(self.stream)
         self._zero_counts()
 
+    def _check_counts(self) -> None:
+        """GGUF_HARNESS_GEMV_KQ_FLAGS: raise NumericError when a linked consumer found its readiness
+        counts wrong or waited past its time limit (kq_flags: the error word); the values of that
+        step are then not to be trusted. The counts are zeroed first, so the engine can go on."""
+        counts = getattr(self, "kq_counts", None) if self._loaded else None
+        if counts is None:
+            return
+        err = int(counts[kq_flags.ERR].get(stream=self.stream))
+        if err:
+            self._zero_counts()
+            raise NumericError(f"engine: {err} readiness-count error(s) between a gate/up pair and its ffn_down "
+                               f"(GGUF_HARNESS_GEMV_KQ_FLAGS=1) by position {self.pos - 1}: a consumer waited "
+                               f"past its time limit or found counts left over; this step's values are wrong")
+
     def _zero_counts(self) -> None:
         """GGUF_HARNESS_GEMV_KQ_FLAGS: zero the readiness counts (kq_flags), which a step that stopped
         between a producer and its consumer (the eager finite check) would leave behind."""
@@ -155,6 +169,7 @@ class EngineBackend:
         logits = self.bufs.logits.get(stream=self.stream)
         state = self.bufs.state.get(stream=self.stream)
         self.stream.synchronize()
+        self._check_counts()
         if state[2] and not self._diag:  # a diagnostic build's values are wrong by design
             self._report_nonfinite(token, int(state[2]))
         return logits
@@ -162,8 +177,10 @@ class EngineBackend:
     def _report_nonfinite(self, token: int, count: int) -> None:
         """Re-run the step eagerly, checking every node, and name the first bad one."""
         self.bufs.state.set(np.array([token, self.pos - 1, 0, 0], np.int32), stream=self.stream)
-        node = self.step_exec.first_nonfinite()
-        self._zero_counts()  # it stops at the first bad node, maybe between a linked pair
+        try:
+            node = self.step_exec.first_nonfinite()
+        finally:
+            self._zero_counts()  # it stops at the first bad node, maybe between a linked pair
         where = node.name if node is not None else "the logits"
         raise NumericError(f"engine: {count} non-finite logits at position {self.pos - 1}; "
                            f"first NaN/Inf produced by node {where}")
@@ -224,6 +241,7 @@ class EngineBackend:
                 self.step_exec.replay()
                 int(self.bufs.state[0].get(stream=self.stream))  # synchronises
             out["decode_sync_s"].append(time.perf_counter() - t0)
+        self._check_counts()  # (GGUF_HARNESS_GEMV_KQ_FLAGS: before reset() zeroes the error word)
         self.reset()
         return out
 
@@ -266,5 +284,7 @@ class EngineBackend:
                 "nodes_per_step": len(self.step_exec.nodes),
                 "bytes_per_step": sum(n.bytes for n in self.step_exec.nodes),
                 "gemv_impl": _ops.GEMV_IMPL, "attn_impl": _ops.ATTN_IMPL,
+                # GGUF_HARNESS_GEMV_KQ_FLAGS=1: gate/up -> ffn_down pairs given readiness counts
+                "kq_flags_linked": getattr(self, "kq_linked", 0),
                 # every switch's value as run (unset ones too: defaults change between versions)
                 "switches_effective": switches.effective()}

@@ -6,11 +6,14 @@ A pair: a v9 SwiGLU node of the queue build (KQ_DQ=1, an entry gemvkq_swiglu_<ty
 from the queue; the 27B's gate/up) immediately followed by a
 4-part group node (a `_c4` kernel of the KQ_GSPLIT build; ffn_down) that reads the pair's output as
 its x. The producer counts its stored rows per 1024-row group into a u32 array (`counts`, 32
-words: groups 0..ng-1, word 31 the consumer's blocks past their wait), taking its rows in the order
-the consumer's parts need them; the consumer waits on its part's groups instead of on the
-producer's whole grid and resets the counts. Both nodes must be of the KQ_FLAGS build and the
-consumer's K a multiple of 1024 with 4 <= K / 1024 <= 31 (the kernel's group arithmetic), the
-producer's rows equal to it, its grid at most 1024 blocks. Anything else stays unlinked (role 0: the plain PDL wait), so a
+words: groups 0..ng-1, word 30 protocol errors, word 31 the consumer's blocks past their wait),
+taking its rows in the order the consumer's parts need them; the consumer waits on its part's
+groups instead of on the producer's whole grid, checks every count is exactly 1024 and resets them.
+A consumer whose counts do not come within 1 s stops waiting; that and a wrong count raise word 30,
+which the engine checks after each step (backend.py: NumericError). Both nodes must be of the
+KQ_FLAGS build and the consumer's K a multiple of 1024 with 4 <= K / 1024 <= 30 (the kernel's group
+arithmetic), the
+producer's rows equal to it. Anything else stays unlinked (role 0: the plain PDL wait), so a
 kernel benchmark or trace of one node alone never waits on counts nobody writes.
 """
 from __future__ import annotations
@@ -22,7 +25,9 @@ import numpy as np
 from . import ops
 
 GROUP = 1024   # kernels/gemv_kq.cu kFlagGroup: values of 4 super-blocks, a consumer part's unit
-MAX_GROUPS = 31  # count words 0..30; word 31 counts the consumer's blocks
+MAX_GROUPS = 30  # count words 0..29 (gemv_kq.cu kFlagMaxGroups)
+ERR, SEEN = 30, 31  # word 30: protocol errors (kFlagErr), word 31: consumer blocks past their wait
+WORDS = 32
 PRODUCER, CONSUMER = 1, 2
 # the SwiGLU entries whose rows come from the queue (gemv_kq.cu kq_body -> kq_dq_body: one row per
 # warp, 8 lanes, no S-split), the only ones that count
@@ -52,8 +57,6 @@ def pair_groups(producer, consumer) -> int:
     rows = int(producer.args[5])
     if K % GROUP or rows != K or not 4 <= K // GROUP <= MAX_GROUPS:
         return 0
-    if int(producer.grid[0]) > GROUP:  # a group must hold rows of every producer block (each has staged x
-        return 0                       # before its first row), so the consumer's adds follow every read
     return K // GROUP
 
 
@@ -62,8 +65,8 @@ def link(nodes: list, counts) -> int:
     in order), with `counts` (a zeroed device u32 array of at least 32 words, kept alive by the
     caller) as their count array. Returns the pairs linked. A linked node's cached PDL launch is
     dropped (it relaunches with the new table). Raises ValueError if `counts` is too small."""
-    if counts.size < MAX_GROUPS + 1 or counts.dtype != np.uint32:
-        raise ValueError(f"readiness counts: need a uint32 array of {MAX_GROUPS + 1} words, got "
+    if counts.size < WORDS or counts.dtype != np.uint32:
+        raise ValueError(f"readiness counts: need a uint32 array of {WORDS} words, got "
                          f"{counts.dtype} [{counts.size}]")
     linked = 0
     for a, b in zip(nodes, nodes[1:]):

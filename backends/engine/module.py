@@ -47,13 +47,20 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
 #            only the cluster-split GEMVs of 4 (2) parts skip their PDL wait (gemv_kq.cu kq_body; the
 #            27B's ffn_down after its gate/up pair, resp. ssm_out / attn_output): bounds what
 #            per-chunk readiness flags between those consumers and their producers could gain.
-#            Added to the KQ_CSPLIT build of gemv_kq.cu only, so no other module recompiles.
+#            Added to the KQ_CSPLIT build of gemv_kq.cu only, so no other module recompiles;
+#   nowait_norm
+#            only the v9 GEMVs with a fused RMSNorm skip their PDL wait (gate/up, ssm_in, qkv, the
+#            head): bounds what staging x chunk by chunk in those consumers could gain. Added to
+#            gemv_kq.cu's builds only.
 # The rooflines' sources (ROOFLINE_SOURCES) are built without them. Only `harness bench nodes` and
 # `harness bench kernels` run them (the engine refuses them elsewhere: backend.EngineBackend); the
 # engine does not raise on their non-finite logits; results record the switch (harness.machine).
 DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE", "nowait_c4": "DIAG_NOWAIT_C4",
-                "nowait_c2": "DIAG_NOWAIT_C2"}
-_DIAG_CSPLIT_ONLY = frozenset({"DIAG_NOWAIT_C4", "DIAG_NOWAIT_C2"})  # defines for the KQ_CSPLIT build alone
+                "nowait_c2": "DIAG_NOWAIT_C2", "nowait_norm": "DIAG_NOWAIT_NORM"}
+# defines that only some builds read, so no other module recompiles: define -> (source, defines) -> bool
+_DIAG_ONLY_IN = {"DIAG_NOWAIT_C4": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
+                 "DIAG_NOWAIT_C2": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
+                 "DIAG_NOWAIT_NORM": lambda src, d: src == "gemv_kq.cu"}
 
 
 def _diag_words(value: str) -> list[str] | None:
@@ -97,9 +104,8 @@ def _module(source: str, defines: tuple[str, ...] = ()):
     if source == "gemv.cu" and not any(d.startswith("PF_AHEAD=") for d in defines):
         defines = tuple(defines) + gemv_pf_defines()  # ops.pf_ahead's own choice wins
     if source not in ROOFLINE_SOURCES:
-        csplit = source == "gemv_kq.cu" and "KQ_CSPLIT=1" in defines
         defines = tuple(defines) + tuple(d for d in diag_defines()
-                                         if d not in defines and (csplit or d not in _DIAG_CSPLIT_ONLY))
+                                         if d not in defines and _DIAG_ONLY_IN.get(d, lambda *_: True)(source, defines))
     return _module_for(source, tuple(defines))  # one cache key per (source, defines)
 
 

@@ -565,6 +565,8 @@ def kv9_defines() -> tuple[str, ...]:
         out.append("KQ_CONV=1")
     _switch01("GGUF_HARNESS_GEMV_KQ_FLAGS", GEMV_KQ_FLAGS)
     if GEMV_KQ_FLAGS == "1":  # every v9 build with the flag fields (kq_flags.link sets them on linked pairs)
+        if GEMV_KQ_DQ_MAP == "0":  # the producer counts a block's rows per group for rows b + k B
+            raise ValueError("GGUF_HARNESS_GEMV_KQ_FLAGS=1 needs the queue's rows b + k B (GGUF_HARNESS_GEMV_KQ_DQ_MAP=1)")
         out.append("KQ_FLAGS=1")
     kv9_part_rot()  # refuse a bad GGUF_HARNESS_GEMV_KQ_PART_ROT early (a define of the cluster build only)
     return tuple(out) + iq4_xil_defines()

@@ -77,6 +77,11 @@ def check() -> None:
                          ("GGUF_HARNESS_GEMV_MMA_MIN_ROWS", gemv_mma.GEMV_MMA_MIN_ROWS)):
             if val and not (val.isascii() and val.isdigit()):
                 raise ValueError(f"{env}={val!r}: expected a whole number")
+        diag = set(module.diag_defines())
+        if ops.GEMV_KQ_FLAGS == "1" and diag & {"DIAG_NOWAIT", "DIAG_NOWAIT_NORM"}:
+            # the counts' reset is ordered before the next producer only by that producer's PDL wait
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_FLAGS=1 with GGUF_HARNESS_DIAG={module.DIAG}: the gate/up "
+                             f"pair would count without its wait; time them apart")
         try:
             ops.head_splitting()
         except ValueError:

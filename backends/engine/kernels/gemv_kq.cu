@@ -487,8 +487,9 @@ static_assert(KQ_GS_FENCE == 0 || KQ_GS_FENCE == 1, "KQ_GS_FENCE: 0 or 1");
 #if KQ_CSPLIT && !KQ_GSPLIT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "KQ_CSPLIT: thread-block clusters need sm_90 or newer"
 #endif
-// GGUF_HARNESS_DIAG nowait_c4 / nowait_c2 (module.py; timing only, values wrong by design): the
-// cluster-split instances of 4 / 2 parts skip their PDL wait.
+// GGUF_HARNESS_DIAG nowait_c4 / nowait_c2 / nowait_norm (module.py; timing only, values wrong by
+// design): the cluster-split instances of 4 / 2 parts, or the kernels with a fused norm, skip their
+// PDL wait.
 #ifdef DIAG_NOWAIT_C4
 constexpr bool kDiagNowaitC4 = true;
 #else
@@ -499,6 +500,16 @@ constexpr bool kDiagNowaitC2 = true;
 #else
 constexpr bool kDiagNowaitC2 = false;
 #endif
+// A v9 kernel's PDL wait (common.cuh pdl_wait), skipped by the timing-only builds: the CS-part
+// cluster-split instances under nowait_c4 / nowait_c2, kernels with a fused norm under nowait_norm.
+template <int CS> __device__ __forceinline__ void kq_pdl_wait(const float* norm) {
+    if constexpr ((kDiagNowaitC4 && CS == 4) || (kDiagNowaitC2 && CS == 2)) return;
+#ifdef DIAG_NOWAIT_NORM
+    if (norm) return;
+#endif
+    (void)norm;
+    pdl_wait();
+}
 #if KQ_GSPLIT
 static_assert(KQ_CSPLIT, "KQ_GSPLIT is a form of the KQ_CSPLIT build");
 // [virtual cluster][round][part][warp]: the parts' row sums; one count per virtual cluster
@@ -674,13 +685,27 @@ __device__ __forceinline__ void conv_prefetch(const SegTable& t) {
 // To have groups ready early the producer takes its rows in the consumer's order (kq_flag_row)
 // and the consumer's blocks are part-major (kq_body), so the blocks that land first are those
 // whose x is complete. Values: the same rows, sums and order as the default (bitwise).
+// Counting: a warp that stores a row counts it in its block's shared count of the row's group
+// (after a CTA-scope fence); the warp that completes the block's rows of a group publishes them
+// with one GPU-scope fence and one global add (cumulativity: the other warps' stores, ordered
+// before their shared-memory adds, are ordered before that fence), so a block pays ~17 fences, not
+// one per row (a fence per row would stall every warp at every row end).
 // Safety: the producer is one wave (every block resident before the consumer can launch, so a
-// waiting consumer block cannot starve it); every producer block stages its x (the residual the
-// consumer adds into) before it stores a row, and a group holds rows of every block, so the
-// consumer writes nothing the producer still reads; the counts are reset by the consumer's last
-// block, before the next producer (a later node, behind PDL waits) counts again.
+// waiting consumer block cannot starve it). The consumer adds into the residual (the producer's x)
+// only after all CS blocks of its group have counted in (kq_gcount), i.e. after every group is
+// complete, and a complete group set means every producer block stored a row, which it does only
+// after staging x: no producer read is left. The counts are reset by the consumer's last block,
+// before the next producer (a later node, behind PDL waits) counts again. A consumer whose counts
+// do not come (run without its producer) or are not exactly 1024 (left over from a producer run
+// without its consumer) does not hang or pass silently: it stops waiting after kFlagTimeoutNs
+// and, like a wrong count, raises the error word cnt[kFlagErr], which the engine checks
+// (backend.py).
 static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32 * KQ_CONV + 24, "SegTable with KQ_FLAGS (ops.table_dtype)");
 constexpr int kFlagGroup = 1024;  // values of 4 super-blocks: the consumer parts' unit (stage_xq cs_entry)
+constexpr int kFlagMaxGroups = 30;  // count words 0..29 (kq_flags.MAX_GROUPS)
+constexpr int kFlagErr = 30;        // protocol errors (sticky until the engine zeroes the counts)
+constexpr int kFlagSeen = 31;       // consumer blocks past their wait
+constexpr unsigned long long kFlagTimeoutNs = 1000000000ull;  // 1 s: far beyond any producer's run
 // The producer's row L in its queue order -> the row it computes: the consumer's groups in the
 // order its parts need them (part p stages groups p + 4 j, j < F, and, KQ_PART_ROT, every part
 // the leftover groups 4 F .. ng - 1): the leftovers, then part 0's groups, 1's, 2's, 3's.
@@ -695,40 +720,67 @@ __device__ __forceinline__ int kq_flag_row(int L, int ng, int F) {
     }
     return g * kFlagGroup + L % kFlagGroup;
 }
-__device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+// Rows b + k B (k >= 0) below v: how many of a block's rows (KQ_DQ_MAP 1) precede logical row v.
+__device__ __forceinline__ int kq_rows_below(int v, int b, int B) { return v > b ? (v - b + B - 1) / B : 0; }
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
 }
-__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
+__device__ __forceinline__ unsigned ld_relaxed_u32(const unsigned* p) {
     unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+// Lane 0 of the producer warp that stored logical row L (row = kq_flag_row(L)): count it in the
+// block's shared count of its group; the warp completing the block's rows of that group publishes
+// them (fence.acq_rel.gpu, then a relaxed add: together a release of every counted row's store).
+__device__ __forceinline__ void kq_flag_done(const FlagArgs& f, unsigned* scnt, int L, int row, int total_rows) {
+    const int gi = L / kFlagGroup, b = (int)blockIdx.x, B = (int)gridDim.x;
+    const int lo = gi * kFlagGroup, hi = min(lo + kFlagGroup, total_rows);
+    const unsigned need = (unsigned)(kq_rows_below(hi, b, B) - kq_rows_below(lo, b, B));
+    __threadfence_block();  // this row's store before the shared count (CTA scope)
+    if (atomicAdd(scnt + gi, 1u) + 1u == need) {
+        __threadfence();  // every counted row's store (cumulativity) before the global add
+        atomicAdd((unsigned*)f.cnt + row / kFlagGroup, need);
+    }
+}
 // The consumer block of part `part`: thread 0 waits until each group the part stages holds its
-// 1024 rows (acquire; the producer released each count after its row's store), the barrier passes
-// that on to the block's threads; it then counts the block in, and the grid's last block resets
-// the counts.
+// 1024 rows (relaxed polls, then a GPU-scope fence: an acquire of the producers' releases), the
+// barrier passes that on to the block's threads; it then counts the block in, and the grid's last
+// block checks every count is exactly 1024 and resets them.
 __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
     unsigned* cnt = (unsigned*)f.cnt;
     if (threadIdx.x == 0) {
         const int nl = f.ng - 4 * f.F;
-        for (int k = 0; k < f.F + nl; ++k) {
+        const unsigned long long t0 = globaltimer_ns();
+        bool late = false;
+        for (int k = 0; k < f.F + nl && !late; ++k) {
             const int g = k < f.F ? part + 4 * k : 4 * f.F + (k - f.F);
-            while (ld_acquire_u32(cnt + g) < (unsigned)kFlagGroup) {
-            }
+            for (unsigned n = 0; ld_relaxed_u32(cnt + g) < (unsigned)kFlagGroup; ++n)
+                if ((n & 255u) == 255u && globaltimer_ns() - t0 > kFlagTimeoutNs) {
+                    late = true;
+                    break;
+                }
         }
-        if (atomicAdd(cnt + 31, 1u) == gridDim.x - 1) {
-            for (int g = 0; g < f.ng; ++g) cnt[g] = 0u;
-            cnt[31] = 0u;
+        __threadfence();  // acquire: the polled counts' releases before this block's reads of x
+        if (late) atomicAdd(cnt + kFlagErr, 1u);
+        if (atomicAdd(cnt + kFlagSeen, 1u) == gridDim.x - 1) {
+            __threadfence();
+            unsigned bad = 0;
+            for (int g = 0; g < f.ng; ++g) {
+                bad |= ld_relaxed_u32(cnt + g) != (unsigned)kFlagGroup;
+                cnt[g] = 0u;
+            }
+            if (bad) atomicAdd(cnt + kFlagErr, 1u);
+            cnt[kFlagSeen] = 0u;
         }
     }
     __syncthreads();
 }
-// the producer's row `row` (node-global) is stored: count it in its group
-#define KQ_FLAG_DONE(MODE, t, row) \
-    do { if (MODE == 2 && (t).flags.role == 1) red_release_add((unsigned*)(t).flags.cnt + (row) / kFlagGroup, 1u); } while (0)
+#define KQ_FLAG_FPROD(MODE, t) (MODE == 2 && (t).flags.role == 1)
 #else
 static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32 * KQ_CONV, "SegTable (ops.table_dtype)");
-#define KQ_FLAG_DONE(MODE, t, row)
 #endif
 
 #ifndef KQ_DQ
@@ -822,6 +874,11 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     __shared__ int dq_next;                    // the next unit to hand out
     __shared__ int dq_seen[KQ_DQ_T];                // tail row j: parts added so far
     __shared__ float dq_part[KQ_DQ_T][KQ_DQ_P][2];  // tail row j, part p: (y, up)
+#if KQ_FLAGS
+    static_assert(KQ_DQ_MAP == 1, "KQ_FLAGS: a block's rows per group are counted for KQ_DQ_MAP 1 (b + k B)");
+    __shared__ unsigned fl_cnt[kFlagMaxGroups];  // KQ_FLAGS producer: the block's stored rows per group
+    if (threadIdx.x < kFlagMaxGroups) fl_cnt[threadIdx.x] = 0u;  // (published by stage_xq's barriers)
+#endif
     int4* xq = smem4 + (Q::TYPE == T_IQ3_S ? kIq3sDynInt4 : 0);  // (KQ_IQ3S_GRID 32: the grid copies first)
     int* xs = (int*)(xq + K / 8);  // K % 256 == 0 (ops.py): Kp = K
     float* xd = (float*)(xs + K / 8);
@@ -838,7 +895,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
 #endif
 #if KQ_FLAGS  // a producer takes its rows in its consumer's order (kq_flag_row)
     auto grow = [&](int k) {
-        return MODE == 2 && t.flags.role == 1 ? kq_flag_row(grow0(k), t.flags.ng, t.flags.F) : grow0(k);
+        return KQ_FLAG_FPROD(MODE, t) ? kq_flag_row(grow0(k), t.flags.ng, t.flags.F) : grow0(k);
     };
 #else
     auto grow = grow0;
@@ -878,7 +935,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     }
     Q::setup();
     KQ_CONV_PREFETCH(t);
-    pdl_wait();
+    kq_pdl_wait<1>(norm);  // (timing-only builds may skip it)
     KQ_MARK(1);
     pdl_trigger();
     if constexpr (KQ_PF0 == 2) prefetch_first();
@@ -923,7 +980,9 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         if (lane == 0) {
             if (np == 1) {
                 KQ_STORE(MODE, t, si, row, y * rs, up * rs);
-                KQ_FLAG_DONE(MODE, t, row);
+#if KQ_FLAGS
+                if (KQ_FLAG_FPROD(MODE, t)) kq_flag_done(t.flags, fl_cnt, grow0(u), row, total_rows);
+#endif
             } else {
                 volatile float* pp = &dq_part[j][0][0];
                 pp[2 * p] = y;
@@ -937,7 +996,9 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                         us += pp[2 * q + 1];
                     }
                     KQ_STORE(MODE, t, si, row, ys * rs, us * rs);
-                    KQ_FLAG_DONE(MODE, t, row);
+#if KQ_FLAGS
+                    if (KQ_FLAG_FPROD(MODE, t)) kq_flag_done(t.flags, fl_cnt, grow0(F + j), row, total_rows);
+#endif
                 }
             }
         }
@@ -1053,8 +1114,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         kq_flag_wait(t.flags, wpart);  // x's groups of this part, not the producer's whole grid
     else
 #endif
-    if constexpr (!((kDiagNowaitC4 && CS == 4) || (kDiagNowaitC2 && CS == 2)))  // (timing-only builds)
-        pdl_wait();     // x (and the output, for "add") come from the previous kernels
+    kq_pdl_wait<CS>(norm);  // x (and the output, for "add") come from the previous kernels
     KQ_MARK(1);
     pdl_trigger();
     if constexpr (KQ_PF0 == 2) prefetch_first_row(first);

@@ -33,7 +33,19 @@ template <int CS> constexpr bool kKqPartRot = KQ_PART_ROT && CS == 4;  // one ru
 #ifndef KQ_FLAGS
 #define KQ_FLAGS 0  // gemv_kq.cu KQ_FLAGS (segs.cuh FlagArgs): readiness counts between a producer and a consumer
 #endif
-template <int CS> constexpr bool kXsCoherent = KQ_FLAGS && CS > 1;  // stage_xq's x loads through L2
+template <int CS> constexpr bool kXsCoherent = KQ_FLAGS && CS == 4;  // stage_xq's x loads through L2
+// (volatile asm with a memory clobber: cuda's __ldcg is asm without one, which the compiler may move
+// above the barrier that follows kq_flag_wait's acquire)
+__device__ __forceinline__ float4 ld_cg_f4(const float* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_cg_f1(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ int cs_entries(int nch, int cs, int part, bool rot) {
     const int ng = (nch + 127) >> 7;
     if (rot) return 128 * (ng / cs + ng % cs);
@@ -103,15 +115,15 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
 #endif
     const bool vec = (K & 7) == 0;
     const int nch = ((K + 255) >> 8) * 32;  // multiple of 32: the c < nch test is warp-uniform
-    // x through L2 (ld.global.cg) in a KQ_FLAGS cluster-split kernel, which may read x while its
+    // x through L2 (ld.global.cg) in a KQ_FLAGS 4-part group kernel, which may read x while its
     // producer grid still runs (after acquiring the readiness counts, gemv_kq.cu kq_flag_wait): not
     // through the non-coherent read-only path a const __restrict__ pointer allows
     auto ld4 = [&](int i) -> float4 {
-        if constexpr (kXsCoherent<CS>) return __ldcg((const float4*)x + i);
+        if constexpr (kXsCoherent<CS>) return ld_cg_f4(x + 4 * i);
         else return ((const float4*)x)[i];
     };
     auto ld1 = [&](int i) -> float {
-        if constexpr (kXsCoherent<CS>) return __ldcg(x + i);
+        if constexpr (kXsCoherent<CS>) return ld_cg_f1(x + i);
         else return x[i];
     };
 #ifdef ACT_Q8_1
