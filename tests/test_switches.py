@@ -1,6 +1,8 @@
 """backends.engine.switches: a result names every engine switch's value as run."""
 from __future__ import annotations
 
+import pytest
+
 from harness.machine import ENGINE_SWITCHES
 
 
@@ -178,3 +180,23 @@ def test_results_record_diag_in_one_spelling(monkeypatch):
     monkeypatch.setenv("GGUF_HARNESS_GEMV_KQ_PF0", " 3")
     sw = machine._switches_set()
     assert sw["GGUF_HARNESS_DIAG"] == "nowait,nostage" and sw["GGUF_HARNESS_GEMV_KQ_PF0"] == " 3"
+
+
+def test_flags_are_refused_with_the_nowait_builds(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_FLAGS=1 with GGUF_HARNESS_DIAG=nowait or nowait_norm: the gate/up pair would
+    count without its PDL wait (which orders the counts' reset before it): switches.check refuses
+    it, naming both; with nowait_c4 or without a DIAG build it passes."""
+    from backends.engine import module, ops, switches
+    from harness.errors import ConfigError
+    monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "1")
+    for diag in ("nowait", "nowait_norm", "nowait,nostage"):
+        monkeypatch.setattr(module, "DIAG", diag)
+        with pytest.raises(ConfigError, match="GGUF_HARNESS_GEMV_KQ_FLAGS=1 with GGUF_HARNESS_DIAG"):
+            switches.check()
+    for diag in ("", "nowait_c4", "nostage"):
+        monkeypatch.setattr(module, "DIAG", diag)
+        switches.check()
+    monkeypatch.setattr(module, "DIAG", "")
+    monkeypatch.setattr(ops, "GEMV_KQ_DQ_MAP", "0")
+    with pytest.raises(ConfigError, match="GEMV_KQ_DQ_MAP=1"):
+        switches.check()
