@@ -500,15 +500,17 @@ constexpr bool kDiagNowaitC2 = true;
 #else
 constexpr bool kDiagNowaitC2 = false;
 #endif
-// A v9 kernel's PDL wait (common.cuh pdl_wait), skipped by the timing-only builds: the CS-part
-// cluster-split instances under nowait_c4 / nowait_c2, kernels with a fused norm under nowait_norm.
-template <int CS> __device__ __forceinline__ void kq_pdl_wait(const float* norm) {
-    if constexpr ((kDiagNowaitC4 && CS == 4) || (kDiagNowaitC2 && CS == 2)) return;
+// Whether a v9 kernel makes its PDL wait (common.cuh pdl_wait; callers write `if (kq_waits..)
+// pdl_wait();`, the form tests/test_pdl_contract.py reads): always, but in the timing-only builds,
+// the CS-part cluster-split instances under nowait_c4 / nowait_c2 and kernels with a fused norm
+// under nowait_norm.
+template <int CS> __device__ __forceinline__ bool kq_waits(const float* norm) {
+    if constexpr ((kDiagNowaitC4 && CS == 4) || (kDiagNowaitC2 && CS == 2)) return false;
 #ifdef DIAG_NOWAIT_NORM
-    if (norm) return;
+    if (norm) return false;
 #endif
     (void)norm;
-    pdl_wait();
+    return true;
 }
 #if KQ_GSPLIT
 static_assert(KQ_CSPLIT, "KQ_GSPLIT is a form of the KQ_CSPLIT build");
@@ -935,7 +937,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     }
     Q::setup();
     KQ_CONV_PREFETCH(t);
-    kq_pdl_wait<1>(norm);  // (timing-only builds may skip it)
+    if (kq_waits<1>(norm)) pdl_wait();  // (timing-only builds may skip it)
     KQ_MARK(1);
     pdl_trigger();
     if constexpr (KQ_PF0 == 2) prefetch_first();
@@ -1114,7 +1116,7 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
         kq_flag_wait(t.flags, wpart);  // x's groups of this part, not the producer's whole grid
     else
 #endif
-    kq_pdl_wait<CS>(norm);  // x (and the output, for "add") come from the previous kernels
+    if (kq_waits<CS>(norm)) pdl_wait();  // x (and the output, for "add") come from the previous kernels
     KQ_MARK(1);
     pdl_trigger();
     if constexpr (KQ_PF0 == 2) prefetch_first_row(first);
