@@ -118,11 +118,16 @@ class EngineBackend:
             clear(self.stream)
         self._zero_counts()
 
+    def _counts(self):
+        """The readiness counts (cupy uint32 [kq_flags.WORDS]) of a loaded engine with
+        GGUF_HARNESS_GEMV_KQ_FLAGS=1, else None."""
+        return getattr(self, "kq_counts", None) if self._loaded else None
+
     def _check_counts(self) -> None:
         """GGUF_HARNESS_GEMV_KQ_FLAGS: raise NumericError when a linked consumer found its readiness
         counts wrong or waited past its time limit (kq_flags: the error word); the values of that
         step are then not to be trusted. The counts are zeroed first, so the engine can go on."""
-        counts = getattr(self, "kq_counts", None) if self._loaded else None
+        counts = self._counts()
         if counts is None:
             return
         err = int(counts[kq_flags.ERR].get(stream=self.stream))
@@ -135,7 +140,7 @@ class EngineBackend:
     def _zero_counts(self) -> None:
         """GGUF_HARNESS_GEMV_KQ_FLAGS: zero the readiness counts (kq_flags), which a step that stopped
         between a producer and its consumer (the eager finite check) would leave behind."""
-        counts = getattr(self, "kq_counts", None) if self._loaded else None
+        counts = self._counts()
         if counts is not None:
             with self.stream:
                 counts.fill(0)

@@ -60,6 +60,15 @@ def pair_groups(producer, consumer) -> int:
     return K // GROUP
 
 
+def _with_flags(table, flags):
+    """A copy of the by-value table `table` (a numpy structured scalar) with its flag record set to
+    `flags`; the original is left as it was (np.array of such a scalar shares its memory, hence
+    the copy)."""
+    new = np.array(table).copy()
+    new["flags"] = flags
+    return new[()]
+
+
 def link(nodes: list, counts) -> int:
     """Fill the flag records of every producer / consumer pair among consecutive `nodes` (the step
     in order), with `counts` (a zeroed device u32 array of at least 32 words, kept alive by the
@@ -74,9 +83,8 @@ def link(nodes: list, counts) -> int:
         if not ng:
             continue
         for node, role in ((a, PRODUCER), (b, CONSUMER)):
-            table = np.array(node.args[0]).copy()  # (np.array of a structured scalar shares its memory)
-            table["flags"] = (int(counts.data.ptr), ng, ng // 4, role, 0)
-            node.args = (table[()],) + tuple(node.args[1:])
+            node.args = (_with_flags(node.args[0], (int(counts.data.ptr), ng, ng // 4, role, 0)),) \
+                + tuple(node.args[1:])
             node._pdl = None
         linked += 1
     return linked
@@ -96,9 +104,7 @@ def unlinked(node):
     if not linked(node):
         return node
     import dataclasses
-    table = np.array(node.args[0]).copy()  # np.array of a structured scalar shares its memory: copy
-    table["flags"] = 0
-    return dataclasses.replace(node, args=(table[()],) + tuple(node.args[1:]))
+    return dataclasses.replace(node, args=(_with_flags(node.args[0], 0),) + tuple(node.args[1:]))
 
 
 def enabled() -> bool:

@@ -758,7 +758,7 @@ __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
         const unsigned long long t0 = globaltimer_ns();
         bool late = false;
         for (int k = 0; k < f.F + nl && !late; ++k) {
-            const int g = k < f.F ? part + 4 * k : 4 * f.F + (k - f.F);
+            const int g = cs_group_rot(k, f.F, 4, part);  // the groups stage_xq stages for the part
             for (unsigned n = 0; ld_relaxed_u32(cnt + g) < (unsigned)kFlagGroup; ++n)
                 if ((n & 255u) == 255u && globaltimer_ns() - t0 > kFlagTimeoutNs) {
                     late = true;

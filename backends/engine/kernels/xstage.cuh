@@ -51,10 +51,16 @@ __device__ __forceinline__ int cs_entries(int nch, int cs, int part, bool rot) {
     if (rot) return 128 * (ng / cs + ng % cs);
     return ng > part ? 128 * ((ng - part + cs - 1) / cs) : 0;
 }
+// The k-th group of 4 super-blocks a part stages under KQ_PART_ROT (F = full sweeps of cs groups):
+// its groups part + cs k for k < F, then the leftover groups F cs .. (also the groups a KQ_FLAGS
+// consumer part waits for, gemv_kq.cu kq_flag_wait)
+__device__ __forceinline__ int cs_group_rot(int k, int F, int cs, int part) {
+    return k < F ? k * cs + part : F * cs + k - F;
+}
 __device__ __forceinline__ int cs_entry(int v, int nv, int nch, int cs, int part, bool rot) {
     if (rot) {
         const int g = v >> 7, F = ((nch + 127) >> 7) / cs;
-        return v < nv ? (((g < F ? g * cs + part : F * cs + g - F) << 7) | (v & 127)) : nch;
+        return v < nv ? ((cs_group_rot(g, F, cs, part) << 7) | (v & 127)) : nch;
     }
     return v < nv ? ((((v >> 7) * cs + part) << 7) | (v & 127)) : nch;
 }
