@@ -138,6 +138,46 @@ def test_the_switch_adds_the_define_and_the_table_record(monkeypatch):
     assert ops.table_dtype(True, True, True).itemsize == 152 + 48 + 32 + 24
 
 
+def test_the_sleep_switch_needs_the_flags_and_a_bound(monkeypatch):
+    """GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP (session 33): ns 1..100000 add KQ_FLAG_SLEEP=<ns> to a KQ_FLAGS
+    build; "" and "0" add nothing; without the flags, or out of range, a ValueError names it."""
+    monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "1")
+    for v, want in (("", None), ("0", None), ("250", "KQ_FLAG_SLEEP=250"), ("100000", "KQ_FLAG_SLEEP=100000")):
+        monkeypatch.setattr(ops, "GEMV_KQ_FLAGS_SLEEP", v)
+        got = [d for d in ops.kv9_defines() if d.startswith("KQ_FLAG_SLEEP")]
+        assert got == ([want] if want else []), v
+    for v in ("100001", "-5", "1e3", "x"):
+        monkeypatch.setattr(ops, "GEMV_KQ_FLAGS_SLEEP", v)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP"):
+            ops.kv9_defines()
+    monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
+    monkeypatch.setattr(ops, "GEMV_KQ_FLAGS_SLEEP", "250")
+    with pytest.raises(ValueError, match="needs GGUF_HARNESS_GEMV_KQ_FLAGS=1"):
+        ops.kv9_defines()
+
+
+def test_sleep_and_flags_pdl_change_only_the_linked_consumer():
+    """NVRTC, the group build with KQ_FLAGS=1: KQ_FLAG_SLEEP puts a nanosleep.u32 into the _c4 entries'
+    poll and DIAG_FLAGS_PDL a griddepcontrol.wait before it; the _c2 / plain entries stay as they were."""
+    from test_kernels_compile import _entry_bodies, _nvrtc, compile_source
+    lib = _nvrtc()
+    base = ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_FLAGS=1")
+    plain, slept, pdl = [], [], []
+    for defs, out in ((base, plain), (base + ("KQ_FLAG_SLEEP=256",), slept), (base + ("DIAG_FLAGS_PDL",), pdl)):
+        rc, log = compile_source(lib, "gemv_kq.cu", defs, out)
+        assert rc == 0, log
+    a, s, w = _entry_bodies(plain[0]), _entry_bodies(slept[0]), _entry_bodies(pdl[0])
+    assert set(a) == set(s) == set(w)
+    for n in a:
+        c4 = n.endswith("_c4")
+        assert ("nanosleep" in s[n]) == c4 and "nanosleep" not in a[n], n
+        if c4:
+            assert w[n].count("griddepcontrol.wait") == a[n].count("griddepcontrol.wait") + 1, n
+            assert w[n].index("griddepcontrol.wait") < w[n].index("ld.relaxed.gpu"), n
+        else:
+            assert s[n] == a[n] and w[n] == a[n], n
+
+
 def test_flags_builds_compile_and_count_only_where_linked():
     """NVRTC: with KQ_FLAGS=1 the queue build's SwiGLU entries that take rows from the queue (and only
     those) gain a global add (the counts), and the group build's _c4 entries (and only those) poll

@@ -51,16 +51,22 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
 #   nowait_norm
 #            only the v9 GEMVs with a fused RMSNorm skip their PDL wait (gate/up, ssm_in, qkv, the
 #            head): bounds what staging x chunk by chunk in those consumers could gain. Added to
-#            gemv_kq.cu's builds only.
+#            gemv_kq.cu's builds only;
+#   flags_pdl
+#            with GGUF_HARNESS_GEMV_KQ_FLAGS=1: a linked ffn_down makes its PDL wait before its count
+#            wait, so the flags' head start is gone and only their cost stays (the counting, the
+#            producer's row order, the polls). Added to the KQ_CSPLIT KQ_FLAGS builds only.
 # The rooflines' sources (ROOFLINE_SOURCES) are built without them. Only `harness bench nodes` and
 # `harness bench kernels` run them (the engine refuses them elsewhere: backend.EngineBackend); the
 # engine does not raise on their non-finite logits; results record the switch (harness.machine).
 DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE", "nowait_c4": "DIAG_NOWAIT_C4",
-                "nowait_c2": "DIAG_NOWAIT_C2", "nowait_norm": "DIAG_NOWAIT_NORM"}
+                "nowait_c2": "DIAG_NOWAIT_C2", "nowait_norm": "DIAG_NOWAIT_NORM",
+                "flags_pdl": "DIAG_FLAGS_PDL"}
 # defines that only some builds read, so no other module recompiles: define -> (source, defines) -> bool
 _DIAG_ONLY_IN = {"DIAG_NOWAIT_C4": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
                  "DIAG_NOWAIT_C2": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
-                 "DIAG_NOWAIT_NORM": lambda src, d: src == "gemv_kq.cu"}
+                 "DIAG_NOWAIT_NORM": lambda src, d: src == "gemv_kq.cu",
+                 "DIAG_FLAGS_PDL": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d and "KQ_FLAGS=1" in d}
 
 
 def _diag_words(value: str) -> list[str] | None:

@@ -344,6 +344,9 @@ GEMV_KQ_CONV = os.environ.get("GGUF_HARNESS_GEMV_KQ_CONV", "0")
 # load): the consumer waits on per-group readiness counts instead of the pair's whole grid. "0" /
 # "": off (the default).
 GEMV_KQ_FLAGS = os.environ.get("GGUF_HARNESS_GEMV_KQ_FLAGS", "0")
+# KQ_FLAG_SLEEP (with GEMV_KQ_FLAGS=1; session 33): ns a waiting ffn_down block sleeps between
+# polls of its counts (__nanosleep); "" / "0": none (the KQ_FLAGS default).
+GEMV_KQ_FLAGS_SLEEP = os.environ.get("GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP", "")
 
 
 GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
@@ -568,6 +571,13 @@ def kv9_defines() -> tuple[str, ...]:
         if GEMV_KQ_DQ_MAP == "0":  # the producer counts a block's rows per group for rows b + k B
             raise ValueError("GGUF_HARNESS_GEMV_KQ_FLAGS=1 needs the queue's rows b + k B (GGUF_HARNESS_GEMV_KQ_DQ_MAP=1)")
         out.append("KQ_FLAGS=1")
+    v = GEMV_KQ_FLAGS_SLEEP
+    if v not in ("", "0"):
+        if not (v.isascii() and v.isdigit()) or not 1 <= int(v) <= 100000:
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP={v!r}: expected ns 0..100000")
+        if GEMV_KQ_FLAGS != "1":  # only a linked consumer polls
+            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP={v} needs GGUF_HARNESS_GEMV_KQ_FLAGS=1")
+        out.append(f"KQ_FLAG_SLEEP={int(v)}")
     kv9_part_rot()  # refuse a bad GGUF_HARNESS_GEMV_KQ_PART_ROT early (a define of the cluster build only)
     return tuple(out) + iq4_xil_defines()
 

@@ -708,6 +708,13 @@ constexpr int kFlagMaxGroups = 30;  // count words 0..29 (kq_flags.MAX_GROUPS)
 constexpr int kFlagErr = 30;        // protocol errors (sticky until the engine zeroes the counts)
 constexpr int kFlagSeen = 31;       // consumer blocks past their wait
 constexpr unsigned long long kFlagTimeoutNs = 1000000000ull;  // 1 s: far beyond any producer's run
+// KQ_FLAG_SLEEP (ops GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP; session 33): ns a waiting consumer block
+// sleeps between polls (0: none). Session 33 measured the flags +357 us on the 27B step with none:
+// every waiting block's thread 0 polls the same 128-byte line of counts, which the producers' adds
+// also need (one L2 slice).
+#ifndef KQ_FLAG_SLEEP
+#define KQ_FLAG_SLEEP 0
+#endif
 // The producer's row L in its queue order -> the row it computes: the consumer's groups in the
 // order its parts need them (part p stages groups p + 4 j, j < F, and, KQ_PART_ROT, every part
 // the leftover groups 4 F .. ng - 1): the leftovers, then part 0's groups, 1's, 2's, 3's.
@@ -759,11 +766,13 @@ __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
         bool late = false;
         for (int k = 0; k < f.F + nl && !late; ++k) {
             const int g = cs_group_rot(k, f.F, 4, part);  // the groups stage_xq stages for the part
-            for (unsigned n = 0; ld_relaxed_u32(cnt + g) < (unsigned)kFlagGroup; ++n)
+            for (unsigned n = 0; ld_relaxed_u32(cnt + g) < (unsigned)kFlagGroup; ++n) {
+                if constexpr (KQ_FLAG_SLEEP > 0) __nanosleep(KQ_FLAG_SLEEP);  // back off: fewer polls of the one line
                 if ((n & 255u) == 255u && globaltimer_ns() - t0 > kFlagTimeoutNs) {
                     late = true;
                     break;
                 }
+            }
         }
         __threadfence();  // acquire: the polled counts' releases before this block's reads of x
         if (late) atomicAdd(cnt + kFlagErr, 1u);
@@ -1112,9 +1121,12 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     KQ_CONV_PREFETCH(t);
 #if KQ_FLAGS && KQ_GSPLIT
-    if (fcons)
+    if (fcons) {
+#ifdef DIAG_FLAGS_PDL  // timing-only diagnostic (module.py): the consumer's PDL wait as well, so only the counting costs
+        pdl_wait();
+#endif
         kq_flag_wait(t.flags, wpart);  // x's groups of this part, not the producer's whole grid
-    else
+    } else
 #endif
     if (kq_waits<CS>(norm)) pdl_wait();  // x (and the output, for "add") come from the previous kernels
     KQ_MARK(1);
