@@ -689,19 +689,22 @@ __device__ __forceinline__ void conv_prefetch(const SegTable& t) {
 // whose x is complete. Values: the same rows, sums and order as the default (bitwise).
 // Counting: a warp that stores a row counts it in its block's shared count of the row's group
 // (after a CTA-scope fence); the warp that completes the block's rows of a group publishes them
-// with one GPU-scope fence and one global add (cumulativity: the other warps' stores, ordered
+// with one GPU-scope fence (acq_rel) and one global add (cumulativity: the other warps' stores, ordered
 // before their shared-memory adds, are ordered before that fence), so a block pays ~17 fences, not
 // one per row (a fence per row would stall every warp at every row end).
 // Safety: the producer is one wave (every block resident before the consumer can launch, so a
 // waiting consumer block cannot starve it). The consumer adds into the residual (the producer's x)
 // only after all CS blocks of its group have counted in (kq_gcount), i.e. after every group is
 // complete, and a complete group set means every producer block stored a row, which it does only
-// after staging x: no producer read is left. The counts are reset by the consumer's last block,
-// before the next producer (a later node, behind PDL waits) counts again. A consumer whose counts
-// do not come (run without its producer) or are not exactly 1024 (left over from a producer run
-// without its consumer) does not hang or pass silently: it stops waiting after kFlagTimeoutNs
-// and, like a wrong count, raises the error word cnt[kFlagErr], which the engine checks
-// (backend.py).
+// after staging x: no producer read is left. The counts are reset by the consumer's last block to
+// end (kq_flag_end), before the next producer (a later node, behind PDL waits) counts again. A
+// consumer whose counts do not come (run without its producer) or are not exactly 1024 (left over
+// from a producer run without its consumer) does not hang or pass silently: it stops waiting
+// after kFlagTimeoutNs and, like a wrong count, raises the error word cnt[kFlagErr], which the
+// engine checks (backend.py).
+// Third form (session 33, after the second measured +357 us on the 27B step): the count-in and
+// the last block's check and reset moved from after the wait to the block's end, and the two
+// GPU fences are fence.acq_rel instead of __threadfence's fence.sc.
 static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32 * KQ_CONV + 24, "SegTable with KQ_FLAGS (ops.table_dtype)");
 constexpr int kFlagGroup = 1024;  // values of 4 super-blocks: the consumer parts' unit (stage_xq cs_entry)
 constexpr int kFlagMaxGroups = 30;  // count words 0..29 (kq_flags.MAX_GROUPS)
@@ -736,6 +739,10 @@ __device__ __forceinline__ unsigned long long globaltimer_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+// The release / acquire half of a fence-and-relaxed-atomic pattern (PTX ISA, memory consistency
+// model: fence.acq_rel is enough there; __threadfence is fence.sc.gpu, a heavier sequentially
+// consistent fence).
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ unsigned ld_relaxed_u32(const unsigned* p) {
     unsigned v;
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -750,14 +757,13 @@ __device__ __forceinline__ void kq_flag_done(const FlagArgs& f, unsigned* scnt, 
     const unsigned need = (unsigned)(kq_rows_below(hi, b, B) - kq_rows_below(lo, b, B));
     __threadfence_block();  // this row's store before the shared count (CTA scope)
     if (atomicAdd(scnt + gi, 1u) + 1u == need) {
-        __threadfence();  // every counted row's store (cumulativity) before the global add
+        fence_acq_rel_gpu();  // every counted row's store (cumulativity) before the global add
         atomicAdd((unsigned*)f.cnt + row / kFlagGroup, need);
     }
 }
 // The consumer block of part `part`: thread 0 waits until each group the part stages holds its
 // 1024 rows (relaxed polls, then a GPU-scope fence: an acquire of the producers' releases), the
-// barrier passes that on to the block's threads; it then counts the block in, and the grid's last
-// block checks every count is exactly 1024 and resets them.
+// barrier passes that on to the block's threads. (kq_flag_end counts the block in at its end.)
 __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
     unsigned* cnt = (unsigned*)f.cnt;
     if (threadIdx.x == 0) {
@@ -774,20 +780,28 @@ __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
                 }
             }
         }
-        __threadfence();  // acquire: the polled counts' releases before this block's reads of x
+        fence_acq_rel_gpu();  // acquire: the polled counts' releases before this block's reads of x
         if (late) atomicAdd(cnt + kFlagErr, 1u);
-        if (atomicAdd(cnt + kFlagSeen, 1u) == gridDim.x - 1) {
-            __threadfence();
-            unsigned bad = 0;
-            for (int g = 0; g < f.ng; ++g) {
-                bad |= ld_relaxed_u32(cnt + g) != (unsigned)kFlagGroup;
-                cnt[g] = 0u;
-            }
-            if (bad) atomicAdd(cnt + kFlagErr, 1u);
-            cnt[kFlagSeen] = 0u;
-        }
     }
     __syncthreads();
+}
+// Thread 0 of a consumer block at the block's end (session 33: off the path between the wait and
+// the block's work, where the first form had it and its last block's check and reset delayed
+// that block's rows): count the block in; the grid's last block (every block past its wait, so
+// every group complete) checks every count is exactly 1024 and resets them for the next producer,
+// which counts only after its own PDL wait, itself after this grid's end.
+__device__ __forceinline__ void kq_flag_end(const FlagArgs& f) {
+    unsigned* cnt = (unsigned*)f.cnt;
+    if (threadIdx.x == 0 && atomicAdd(cnt + kFlagSeen, 1u) == gridDim.x - 1) {
+        fence_acq_rel_gpu();
+        unsigned bad = 0;
+        for (int g = 0; g < f.ng; ++g) {
+            bad |= ld_relaxed_u32(cnt + g) != (unsigned)kFlagGroup;
+            cnt[g] = 0u;
+        }
+        if (bad) atomicAdd(cnt + kFlagErr, 1u);
+        cnt[kFlagSeen] = 0u;
+    }
 }
 #define KQ_FLAG_FPROD(MODE, t) (MODE == 2 && (t).flags.role == 1)
 #else
@@ -1292,6 +1306,9 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
         }
     }
+#endif
+#if KQ_FLAGS && KQ_GSPLIT
+    if (fcons) kq_flag_end(t.flags);
 #endif
     KQ_MARK(3);
     KQ_XPF_TAIL(t);
