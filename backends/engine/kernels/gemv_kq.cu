@@ -709,12 +709,13 @@ static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32 * KQ_CONV + 24, "SegTab
 constexpr int kFlagGroup = 1024;  // values of 4 super-blocks: the consumer parts' unit (stage_xq cs_entry)
 constexpr int kFlagMaxGroups = 30;  // count words 0..29 (kq_flags.MAX_GROUPS)
 constexpr int kFlagErr = 30;        // protocol errors (sticky until the engine zeroes the counts)
-constexpr int kFlagSeen = 31;       // consumer blocks past their wait
+constexpr int kFlagSeen = 31;       // consumer blocks ended (kq_flag_end)
 constexpr unsigned long long kFlagTimeoutNs = 1000000000ull;  // 1 s: far beyond any producer's run
 // KQ_FLAG_SLEEP (ops GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP; session 33): ns a waiting consumer block
-// sleeps between polls (0: none). Session 33 measured the flags +357 us on the 27B step with none:
-// every waiting block's thread 0 polls the same 128-byte line of counts, which the producers' adds
-// also need (one L2 slice).
+// sleeps between polls (0: none). Why it was tried: every waiting block's thread 0 polls the same
+// 128-byte line of counts, which the producers' adds also need (one L2 slice). Measured (session
+// 33, second form): 256 and 1000 ns left the 27B step where no sleep had it (+357 us against the
+// default), so the polls are not the flags' cost.
 #ifndef KQ_FLAG_SLEEP
 #define KQ_FLAG_SLEEP 0
 #endif
