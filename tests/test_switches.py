@@ -196,6 +196,12 @@ def test_flags_are_refused_with_the_nowait_builds(monkeypatch):
     for diag in ("", "nowait_c4", "nostage"):
         monkeypatch.setattr(module, "DIAG", diag)
         switches.check()
+    monkeypatch.setattr(module, "DIAG", "flags_pdl")  # with the flags: the diagnostic's purpose
+    switches.check()
+    monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
+    with pytest.raises(ConfigError, match="flags_pdl needs GGUF_HARNESS_GEMV_KQ_FLAGS=1"):
+        switches.check()
+    monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "1")
     monkeypatch.setattr(module, "DIAG", "")
     monkeypatch.setattr(ops, "GEMV_KQ_DQ_MAP", "0")
     with pytest.raises(ConfigError, match="GEMV_KQ_DQ_MAP=1"):

@@ -50,7 +50,7 @@ struct ConvArgs {         // 32 bytes, mirrored by backends/engine/ops.py CONV_D
 // producer's whole grid (griddepcontrol.wait).
 struct FlagArgs {         // 24 bytes, mirrored by backends/engine/ops.py FLAGS_DT
     u64 cnt;              // u32 [32]: [g] rows stored of 1024-row group g < ng; [30] protocol errors;
-                          // [31] consumer blocks past their wait
+                          // [31] consumer blocks ended (gemv_kq.cu kq_flag_end)
     int ng;               // 1024-row groups of the producer's rows (the consumer's K / 1024), 4..30
     int F;                // ng / 4: the consumer parts' full sweeps of 4 groups
     int role;             // 0: none (plain PDL wait), 1: producer, 2: consumer
