@@ -178,6 +178,41 @@ def test_sleep_and_flags_pdl_change_only_the_linked_consumer():
             assert s[n] == a[n] and w[n] == a[n], n
 
 
+def test_flags_split_diagnostics_change_only_their_side():
+    """NVRTC, the KQ_FLAGS builds under the session-34 diagnostics (module.py): DIAG_FLAGS_NOREMAP
+    changes only the queue build's SwiGLU entries (their row order), DIAG_FLAGS_NOPM only the group
+    build's _c4 entries (their block order); DIAG_FLAGS_NOCOUNT takes the counting out of both
+    sides: no global add in the producers, no poll in the _c4 consumers, which make a PDL wait."""
+    from test_kernels_compile import _entry_bodies, _nvrtc, compile_source
+    lib = _nvrtc()
+    bodies = {}
+    for side, base in (("prod", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_FLAGS=1")),
+                       ("cons", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_FLAGS=1"))):
+        for word in ("", "DIAG_FLAGS_NOREMAP", "DIAG_FLAGS_NOPM", "DIAG_FLAGS_NOCOUNT"):
+            out = []
+            rc, log = compile_source(lib, "gemv_kq.cu", base + ((word,) if word else ()), out)
+            assert rc == 0, log
+            bodies[side, word] = _entry_bodies(out[0])
+    prod, cons = bodies["prod", ""], bodies["cons", ""]
+    queue = {n for n in prod if kq_flags._QUEUE_PAIR.match(n)}
+    c4 = {n for n in cons if n.endswith("_c4")}
+    assert queue and c4
+    for n in prod:  # the producer side
+        assert bodies["prod", "DIAG_FLAGS_NOPM"][n] == prod[n], n
+        assert (bodies["prod", "DIAG_FLAGS_NOREMAP"][n] != prod[n]) == (n in queue), n
+        if n in queue:
+            assert "atom.global.add.u32" in prod[n] and "atom.global.add.u32" not in bodies["prod", "DIAG_FLAGS_NOCOUNT"][n], n
+    for n in cons:  # the consumer side
+        assert bodies["cons", "DIAG_FLAGS_NOREMAP"][n] == cons[n], n
+        assert (bodies["cons", "DIAG_FLAGS_NOPM"][n] != cons[n]) == (n in c4), n
+        nc = bodies["cons", "DIAG_FLAGS_NOCOUNT"][n]
+        if n in c4:
+            assert "ld.relaxed.gpu" in cons[n] and "ld.relaxed.gpu" not in nc, n
+            assert "griddepcontrol.wait" in nc, n
+        else:
+            assert nc == cons[n], n
+
+
 def test_flags_builds_compile_and_count_only_where_linked():
     """NVRTC: with KQ_FLAGS=1 the queue build's SwiGLU entries that take rows from the queue (and only
     those) gain a global add (the counts), and the group build's _c4 entries (and only those) poll

@@ -201,6 +201,14 @@ def test_flags_are_refused_with_the_nowait_builds(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
     with pytest.raises(ConfigError, match="flags_pdl needs GGUF_HARNESS_GEMV_KQ_FLAGS=1"):
         switches.check()
+    for diag in ("flags_noremap", "flags_nopm", "flags_nocount", "flags_pdl,flags_nopm"):
+        monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
+        monkeypatch.setattr(module, "DIAG", module.diag_canonical(diag))
+        with pytest.raises(ConfigError, match="needs GGUF_HARNESS_GEMV_KQ_FLAGS=1"):
+            switches.check()
+        monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "1")
+        switches.check()
+    monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
     monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "1")
     monkeypatch.setattr(module, "DIAG", "")
     monkeypatch.setattr(ops, "GEMV_KQ_DQ_MAP", "0")

@@ -55,18 +55,28 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
 #   flags_pdl
 #            with GGUF_HARNESS_GEMV_KQ_FLAGS=1: a linked ffn_down makes its PDL wait before its count
 #            wait, so the flags' head start is gone and only their cost stays (the counting, the
-#            producer's row order, the polls). Added to the KQ_CSPLIT KQ_FLAGS builds only.
+#            producer's row order, the polls). Added to the KQ_CSPLIT KQ_FLAGS builds only;
+#   flags_noremap, flags_nopm, flags_nocount
+#            with GGUF_HARNESS_GEMV_KQ_FLAGS=1, to split the linked pair's cost (session 34): the
+#            producer takes its rows in the default order (no kq_flag_row); the consumer's blocks
+#            keep the default group-major order (not part-major); neither counts nor waits on
+#            counts (the consumer makes its PDL wait instead), leaving only the row order, the
+#            block order and the build. Added to the KQ_FLAGS builds of gemv_kq.cu only.
 # The rooflines' sources (ROOFLINE_SOURCES) are built without them. Only `harness bench nodes` and
 # `harness bench kernels` run them (the engine refuses them elsewhere: backend.EngineBackend); the
 # engine does not raise on their non-finite logits; results record the switch (harness.machine).
 DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE", "nowait_c4": "DIAG_NOWAIT_C4",
                 "nowait_c2": "DIAG_NOWAIT_C2", "nowait_norm": "DIAG_NOWAIT_NORM",
-                "flags_pdl": "DIAG_FLAGS_PDL"}
+                "flags_pdl": "DIAG_FLAGS_PDL", "flags_noremap": "DIAG_FLAGS_NOREMAP",
+                "flags_nopm": "DIAG_FLAGS_NOPM", "flags_nocount": "DIAG_FLAGS_NOCOUNT"}
 # defines that only some builds read, so no other module recompiles: define -> (source, defines) -> bool
 _DIAG_ONLY_IN = {"DIAG_NOWAIT_C4": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
                  "DIAG_NOWAIT_C2": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
                  "DIAG_NOWAIT_NORM": lambda src, d: src == "gemv_kq.cu",
-                 "DIAG_FLAGS_PDL": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d and "KQ_FLAGS=1" in d}
+                 "DIAG_FLAGS_PDL": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d and "KQ_FLAGS=1" in d,
+                 "DIAG_FLAGS_NOREMAP": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
+                 "DIAG_FLAGS_NOPM": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
+                 "DIAG_FLAGS_NOCOUNT": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d}
 
 
 def _diag_words(value: str) -> list[str] | None:

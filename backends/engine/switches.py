@@ -82,8 +82,9 @@ def check() -> None:
             # the counts' reset is ordered before the next producer only by that producer's PDL wait
             raise ValueError(f"GGUF_HARNESS_GEMV_KQ_FLAGS=1 with GGUF_HARNESS_DIAG={module.DIAG}: the gate/up "
                              f"pair would count without its wait; time them apart")
-        if "DIAG_FLAGS_PDL" in diag and ops.GEMV_KQ_FLAGS != "1":  # its define reaches only KQ_FLAGS builds
-            raise ValueError("GGUF_HARNESS_DIAG=flags_pdl needs GGUF_HARNESS_GEMV_KQ_FLAGS=1 (without it "
+        flag_words = [w for w in (module.DIAG or "").split(",") if w.startswith("flags_")]
+        if flag_words and ops.GEMV_KQ_FLAGS != "1":  # their defines reach only KQ_FLAGS builds
+            raise ValueError(f"GGUF_HARNESS_DIAG={flag_words[0]} needs GGUF_HARNESS_GEMV_KQ_FLAGS=1 (without it "
                              "no node is linked and the build would be the default's)")
         try:
             ops.head_splitting()

@@ -753,6 +753,9 @@ __device__ __forceinline__ unsigned ld_relaxed_u32(const unsigned* p) {
 // block's shared count of its group; the warp completing the block's rows of that group publishes
 // them (fence.acq_rel.gpu, then a relaxed add: together a release of every counted row's store).
 __device__ __forceinline__ void kq_flag_done(const FlagArgs& f, unsigned* scnt, int L, int row, int total_rows) {
+#ifdef DIAG_FLAGS_NOCOUNT  // timing-only diagnostic (module.py): no counting at all
+    return;
+#endif
     const int gi = L / kFlagGroup, b = (int)blockIdx.x, B = (int)gridDim.x;
     const int lo = gi * kFlagGroup, hi = min(lo + kFlagGroup, total_rows);
     const unsigned need = (unsigned)(kq_rows_below(hi, b, B) - kq_rows_below(lo, b, B));
@@ -766,6 +769,10 @@ __device__ __forceinline__ void kq_flag_done(const FlagArgs& f, unsigned* scnt, 
 // 1024 rows (relaxed polls, then a GPU-scope fence: an acquire of the producers' releases), the
 // barrier passes that on to the block's threads. (kq_flag_end counts the block in at its end.)
 __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
+#ifdef DIAG_FLAGS_NOCOUNT  // timing-only diagnostic: the plain PDL wait instead of the counts
+    pdl_wait();
+    return;
+#endif
     unsigned* cnt = (unsigned*)f.cnt;
     if (threadIdx.x == 0) {
         const int nl = f.ng - 4 * f.F;
@@ -792,6 +799,9 @@ __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
 // every group complete) checks every count is exactly 1024 and resets them for the next producer,
 // which counts only after its own PDL wait, itself after this grid's end.
 __device__ __forceinline__ void kq_flag_end(const FlagArgs& f) {
+#ifdef DIAG_FLAGS_NOCOUNT  // timing-only diagnostic: nothing was counted, nothing to check
+    return;
+#endif
     unsigned* cnt = (unsigned*)f.cnt;
     if (threadIdx.x == 0 && atomicAdd(cnt + kFlagSeen, 1u) == gridDim.x - 1) {
         fence_acq_rel_gpu();
@@ -919,7 +929,7 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     const int nb = (int)((long long)(blockIdx.x + 1) * total_rows / gridDim.x) - r0;
     auto grow0 = [&](int k) { return r0 + k; };
 #endif
-#if KQ_FLAGS  // a producer takes its rows in its consumer's order (kq_flag_row)
+#if KQ_FLAGS && !defined(DIAG_FLAGS_NOREMAP)  // a producer takes its rows in its consumer's order (kq_flag_row)
     auto grow = [&](int k) {
         return KQ_FLAG_FPROD(MODE, t) ? kq_flag_row(grow0(k), t.flags.ng, t.flags.F) : grow0(k);
     };
@@ -1080,8 +1090,13 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     // blocks resident first are those of the parts whose x the producer completes first
     const bool fcons = CS == 4 && t.flags.role == 2;
     const int ncb = CS > 1 ? (int)gridDim.x / CS : (int)gridDim.x;
-    const int cb = fcons ? (int)blockIdx.x % ncb : CS > 1 ? (int)blockIdx.x / CS : (int)blockIdx.x;
-    const int wpart = fcons ? (int)blockIdx.x / ncb : CS > 1 ? (int)blockIdx.x % CS : ws;
+#ifdef DIAG_FLAGS_NOPM  // timing-only diagnostic (module.py): the default group-major block order
+    const bool fpm = false;
+#else
+    const bool fpm = fcons;
+#endif
+    const int cb = fpm ? (int)blockIdx.x % ncb : CS > 1 ? (int)blockIdx.x / CS : (int)blockIdx.x;
+    const int wpart = fpm ? (int)blockIdx.x / ncb : CS > 1 ? (int)blockIdx.x % CS : ws;
 #else
     const int cb = CS > 1 ? (int)blockIdx.x / CS : (int)blockIdx.x, ncb = CS > 1 ? (int)gridDim.x / CS : (int)gridDim.x;
     const int wpart = CS > 1 ? (KQ_GSPLIT ? (int)blockIdx.x % CS : (int)cluster_rank()) : ws;
