@@ -182,13 +182,15 @@ def test_flags_split_diagnostics_change_only_their_side():
     """NVRTC, the KQ_FLAGS builds under the session-34 diagnostics (module.py): DIAG_FLAGS_NOREMAP
     changes only the queue build's SwiGLU entries (their row order), DIAG_FLAGS_NOPM only the group
     build's _c4 entries (their block order); DIAG_FLAGS_NOCOUNT takes the counting out of both
-    sides: no global add in the producers, no poll in the _c4 consumers, which make a PDL wait."""
+    sides: no global add in the producers, no poll in the _c4 consumers, which make a PDL wait;
+    DIAG_FLAGS_NOEND takes the consumers' end count out, DIAG_FLAGS_NOFENCE the producers' fence."""
     from test_kernels_compile import _entry_bodies, _nvrtc, compile_source
     lib = _nvrtc()
     bodies = {}
     for side, base in (("prod", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_FLAGS=1")),
                        ("cons", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_FLAGS=1"))):
-        for word in ("", "DIAG_FLAGS_NOREMAP", "DIAG_FLAGS_NOPM", "DIAG_FLAGS_NOCOUNT"):
+        for word in ("", "DIAG_FLAGS_NOREMAP", "DIAG_FLAGS_NOPM", "DIAG_FLAGS_NOCOUNT", "DIAG_FLAGS_NOEND",
+                     "DIAG_FLAGS_NOFENCE"):
             out = []
             rc, log = compile_source(lib, "gemv_kq.cu", base + ((word,) if word else ()), out)
             assert rc == 0, log
@@ -200,17 +202,27 @@ def test_flags_split_diagnostics_change_only_their_side():
     for n in prod:  # the producer side
         assert bodies["prod", "DIAG_FLAGS_NOPM"][n] == prod[n], n
         assert (bodies["prod", "DIAG_FLAGS_NOREMAP"][n] != prod[n]) == (n in queue), n
+        assert bodies["prod", "DIAG_FLAGS_NOEND"][n] == prod[n], n
         if n in queue:
             assert "atom.global.add.u32" in prod[n] and "atom.global.add.u32" not in bodies["prod", "DIAG_FLAGS_NOCOUNT"][n], n
+            assert "fence.acq_rel.gpu" in prod[n] and "fence.acq_rel.gpu" not in bodies["prod", "DIAG_FLAGS_NOFENCE"][n], n
+        else:
+            assert bodies["prod", "DIAG_FLAGS_NOFENCE"][n] == prod[n], n
     for n in cons:  # the consumer side
         assert bodies["cons", "DIAG_FLAGS_NOREMAP"][n] == cons[n], n
         assert (bodies["cons", "DIAG_FLAGS_NOPM"][n] != cons[n]) == (n in c4), n
         nc = bodies["cons", "DIAG_FLAGS_NOCOUNT"][n]
+        assert bodies["cons", "DIAG_FLAGS_NOFENCE"][n] == cons[n], n  # the producer's fence only
+        ne = bodies["cons", "DIAG_FLAGS_NOEND"][n]
         if n in c4:
             assert "ld.relaxed.gpu" in cons[n] and "ld.relaxed.gpu" not in nc, n
             assert "griddepcontrol.wait" in nc, n
+            # kq_flag_end's seen-count goes (its result is used: an atom, not a red; the K-split's
+            # own count, kq_gcount, stays, so compare counts, not presence); the poll stays
+            assert ne.count("atom.global.add.u32") < cons[n].count("atom.global.add.u32"), n
+            assert "ld.relaxed.gpu" in ne, n
         else:
-            assert nc == cons[n], n
+            assert nc == cons[n] and ne == cons[n], n
 
 
 def test_flags_builds_compile_and_count_only_where_linked():

@@ -201,12 +201,16 @@ def test_flags_are_refused_with_the_nowait_builds(monkeypatch):
     monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
     with pytest.raises(ConfigError, match="flags_pdl needs GGUF_HARNESS_GEMV_KQ_FLAGS=1"):
         switches.check()
-    for diag in ("flags_noremap", "flags_nopm", "flags_nocount", "flags_pdl,flags_nopm"):
+    for diag in ("flags_noremap", "flags_nopm", "flags_nocount", "flags_pdl,flags_nopm", "flags_nofence",
+                 "flags_pdl,flags_noend"):
         monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
         monkeypatch.setattr(module, "DIAG", module.diag_canonical(diag))
         with pytest.raises(ConfigError, match="needs GGUF_HARNESS_GEMV_KQ_FLAGS=1"):
             switches.check()
         monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "1")
+        switches.check()
+    monkeypatch.setattr(module, "DIAG", "flags_noend")  # alone: the consumers would not wait
+    with pytest.raises(ConfigError, match="flags_noend needs flags_pdl"):
         switches.check()
     monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
     monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "1")

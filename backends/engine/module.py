@@ -61,14 +61,21 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
 #            producer takes its rows in the default order (no kq_flag_row); the consumer's blocks
 #            keep the default group-major order (not part-major); neither counts nor waits on
 #            counts (the consumer makes its PDL wait instead), leaving only the row order, the
-#            block order and the build. Added to the KQ_FLAGS builds of gemv_kq.cu only.
+#            block order and the build. Added to the KQ_FLAGS builds of gemv_kq.cu only;
+#   flags_noend, flags_nofence
+#            with GGUF_HARNESS_GEMV_KQ_FLAGS=1 and flags_pdl (session 34, after the counting alone
+#            measured +361 us): the consumer's last block neither checks nor resets the counts
+#            (kq_flag_end; they grow from step to step, so without flags_pdl a consumer would not
+#            wait at all), resp. the producer adds its group counts without the GPU fence before
+#            them (kq_flag_done). Added to the KQ_FLAGS builds of gemv_kq.cu only.
 # The rooflines' sources (ROOFLINE_SOURCES) are built without them. Only `harness bench nodes` and
 # `harness bench kernels` run them (the engine refuses them elsewhere: backend.EngineBackend); the
 # engine does not raise on their non-finite logits; results record the switch (harness.machine).
 DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE", "nowait_c4": "DIAG_NOWAIT_C4",
                 "nowait_c2": "DIAG_NOWAIT_C2", "nowait_norm": "DIAG_NOWAIT_NORM",
                 "flags_pdl": "DIAG_FLAGS_PDL", "flags_noremap": "DIAG_FLAGS_NOREMAP",
-                "flags_nopm": "DIAG_FLAGS_NOPM", "flags_nocount": "DIAG_FLAGS_NOCOUNT"}
+                "flags_nopm": "DIAG_FLAGS_NOPM", "flags_nocount": "DIAG_FLAGS_NOCOUNT",
+                "flags_noend": "DIAG_FLAGS_NOEND", "flags_nofence": "DIAG_FLAGS_NOFENCE"}
 # defines that only some builds read, so no other module recompiles: define -> (source, defines) -> bool
 _DIAG_ONLY_IN = {"DIAG_NOWAIT_C4": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
                  "DIAG_NOWAIT_C2": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
@@ -76,7 +83,9 @@ _DIAG_ONLY_IN = {"DIAG_NOWAIT_C4": lambda src, d: src == "gemv_kq.cu" and "KQ_CS
                  "DIAG_FLAGS_PDL": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d and "KQ_FLAGS=1" in d,
                  "DIAG_FLAGS_NOREMAP": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
                  "DIAG_FLAGS_NOPM": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
-                 "DIAG_FLAGS_NOCOUNT": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d}
+                 "DIAG_FLAGS_NOCOUNT": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
+                 "DIAG_FLAGS_NOEND": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
+                 "DIAG_FLAGS_NOFENCE": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d}
 
 
 def _diag_words(value: str) -> list[str] | None:

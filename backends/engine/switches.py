@@ -86,6 +86,9 @@ def check() -> None:
         if flag_words and ops.GEMV_KQ_FLAGS != "1":  # their defines reach only KQ_FLAGS builds
             raise ValueError(f"GGUF_HARNESS_DIAG={flag_words[0]} needs GGUF_HARNESS_GEMV_KQ_FLAGS=1 (without it "
                              "no node is linked and the build would be the default's)")
+        if "DIAG_FLAGS_NOEND" in diag and "DIAG_FLAGS_PDL" not in diag:  # counts never reset: no count wait
+            raise ValueError("GGUF_HARNESS_DIAG=flags_noend needs flags_pdl as well (the counts are never "
+                             "reset, so from the second step on a consumer would not wait at all)")
         try:
             ops.head_splitting()
         except ValueError:

@@ -761,7 +761,9 @@ __device__ __forceinline__ void kq_flag_done(const FlagArgs& f, unsigned* scnt, 
     const unsigned need = (unsigned)(kq_rows_below(hi, b, B) - kq_rows_below(lo, b, B));
     __threadfence_block();  // this row's store before the shared count (CTA scope)
     if (atomicAdd(scnt + gi, 1u) + 1u == need) {
+#ifndef DIAG_FLAGS_NOFENCE  // timing-only diagnostic (module.py): the add without its fence
         fence_acq_rel_gpu();  // every counted row's store (cumulativity) before the global add
+#endif
         atomicAdd((unsigned*)f.cnt + row / kFlagGroup, need);
     }
 }
@@ -799,8 +801,8 @@ __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
 // every group complete) checks every count is exactly 1024 and resets them for the next producer,
 // which counts only after its own PDL wait, itself after this grid's end.
 __device__ __forceinline__ void kq_flag_end(const FlagArgs& f) {
-#ifdef DIAG_FLAGS_NOCOUNT  // timing-only diagnostic: nothing was counted, nothing to check
-    return;
+#if defined(DIAG_FLAGS_NOCOUNT) || defined(DIAG_FLAGS_NOEND)  // timing-only diagnostics: nothing
+    return;  // counted, or (NOEND, with flags_pdl) the counts left to grow: no check, no reset
 #endif
     unsigned* cnt = (unsigned*)f.cnt;
     if (threadIdx.x == 0 && atomicAdd(cnt + kFlagSeen, 1u) == gridDim.x - 1) {
