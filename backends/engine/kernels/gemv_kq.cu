@@ -767,21 +767,25 @@ __device__ __forceinline__ void kq_flag_done(const FlagArgs& f, unsigned* scnt, 
         atomicAdd((unsigned*)f.cnt + row / kFlagGroup, need);
     }
 }
-// The consumer block of part `part`: thread 0 waits until each group the part stages holds its
-// 1024 rows (relaxed polls, then a GPU-scope fence: an acquire of the producers' releases), the
-// barrier passes that on to the block's threads. (kq_flag_end counts the block in at its end.)
+// The consumer block of part `part`: warp 0 waits until each group the part stages holds its
+// 1024 rows, lane k polling the part's k-th group (relaxed polls, then a GPU-scope fence in every
+// polling lane: an acquire of the producers' releases); the barrier passes that on to the block's
+// threads. (kq_flag_end counts the block in at its end.) Fourth form (session 35): the polls and
+// the end's check-and-reset are one lane per group instead of thread 0 walking the groups, since
+// session 35 measured the serial walks at ~240 us (poll) and ~96 us (end) of the 27B step: each
+// is F + nl (up to 17) dependent L2 round trips per block, on the path of every consumer.
 __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
 #ifdef DIAG_FLAGS_NOCOUNT  // timing-only diagnostic: the plain PDL wait instead of the counts
     pdl_wait();
     return;
 #endif
     unsigned* cnt = (unsigned*)f.cnt;
-    if (threadIdx.x == 0) {
-        const int nl = f.ng - 4 * f.F;
-        const unsigned long long t0 = globaltimer_ns();
+    if (threadIdx.x < 32) {  // warp 0, every lane (the vote below takes the full mask)
+        const int nl = f.ng - 4 * f.F, k = (int)threadIdx.x;  // F + nl <= ng <= kFlagMaxGroups < 32
         bool late = false;
-        for (int k = 0; k < f.F + nl && !late; ++k) {
+        if (k < f.F + nl) {
             const int g = cs_group_rot(k, f.F, 4, part);  // the groups stage_xq stages for the part
+            const unsigned long long t0 = globaltimer_ns();
             for (unsigned n = 0; ld_relaxed_u32(cnt + g) < (unsigned)kFlagGroup; ++n) {
                 if constexpr (KQ_FLAG_SLEEP > 0) __nanosleep(KQ_FLAG_SLEEP);  // back off: fewer polls of the one line
                 if ((n & 255u) == 255u && globaltimer_ns() - t0 > kFlagTimeoutNs) {
@@ -789,31 +793,37 @@ __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
                     break;
                 }
             }
+            fence_acq_rel_gpu();  // acquire: this lane's polled count's releases before the block's reads of x
         }
-        fence_acq_rel_gpu();  // acquire: the polled counts' releases before this block's reads of x
-        if (late) atomicAdd(cnt + kFlagErr, 1u);
+        if (__any_sync(0xffffffffu, late) && k == 0) atomicAdd(cnt + kFlagErr, 1u);
     }
     __syncthreads();
 }
-// Thread 0 of a consumer block at the block's end (session 33: off the path between the wait and
+// Warp 0 of a consumer block at the block's end (session 33: off the path between the wait and
 // the block's work, where the first form had it and its last block's check and reset delayed
-// that block's rows): count the block in; the grid's last block (every block past its wait, so
-// every group complete) checks every count is exactly 1024 and resets them for the next producer,
-// which counts only after its own PDL wait, itself after this grid's end.
+// that block's rows): lane 0 counts the block in; in the grid's last block (every block past its
+// wait, so every group complete) lane g checks count g is exactly 1024 and resets it for the next
+// producer, which counts only after its own PDL wait, itself after this grid's end.
 __device__ __forceinline__ void kq_flag_end(const FlagArgs& f) {
 #if defined(DIAG_FLAGS_NOCOUNT) || defined(DIAG_FLAGS_NOEND)  // timing-only diagnostics: nothing
     return;  // counted, or (NOEND, with flags_pdl) the counts left to grow: no check, no reset
 #endif
+    if (threadIdx.x >= 32) return;  // warp 0, every lane (the shuffle and vote take the full mask)
     unsigned* cnt = (unsigned*)f.cnt;
-    if (threadIdx.x == 0 && atomicAdd(cnt + kFlagSeen, 1u) == gridDim.x - 1) {
+    const int g = (int)threadIdx.x;
+    unsigned last = 0;
+    if (g == 0) last = atomicAdd(cnt + kFlagSeen, 1u) == gridDim.x - 1;
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (last) {  // warp-uniform
+        __syncwarp();  // lane 0's add before the other lanes' reads (memory ordering among the lanes)
         fence_acq_rel_gpu();
-        unsigned bad = 0;
-        for (int g = 0; g < f.ng; ++g) {
-            bad |= ld_relaxed_u32(cnt + g) != (unsigned)kFlagGroup;
+        bool bad = false;
+        if (g < f.ng) {
+            bad = ld_relaxed_u32(cnt + g) != (unsigned)kFlagGroup;
             cnt[g] = 0u;
         }
-        if (bad) atomicAdd(cnt + kFlagErr, 1u);
-        cnt[kFlagSeen] = 0u;
+        if (__any_sync(0xffffffffu, bad) && g == 0) atomicAdd(cnt + kFlagErr, 1u);
+        if (g == 0) cnt[kFlagSeen] = 0u;
     }
 }
 #define KQ_FLAG_FPROD(MODE, t) (MODE == 2 && (t).flags.role == 1)
