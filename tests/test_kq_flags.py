@@ -183,14 +183,16 @@ def test_flags_split_diagnostics_change_only_their_side():
     changes only the queue build's SwiGLU entries (their row order), DIAG_FLAGS_NOPM only the group
     build's _c4 entries (their block order); DIAG_FLAGS_NOCOUNT takes the counting out of both
     sides: no global add in the producers, no poll in the _c4 consumers, which make a PDL wait;
-    DIAG_FLAGS_NOEND takes the consumers' end count out, DIAG_FLAGS_NOFENCE the producers' fence."""
+    DIAG_FLAGS_NOEND takes the consumers' end count out, DIAG_FLAGS_NOFENCE the producers' fence;
+    (session 35) DIAG_FLAGS_NOPOLL the consumers' polls (a PDL wait instead, the end stays),
+    DIAG_FLAGS_NOGLOBAL the producers' global adds, DIAG_FLAGS_NOBFENCE their per-row CTA fences."""
     from test_kernels_compile import _entry_bodies, _nvrtc, compile_source
     lib = _nvrtc()
     bodies = {}
     for side, base in (("prod", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_FLAGS=1")),
                        ("cons", ("KQ_P2=1", "KQ_CSPLIT=1", "KQ_GSPLIT=1", "KQ_FLAGS=1"))):
         for word in ("", "DIAG_FLAGS_NOREMAP", "DIAG_FLAGS_NOPM", "DIAG_FLAGS_NOCOUNT", "DIAG_FLAGS_NOEND",
-                     "DIAG_FLAGS_NOFENCE"):
+                     "DIAG_FLAGS_NOFENCE", "DIAG_FLAGS_NOPOLL", "DIAG_FLAGS_NOGLOBAL", "DIAG_FLAGS_NOBFENCE"):
             out = []
             rc, log = compile_source(lib, "gemv_kq.cu", base + ((word,) if word else ()), out)
             assert rc == 0, log
@@ -203,18 +205,28 @@ def test_flags_split_diagnostics_change_only_their_side():
         assert bodies["prod", "DIAG_FLAGS_NOPM"][n] == prod[n], n
         assert (bodies["prod", "DIAG_FLAGS_NOREMAP"][n] != prod[n]) == (n in queue), n
         assert bodies["prod", "DIAG_FLAGS_NOEND"][n] == prod[n], n
+        assert bodies["prod", "DIAG_FLAGS_NOPOLL"][n] == prod[n], n  # the consumer's side only
+        ng, nb = bodies["prod", "DIAG_FLAGS_NOGLOBAL"][n], bodies["prod", "DIAG_FLAGS_NOBFENCE"][n]
         if n in queue:
             assert "atom.global.add.u32" in prod[n] and "atom.global.add.u32" not in bodies["prod", "DIAG_FLAGS_NOCOUNT"][n], n
             assert "fence.acq_rel.gpu" in prod[n] and "fence.acq_rel.gpu" not in bodies["prod", "DIAG_FLAGS_NOFENCE"][n], n
+            # the global add goes, the block's shared count and the group fence stay
+            assert ng.count("global.add.u32") < prod[n].count("global.add.u32") and "fence.acq_rel.gpu" in ng, n
+            assert nb.count("membar.cta") < prod[n].count("membar.cta") and "fence.acq_rel.gpu" in nb, n
         else:
-            assert bodies["prod", "DIAG_FLAGS_NOFENCE"][n] == prod[n], n
+            assert bodies["prod", "DIAG_FLAGS_NOFENCE"][n] == prod[n] and ng == prod[n] and nb == prod[n], n
     for n in cons:  # the consumer side
         assert bodies["cons", "DIAG_FLAGS_NOREMAP"][n] == cons[n], n
         assert (bodies["cons", "DIAG_FLAGS_NOPM"][n] != cons[n]) == (n in c4), n
         nc = bodies["cons", "DIAG_FLAGS_NOCOUNT"][n]
         assert bodies["cons", "DIAG_FLAGS_NOFENCE"][n] == cons[n], n  # the producer's fence only
         ne = bodies["cons", "DIAG_FLAGS_NOEND"][n]
+        npl = bodies["cons", "DIAG_FLAGS_NOPOLL"][n]
+        assert bodies["cons", "DIAG_FLAGS_NOGLOBAL"][n] == cons[n] and bodies["cons", "DIAG_FLAGS_NOBFENCE"][n] == cons[n], n
         if n in c4:
+            # the poll (and its %globaltimer limit) goes, the end's check (relaxed loads) stays
+            assert "griddepcontrol.wait" in npl and "globaltimer" in cons[n] and "globaltimer" not in npl, n
+            assert 0 < npl.count("ld.relaxed.gpu") < cons[n].count("ld.relaxed.gpu"), n
             assert "ld.relaxed.gpu" in cons[n] and "ld.relaxed.gpu" not in nc, n
             assert "griddepcontrol.wait" in nc, n
             # kq_flag_end's seen-count goes (its result is used: an atom, not a red; the K-split's
@@ -222,7 +234,7 @@ def test_flags_split_diagnostics_change_only_their_side():
             assert ne.count("atom.global.add.u32") < cons[n].count("atom.global.add.u32"), n
             assert "ld.relaxed.gpu" in ne, n
         else:
-            assert nc == cons[n] and ne == cons[n], n
+            assert nc == cons[n] and ne == cons[n] and npl == cons[n], n
 
 
 def test_flags_builds_compile_and_count_only_where_linked():

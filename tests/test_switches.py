@@ -202,7 +202,8 @@ def test_flags_are_refused_with_the_nowait_builds(monkeypatch):
     with pytest.raises(ConfigError, match="flags_pdl needs GGUF_HARNESS_GEMV_KQ_FLAGS=1"):
         switches.check()
     for diag in ("flags_noremap", "flags_nopm", "flags_nocount", "flags_pdl,flags_nopm", "flags_nofence",
-                 "flags_pdl,flags_noend"):
+                 "flags_pdl,flags_noend", "flags_nopoll", "flags_nopoll,flags_noend", "flags_pdl,flags_nobfence",
+                 "flags_nopoll,flags_nobfence", "flags_nopoll,flags_noend,flags_noglobal"):
         monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
         monkeypatch.setattr(module, "DIAG", module.diag_canonical(diag))
         with pytest.raises(ConfigError, match="needs GGUF_HARNESS_GEMV_KQ_FLAGS=1"):
@@ -212,6 +213,12 @@ def test_flags_are_refused_with_the_nowait_builds(monkeypatch):
     monkeypatch.setattr(module, "DIAG", "flags_noend")  # alone: the consumers would not wait
     with pytest.raises(ConfigError, match="flags_noend needs flags_pdl"):
         switches.check()
+    for diag, word in (("flags_nobfence", "flags_nobfence"), ("flags_noend,flags_nobfence", "flags_noend"),
+                       ("flags_noglobal", "flags_noglobal"), ("flags_nopoll,flags_noglobal", "flags_noglobal"),
+                       ("flags_pdl,flags_noend,flags_noglobal", "flags_noglobal")):
+        monkeypatch.setattr(module, "DIAG", module.diag_canonical(diag))  # a wait that would hang or misread
+        with pytest.raises(ConfigError, match=f"{word} needs"):
+            switches.check()
     monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "0")
     monkeypatch.setattr(ops, "GEMV_KQ_FLAGS", "1")
     monkeypatch.setattr(module, "DIAG", "")

@@ -67,7 +67,15 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
 #            measured +361 us): the consumer's last block neither checks nor resets the counts
 #            (kq_flag_end; they grow from step to step, so without flags_pdl a consumer would not
 #            wait at all), resp. the producer adds its group counts without the GPU fence before
-#            them (kq_flag_done). Added to the KQ_FLAGS builds of gemv_kq.cu only.
+#            them (kq_flag_done). Added to the KQ_FLAGS builds of gemv_kq.cu only;
+#   flags_nopoll, flags_noglobal, flags_nobfence
+#            with GGUF_HARNESS_GEMV_KQ_FLAGS=1 (session 35, after the fourth form left ~200 us of
+#            the counting unexplained): the consumer makes its PDL wait instead of polling (the
+#            producers still count, the end still checks and resets); the producer's blocks count
+#            their rows in shared memory but make no global add (needs flags_nopoll and
+#            flags_noend: nothing would come to poll or to check); the producer counts a row in
+#            shared memory without the CTA fence before it (needs flags_pdl or flags_nopoll, the
+#            only waits that do not rely on it). Added to the KQ_FLAGS builds of gemv_kq.cu only.
 # The rooflines' sources (ROOFLINE_SOURCES) are built without them. Only `harness bench nodes` and
 # `harness bench kernels` run them (the engine refuses them elsewhere: backend.EngineBackend); the
 # engine does not raise on their non-finite logits; results record the switch (harness.machine).
@@ -75,7 +83,9 @@ DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE", "nowait_c4":
                 "nowait_c2": "DIAG_NOWAIT_C2", "nowait_norm": "DIAG_NOWAIT_NORM",
                 "flags_pdl": "DIAG_FLAGS_PDL", "flags_noremap": "DIAG_FLAGS_NOREMAP",
                 "flags_nopm": "DIAG_FLAGS_NOPM", "flags_nocount": "DIAG_FLAGS_NOCOUNT",
-                "flags_noend": "DIAG_FLAGS_NOEND", "flags_nofence": "DIAG_FLAGS_NOFENCE"}
+                "flags_noend": "DIAG_FLAGS_NOEND", "flags_nofence": "DIAG_FLAGS_NOFENCE",
+                "flags_nopoll": "DIAG_FLAGS_NOPOLL", "flags_noglobal": "DIAG_FLAGS_NOGLOBAL",
+                "flags_nobfence": "DIAG_FLAGS_NOBFENCE"}
 # defines that only some builds read, so no other module recompiles: define -> (source, defines) -> bool
 _DIAG_ONLY_IN = {"DIAG_NOWAIT_C4": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
                  "DIAG_NOWAIT_C2": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
@@ -85,7 +95,10 @@ _DIAG_ONLY_IN = {"DIAG_NOWAIT_C4": lambda src, d: src == "gemv_kq.cu" and "KQ_CS
                  "DIAG_FLAGS_NOPM": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
                  "DIAG_FLAGS_NOCOUNT": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
                  "DIAG_FLAGS_NOEND": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
-                 "DIAG_FLAGS_NOFENCE": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d}
+                 "DIAG_FLAGS_NOFENCE": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
+                 "DIAG_FLAGS_NOPOLL": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
+                 "DIAG_FLAGS_NOGLOBAL": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
+                 "DIAG_FLAGS_NOBFENCE": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d}
 
 
 def _diag_words(value: str) -> list[str] | None:

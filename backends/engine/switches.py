@@ -86,9 +86,16 @@ def check() -> None:
         if flag_words and ops.GEMV_KQ_FLAGS != "1":  # their defines reach only KQ_FLAGS builds
             raise ValueError(f"GGUF_HARNESS_DIAG={flag_words[0]} needs GGUF_HARNESS_GEMV_KQ_FLAGS=1 (without it "
                              "no node is linked and the build would be the default's)")
-        if "DIAG_FLAGS_NOEND" in diag and "DIAG_FLAGS_PDL" not in diag:  # counts never reset: no count wait
-            raise ValueError("GGUF_HARNESS_DIAG=flags_noend needs flags_pdl as well (the counts are never "
-                             "reset, so from the second step on a consumer would not wait at all)")
+        pdl_waits = bool(diag & {"DIAG_FLAGS_PDL", "DIAG_FLAGS_NOPOLL"})  # a wait that needs no counts
+        if "DIAG_FLAGS_NOEND" in diag and not pdl_waits:  # counts never reset: no count wait
+            raise ValueError("GGUF_HARNESS_DIAG=flags_noend needs flags_pdl or flags_nopoll as well (the counts "
+                             "are never reset, so from the second step on a consumer would not wait at all)")
+        if "DIAG_FLAGS_NOBFENCE" in diag and not pdl_waits:  # the count would publish unfenced rows
+            raise ValueError("GGUF_HARNESS_DIAG=flags_nobfence needs flags_pdl or flags_nopoll as well (a count "
+                             "wait would then read rows the count does not order)")
+        if "DIAG_FLAGS_NOGLOBAL" in diag and not {"DIAG_FLAGS_NOPOLL", "DIAG_FLAGS_NOEND"} <= diag:
+            raise ValueError("GGUF_HARNESS_DIAG=flags_noglobal needs flags_nopoll and flags_noend as well (no "
+                             "count comes: a poll would time out, the end's check would fail)")
         try:
             ops.head_splitting()
         except ValueError:

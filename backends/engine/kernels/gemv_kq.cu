@@ -759,12 +759,16 @@ __device__ __forceinline__ void kq_flag_done(const FlagArgs& f, unsigned* scnt, 
     const int gi = L / kFlagGroup, b = (int)blockIdx.x, B = (int)gridDim.x;
     const int lo = gi * kFlagGroup, hi = min(lo + kFlagGroup, total_rows);
     const unsigned need = (unsigned)(kq_rows_below(hi, b, B) - kq_rows_below(lo, b, B));
+#ifndef DIAG_FLAGS_NOBFENCE  // timing-only diagnostic (module.py): the shared count without its fence
     __threadfence_block();  // this row's store before the shared count (CTA scope)
+#endif
     if (atomicAdd(scnt + gi, 1u) + 1u == need) {
 #ifndef DIAG_FLAGS_NOFENCE  // timing-only diagnostic (module.py): the add without its fence
         fence_acq_rel_gpu();  // every counted row's store (cumulativity) before the global add
 #endif
+#ifndef DIAG_FLAGS_NOGLOBAL  // timing-only diagnostic (module.py): the block counts, publishes nothing
         atomicAdd((unsigned*)f.cnt + row / kFlagGroup, need);
+#endif
     }
 }
 // The consumer block of part `part`: warp 0 waits until each group the part stages holds its
@@ -775,8 +779,8 @@ __device__ __forceinline__ void kq_flag_done(const FlagArgs& f, unsigned* scnt, 
 // session 35 measured the serial walks at ~240 us (poll) and ~96 us (end) of the 27B step: each
 // is F + nl (up to 17) dependent L2 round trips per block, on the path of every consumer.
 __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
-#ifdef DIAG_FLAGS_NOCOUNT  // timing-only diagnostic: the plain PDL wait instead of the counts
-    pdl_wait();
+#if defined(DIAG_FLAGS_NOCOUNT) || defined(DIAG_FLAGS_NOPOLL)  // timing-only diagnostics: the plain
+    pdl_wait();  // PDL wait instead of the counts (NOPOLL: the producers still count)
     return;
 #endif
     unsigned* cnt = (unsigned*)f.cnt;
