@@ -90,15 +90,10 @@ DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE", "nowait_c4":
 _DIAG_ONLY_IN = {"DIAG_NOWAIT_C4": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
                  "DIAG_NOWAIT_C2": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
                  "DIAG_NOWAIT_NORM": lambda src, d: src == "gemv_kq.cu",
-                 "DIAG_FLAGS_PDL": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d and "KQ_FLAGS=1" in d,
-                 "DIAG_FLAGS_NOREMAP": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
-                 "DIAG_FLAGS_NOPM": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
-                 "DIAG_FLAGS_NOCOUNT": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
-                 "DIAG_FLAGS_NOEND": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
-                 "DIAG_FLAGS_NOFENCE": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
-                 "DIAG_FLAGS_NOPOLL": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
-                 "DIAG_FLAGS_NOGLOBAL": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d,
-                 "DIAG_FLAGS_NOBFENCE": lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d}
+                 "DIAG_FLAGS_PDL": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d and "KQ_FLAGS=1" in d}
+# the other flags_* words: every KQ_FLAGS build of gemv_kq.cu (producers and consumers)
+_DIAG_ONLY_IN.update({DIAG_DEFINES[w]: (lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d)
+                      for w in DIAG_DEFINES if w.startswith("flags_") and w != "flags_pdl"})
 
 
 def _diag_words(value: str) -> list[str] | None:

@@ -775,9 +775,9 @@ __device__ __forceinline__ void kq_flag_done(const FlagArgs& f, unsigned* scnt, 
 // 1024 rows, lane k polling the part's k-th group (relaxed polls, then a GPU-scope fence in every
 // polling lane: an acquire of the producers' releases); the barrier passes that on to the block's
 // threads. (kq_flag_end counts the block in at its end.) Fourth form (session 35): the polls and
-// the end's check-and-reset are one lane per group instead of thread 0 walking the groups, since
-// session 35 measured the serial walks at ~240 us (poll) and ~96 us (end) of the 27B step: each
-// is F + nl (up to 17) dependent L2 round trips per block, on the path of every consumer.
+// the end's check-and-reset are one lane per group instead of thread 0 walking the groups (each
+// walk F + nl, up to 17, dependent L2 round trips per block). Measured (session 35): -70 us on the
+// 27B step against the third form, not the ~330 us the walks had been estimated at.
 __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
 #if defined(DIAG_FLAGS_NOCOUNT) || defined(DIAG_FLAGS_NOPOLL)  // timing-only diagnostics: the plain
     pdl_wait();  // PDL wait instead of the counts (NOPOLL: the producers still count)
@@ -810,7 +810,7 @@ __device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
 // producer, which counts only after its own PDL wait, itself after this grid's end.
 __device__ __forceinline__ void kq_flag_end(const FlagArgs& f) {
 #if defined(DIAG_FLAGS_NOCOUNT) || defined(DIAG_FLAGS_NOEND)  // timing-only diagnostics: nothing
-    return;  // counted, or (NOEND, with flags_pdl) the counts left to grow: no check, no reset
+    return;  // counted, or (NOEND, with flags_pdl / flags_nopoll) the counts left to grow: no check, no reset
 #endif
     if (threadIdx.x >= 32) return;  // warp 0, every lane (the shuffle and vote take the full mask)
     unsigned* cnt = (unsigned*)f.cnt;
