@@ -189,10 +189,10 @@ def exit_code(ab: ABResult, fail_on_slower=False) -> int:
 # ---- input ------------------------------------------------------------------------------
 
 def load_result(path: Path) -> dict:
-    """Read a result.json of schema gguf-harness/run/1.
+    """Read a result of schema gguf-harness/run/1 from a .json or .json.gz file.
 
-    Raises ConfigError (one line) when the file cannot be read, is not JSON, or has another
-    schema."""
+    Raises ConfigError (one line, naming the file) when the file cannot be read, is a
+    truncated or damaged gzip file, is not JSON, or has another schema."""
     try:
         obj = read_json(Path(path))
     except (OSError, ValueError) as e:  # missing/unreadable, not JSON, not a harness result

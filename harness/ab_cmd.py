@@ -8,6 +8,8 @@ instead (harness/ab_kernels.py), two `harness bench nodes` results (nodes.json) 
 and node group (harness/ab_nodes.py). Prints the comparison to stdout (a rich table by default;
 Markdown or JSON on request);
 with --out writes ab.json + ab.html into a new folder under DIR (never an existing one).
+A and B may be plain .json or gzipped .json.gz files (as docs/results/ stores them; read by
+harness.results.read_json -> harness.jsonio.load_json).
 Exit code: 0 without correctness failures (with --fail-on-slower: and without SLOWER
 verdicts of the gated backends: every backend when bare or `all`, else the comma-separated
 list, e.g. `--fail-on-slower engine`; rule and reason in harness/ab.py), 1 otherwise, 2 for
@@ -42,8 +44,8 @@ CHECK_HEAD = ("check", "backend", "mode", "n_ctx", "A", "B", "state", "")
 def add_ab_parser(sub) -> None:
     p = sub.add_parser("ab", help="compare two results: speed verdicts within noise, "
                        "correctness changes as failures")
-    p.add_argument("a", type=Path, help="result.json A (before)")
-    p.add_argument("b", type=Path, help="result.json B (after)")
+    p.add_argument("a", type=Path, help="result.json A (before; .json or .json.gz)")
+    p.add_argument("b", type=Path, help="result.json B (after; .json or .json.gz)")
     p.add_argument("--threshold", type=float, default=ab.DEFAULT_THRESHOLD,
                    help="smallest relative tok/s change that counts when the runs' spread is "
                    f"smaller (default {ab.DEFAULT_THRESHOLD})")
@@ -65,8 +67,9 @@ def _slower_arg(text: str) -> tuple[str, ...]:
     try:
         return ab.parse_slower_backends(text)
     except ConfigError as e:
+        looks_like_file = text.endswith((".json", ".json.gz")) or "/" in text
         hint = (" (a result file? put --fail-on-slower after A and B, or write "
-                "--fail-on-slower=all)" if text.endswith(".json") or "/" in text else "")
+                "--fail-on-slower=all)" if looks_like_file else "")
         raise argparse.ArgumentTypeError(f"{e}{hint}") from None
 
 
@@ -233,7 +236,9 @@ def write_out(doc: dict, root: Path) -> Path:
 
 
 def _peek(path: Path) -> dict:
-    """The JSON document at path (ConfigError when unreadable): its schema picks the comparison."""
+    """The JSON document at path, .json or .json.gz (ConfigError, one line naming the file,
+    when it is missing, unreadable, a truncated gzip, not JSON or not a harness result): its
+    schema picks the comparison."""
     from .results import read_json
     try:
         return read_json(Path(path))

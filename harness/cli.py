@@ -91,13 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "per-commit history pages (--history)")
     p.add_argument("result", type=Path, nargs="?",
                    help="a result.json written by `harness run/verify`, or a nodes.json of "
-                   "`harness bench nodes` (nodes.html beside it)")
+                   "`harness bench nodes` (nodes.html beside it); .json or .json.gz")
     p.add_argument("--history", type=Path, nargs="?", const=Path("out"), metavar="OUT_ROOT",
                    help="read OUT_ROOT/runs/*/result.json (default out), write "
                    "OUT_ROOT/reports/<sha>/index.html and OUT_ROOT/reports/index.html")
     p = sub.add_parser("bench-table", help="llama-bench style pp/tg table of a result's bench "
                        "rows (harness.benchtable)", formatter_class=fmt)
-    p.add_argument("result", type=Path, help="a result.json with a bench section")
+    p.add_argument("result", type=Path,
+                   help="a result.json (or .json.gz) with a bench section")
     p.add_argument("--format", choices=["md", "csv", "json"], default="md", help="output format")
     p.add_argument("--llama-bench", type=Path, action="append", metavar="FILE.json",
                    help="add the rows of a `llama-bench -o json|jsonl` file (repeatable)")

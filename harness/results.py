@@ -11,6 +11,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .jsonio import load_json
 from .jsonread import json_int
 
 SCHEMA = "gguf-harness/run/1"
@@ -81,13 +82,11 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def read_json(path: Path) -> dict:
-    """Load a result; ValueError if it is not JSON (nesting too deep included) or not a
-    gguf-harness result of a known schema."""
-    text = Path(path).read_text()
-    try:
-        obj = json.loads(text, parse_int=json_int)  # (an int beyond a float's range: inf)
-    except RecursionError:  # valid JSON nested past the recursion limit: hostile, not a result
-        raise ValueError(f"{path}: JSON nested too deeply") from None
+    """Load a result from a .json or .json.gz file (harness.jsonio.load_json; the path is read
+    as given). OSError if it cannot be read; ValueError, naming the file, if it is a truncated
+    or damaged gzip file, not JSON (nesting too deep included) or not a gguf-harness result of
+    a known schema."""
+    obj = load_json(path, parse_int=json_int)  # (an int beyond a float's range: inf)
     if not isinstance(obj, dict) or not str(obj.get("schema", "")).startswith("gguf-harness/"):
         raise ValueError(f"{path} is not a gguf-harness result")
     return obj

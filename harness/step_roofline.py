@@ -203,8 +203,8 @@ def ab_note(a, b, mode: str = "dependent") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """python -m harness.step_roofline NODES.json [--out FILE]: time the chain of a stored
-    `harness bench nodes` result's node byte counts (graph or eager method's node list, in step
-    order) on this GPU, without the engine; prints each mode, writes {"source", "chain"} as JSON
+    `harness bench nodes` result's node byte counts (NODES.json or .json.gz; graph or eager
+    method's node list, in step order) on this GPU, without the engine; prints each mode, writes {"source", "chain"} as JSON
     to FILE when given. Exit 0, or 2 on a file that is not a nodes result (one-line message)."""
     import argparse
     import json

@@ -1,8 +1,9 @@
 """History pages: OUT/reports/<commit>/index.html per commit and OUT/reports/index.html.
 
 `harness report --history [OUT]` reads OUT/runs/*/result.json (harness run/verify) and
-OUT/runs/*/kernels.json (harness bench kernels) (reports.history_runs), groups the runs by
-git commit (dirty runs apart, as "<sha>-dirty"), and writes
+OUT/runs/*/kernels.json (harness bench kernels), either also gzipped as .json.gz
+(reports.history_runs), groups the runs by git commit (dirty runs apart, as "<sha>-dirty"),
+and writes
   OUT/reports/<key>/index.html  that commit's runs: verdicts per backend, bench and error
                                 tables, kernel tables, links to each run's own report.html
                                 (kernels.html) and JSON,

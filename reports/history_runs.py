@@ -3,7 +3,9 @@
 Input layout (harness.results): OUT/runs/<name>/result.json (+ report.html beside it) from
 `harness run/verify`, and OUT/runs/<name>/kernels.json (+ kernels.html) from `harness bench
 kernels` (schema gguf-harness/kernels/1, harness/bench_kernels.py); both carry `created` and
-machine.git, so they group by commit the same way.
+machine.git, so they group by commit the same way. Either may be stored gzipped
+(result.json.gz / kernels.json.gz, as docs/results keeps results); the plain file wins when a
+folder has both.
 A record keeps only what the history pages show (verdicts, bench rows, teacher-forced error
 summaries, kernel rows), so many large results (per-step arrays) are not held at once.
 Kernel rows: one per shape with its format and the headline GB/s (mode cold_b2b: the R
@@ -249,9 +251,11 @@ def _device(machine: dict) -> str:
 
 
 def load_run(path: Path) -> tuple[RunRecord, list[str]]:
-    """One OUT/runs/<name>/result.json or kernels.json -> (record, notes about odd fields).
+    """One OUT/runs/<name>/result.json or kernels.json (either may be gzipped, .json.gz) ->
+    (record, notes about odd fields).
 
-    Raises ValueError (not a gguf-harness result, invalid JSON) or OSError (unreadable)."""
+    Raises ValueError (not a gguf-harness result, invalid JSON, a truncated or damaged gzip
+    file; the message names the file) or OSError (unreadable)."""
     path = Path(path)
     result = read_json(path)
     notes = []
@@ -311,14 +315,22 @@ def collect_runs(out_root: Path, advance: Callable[[], None] = lambda: None,
     return records, skipped
 
 
+def _runs_glob(out_root: Path, name: str) -> list[Path]:
+    """OUT/runs/*/<name>, or <name>.gz in a folder without <name> (results archived gzipped,
+    as docs/results keeps them: harness.jsonio), sorted by path."""
+    plain = set(Path(out_root).glob(f"runs/*/{name}"))
+    gz = {p for p in Path(out_root).glob(f"runs/*/{name}.gz") if p.with_name(name) not in plain}
+    return sorted(plain | gz)
+
+
 def result_files(out_root: Path) -> list[Path]:
-    """OUT/runs/*/result.json, sorted by path."""
-    return sorted(Path(out_root).glob("runs/*/result.json"))
+    """OUT/runs/*/result.json (or result.json.gz), sorted by path."""
+    return _runs_glob(out_root, "result.json")
 
 
 def kernel_files(out_root: Path) -> list[Path]:
-    """OUT/runs/*/kernels.json (harness bench kernels), sorted by path."""
-    return sorted(Path(out_root).glob("runs/*/kernels.json"))
+    """OUT/runs/*/kernels.json (or kernels.json.gz; harness bench kernels), sorted by path."""
+    return _runs_glob(out_root, "kernels.json")
 
 
 def run_files(out_root: Path) -> list[Path]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import jinja2
 
 from harness.benchtable import report_table
+from harness.jsonio import json_stem, plain_name
 from harness.results import read_run_result, write_atomic
 
 from . import plots
@@ -82,14 +83,16 @@ def render_report(result: dict, out_path: Path) -> Path:
 
 
 def render_report_from_json(json_path: Path) -> Path:
-    """Render the run result JSON at json_path into the same folder: report.html for a run
-    folder's result.json, <name>.report.html for any other file name (results kept side by side,
-    as under docs/results/, do not overwrite each other's reports).
+    """Render the run result JSON at json_path (.json or gzipped .json.gz) into the same folder:
+    report.html for a run folder's result.json(.gz), <name>.report.html for any other file
+    <name>.json(.gz) (results kept side by side, as under docs/results/, do not overwrite each
+    other's reports).
 
-    Raises ValueError if the file is not a gguf-harness run result (harness.results.read_run_result;
-    a kernels, nodes, layerdiff or ab result has its own schema and is refused by name),
-    OSError if it cannot be read."""
+    Raises ValueError, naming the file, if it is a truncated or damaged gzip file, not JSON, or
+    not a gguf-harness run result (harness.results.read_run_result; a kernels, nodes, layerdiff
+    or ab result has its own schema and is refused by name); OSError if it cannot be read."""
     json_path = Path(json_path)
     result = read_run_result(json_path, "harness report")
-    name = "report.html" if json_path.name == "result.json" else f"{json_path.stem}.report.html"
+    name = ("report.html" if plain_name(json_path) == "result.json"
+            else f"{json_stem(json_path)}.report.html")
     return render_report(result, json_path.parent / name)

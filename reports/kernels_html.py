@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.jsonio import json_stem
 from harness.results import read_json, write_atomic
 
 from . import kernel_plots
@@ -84,6 +85,8 @@ def render_kernels_report(result: dict, out_path: Path) -> Path:
 
 
 def render_kernels_report_from_json(path: Path) -> Path:
-    """kernels.html beside a kernels.json; ValueError if it is not a gguf-harness result."""
+    """<name>.html beside <name>.json or <name>.json.gz (kernels.html beside kernels.json);
+    ValueError, naming the file, if it is a truncated or damaged gzip file, not JSON or not a
+    gguf-harness result; OSError if it cannot be read."""
     path = Path(path)
-    return render_kernels_report(read_json(path), path.with_suffix(".html"))
+    return render_kernels_report(read_json(path), path.with_name(f"{json_stem(path)}.html"))

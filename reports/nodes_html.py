@@ -146,15 +146,18 @@ def render_nodes_report(result: dict, out_path: Path) -> Path:
 
 
 def render_nodes_report_from_json(json_path: Path) -> Path:
-    """`harness report NODES.json`: render a stored nodes result beside it, nodes.html for a run
-    folder's nodes.json, <name>.nodes.html for any other name (as docs/results/sweeps/ keeps
-    them side by side). ValueError if it is not a nodes result or a field cannot be shown,
-    OSError if it cannot be read."""
+    """`harness report NODES.json`: render a stored nodes result (.json or gzipped .json.gz)
+    beside it, nodes.html for a run folder's nodes.json(.gz), <name>.nodes.html for any other
+    <name>.json(.gz) (as docs/results/sweeps/ keeps them side by side). ValueError, naming the
+    file, if it is a truncated or damaged gzip file, not JSON, not a nodes result, or a field
+    cannot be shown; OSError if it cannot be read."""
     from harness.ab_nodes import NODES_SCHEMA
+    from harness.jsonio import json_stem, plain_name
     from harness.results import read_json
     json_path = Path(json_path)
     result = read_json(json_path)
     if result.get("schema") != NODES_SCHEMA:
         raise ValueError(f"{json_path} is not a {NODES_SCHEMA} result")
-    name = "nodes.html" if json_path.name == "nodes.json" else f"{json_path.stem}.nodes.html"
+    name = ("nodes.html" if plain_name(json_path) == "nodes.json"
+            else f"{json_stem(json_path)}.nodes.html")
     return render_nodes_report(result, json_path.parent / name)
