@@ -27,8 +27,8 @@ from harness.errors import ConfigError
 MODEL_SHA = "ab" * 32
 EVIL = "<script>alert(1)</script>"
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
-V3 = RESULTS / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v3.json"
-V4 = RESULTS / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v4.json"
+V3 = RESULTS / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v3.json.gz"  # stored gzipped
+V4 = RESULTS / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v4.json.gz"
 
 
 # ---- synthetic results ------------------------------------------------------------------

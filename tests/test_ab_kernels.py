@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from harness import ab_kernels as abk
+from harness.jsonio import load_json
 
-SWEEPS = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"
+SWEEPS = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"  # stored gzipped
 
 
 def _row(name, us, noise=0.005, n=40, ok=True, spec=None):
@@ -84,7 +85,7 @@ def test_h200_same_code_runs_are_same_and_the_prefetch_ab_is_seen():
     """Real results (docs/results/sweeps, H200, session 7): two runs of the same code (PF_AHEAD 2,
     before and after the PF 1 / PF 0 runs) compare SAME on every row; PF 0 against PF 2 is
     FASTER on the output head (454.5 -> 369.2 us) and SLOWER on Q4_K [10240x5120] (18.5 -> 19.9)."""
-    load = lambda n: json.loads((SWEEPS / f"2026-11-29-h200-kernels-v8-{n}.json").read_text())
+    load = lambda n: load_json(SWEEPS / f"2026-11-29-h200-kernels-v8-{n}.json.gz")
     same = abk.compare_kernels(load("pf2-a"), load("pf2-b"))
     assert same.perf and {p.verdict for p in same.perf} == {"SAME"} and same.failures == 0
     pf0 = abk.compare_kernels(load("pf2-a"), load("pf0"))
@@ -110,7 +111,7 @@ def _cli(argv):
 def test_cli_on_two_h200_nightly_bench_runs_is_same_everywhere(tmp_path, capsys):
     """`harness ab` on the kernels.json of the two H200 nightly invocations (same code, all
     10 shapes x 3 modes): every row SAME, exit 0, ab.json + a self-contained ab.html written."""
-    a, b = RESULTS / "kernels-inv1-897e202.json", RESULTS / "kernels-inv2-e783cc3.json"
+    a, b = RESULTS / "kernels-inv1-897e202.json.gz", RESULTS / "kernels-inv2-e783cc3.json.gz"
     code = _cli(["ab", str(a), str(b), "--format", "json", "--out", str(tmp_path)])
     doc = json.loads(capsys.readouterr().out.split("\nwrote ")[0])
     assert code == 0 and doc["counts"] == {"FASTER": 0, "SLOWER": 0, "SAME": 30, "UNKNOWN": 0}

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from harness import ab_nodes, bench_nodes
+from harness.jsonio import load_json
 from harness.bench_nodes import SCHEMA, aggregate
 
-SWEEPS = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"
+SWEEPS = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"  # stored gzipped
 
 
 def _doc(nodes, step, samples=None, switches=None, sha="m" * 64):
@@ -123,8 +124,8 @@ def _cli(argv):
 def test_cli_on_the_h200_iq3s_ab(tmp_path, capsys):
     """The session-9 H200 pair (IQ3_S on gemv.cu vs on v9, same machine session): the step
     and the IQ3_S group FASTER, the IQ4_XS group SAME; ab.json + ab.html written."""
-    a = SWEEPS / "2026-11-30-h200-nodes-27b-s9a-DEFAULT-1.json"
-    b = SWEEPS / "2026-11-30-h200-nodes-27b-s9a-KQ_IQ3S-1.json"
+    a = SWEEPS / "2026-11-30-h200-nodes-27b-s9a-DEFAULT-1.json.gz"
+    b = SWEEPS / "2026-11-30-h200-nodes-27b-s9a-KQ_IQ3S-1.json.gz"
     code = _cli(["ab", str(a), str(b), "--format", "json", "--out", str(tmp_path)])
     doc = json.loads(capsys.readouterr().out.split("\nwrote ")[0])
     assert code == 0 and doc["schema"] == "gguf-harness/ab-nodes/1" and doc["kind"] == "nodes"
@@ -184,8 +185,8 @@ def test_a_diagnostic_side_compares_the_step_only():
 def test_cli_kernels_ab_names_the_switches_of_each_side(capsys):
     """`harness ab` of two kernels results (session 24's PF0 A/B on the H200): B's header carries
     GGUF_HARNESS_GEMV_KQ_PF0=3 and a note names the change; A's header has no such switch."""
-    a = SWEEPS / "2026-12-01-h200-kernels-s24-1-default.json"
-    b = SWEEPS / "2026-12-01-h200-kernels-s24-2-pf0-3.json"
+    a = SWEEPS / "2026-12-01-h200-kernels-s24-1-default.json.gz"
+    b = SWEEPS / "2026-12-01-h200-kernels-s24-2-pf0-3.json.gz"
     assert _cli(["ab", str(a), str(b), "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert "GGUF_HARNESS_GEMV_KQ_PF0=3" in doc["b"]["settings"] and "PF0" not in doc["a"]["settings"]
@@ -195,7 +196,7 @@ def test_cli_kernels_ab_names_the_switches_of_each_side(capsys):
 def test_cli_kernels_ab_of_a_diagnostic_build_says_so(tmp_path, capsys):
     """A kernels result of a GGUF_HARNESS_DIAG build (machine.switches): the A/B notes say its rows
     bound a cost and are not a kernel's speed."""
-    a = json.loads((SWEEPS / "2026-12-01-h200-kernels-s24-1-default.json").read_text())
+    a = load_json(SWEEPS / "2026-12-01-h200-kernels-s24-1-default.json.gz")
     b = copy.deepcopy(a)
     b["machine"]["switches"] = {"GGUF_HARNESS_DIAG": "nowait"}
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
@@ -210,7 +211,7 @@ def test_a_switch_set_on_one_side_notes_what_the_unset_side_ran():
     """Session 26's stored pair (start 2: GGUF_HARNESS_GEMV_KQ_PF0_SB unset, which ran 4 then,
     against =8) and a later default run (unset, running 8): the set-variable note says what an
     unset side ran, so neither reads as "no change" once the default is 8."""
-    sweep = lambda n: json.loads((SWEEPS / f"2026-12-01-h200-nodes-27b-s26-{n}.json").read_text())
+    sweep = lambda n: load_json(SWEEPS / f"2026-12-01-h200-nodes-27b-s26-{n}.json.gz")
     a, b, c = sweep("start2-7-default-sb4"), sweep("start2-8-sb8"), sweep("start3-1-default-sb8")
     assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0_SB: (unset) (ran 4) -> 8" in ab_nodes.compare_nodes(a, b).notes
     assert "engine switch GGUF_HARNESS_GEMV_KQ_PF0_SB: 8 -> (unset) (ran 8)" in ab_nodes.compare_nodes(b, c).notes
@@ -237,7 +238,7 @@ def test_a_changed_default_is_noted_from_the_switches_as_run(tmp_path, capsys):
     notes = ab_nodes.compare_nodes(a, b).notes
     assert [n for n in notes if "KQ_PF0:" in n or "KQ_PF0 as run" in n] == [
         "engine switch GGUF_HARNESS_GEMV_KQ_PF0: (unset) -> 3"], notes
-    ka = json.loads((SWEEPS / "2026-12-01-h200-kernels-s24-1-default.json").read_text())
+    ka = load_json(SWEEPS / "2026-12-01-h200-kernels-s24-1-default.json.gz")
     kb = copy.deepcopy(ka)
     paths = [tmp_path / n for n in ("a.json", "b.json", "c.json")]
     kb["settings"]["switches_effective"] = new
@@ -257,8 +258,8 @@ def test_malformed_fields_of_either_side_give_no_traceback(tmp_path, capsys):
     machine.switches, settings, settings.switches_effective, rows, model, nodes.engine,
     nodes.methods.graph, step_samples_us) compares what it can with exit 0 or 1, or refuses with
     one error line and exit 2 (a model without its SHA256 is another model), never a traceback (review of session 25: machine.switches as a string crashed the nodes A/B)."""
-    k = json.loads((SWEEPS / "2026-12-01-h200-kernels-s25-table-run1.json").read_text())
-    n = json.loads((SWEEPS / "2026-12-01-h200-nodes-27b-s25-start2-1-default-pf0-3.json").read_text())
+    k = load_json(SWEEPS / "2026-12-01-h200-kernels-s25-table-run1.json.gz")
+    n = load_json(SWEEPS / "2026-12-01-h200-nodes-27b-s25-start2-1-default-pf0-3.json.gz")
     cases = [(k, ("machine",)), (k, ("machine", "switches")), (k, ("settings",)), (k, ("rows",)),
              (k, ("device",)), (n, ("machine", "switches")), (n, ("model",)), (n, ("nodes", "engine")),
              (n, ("nodes", "methods", "graph")), (n, ("nodes", "step_samples_us"))]
@@ -319,8 +320,8 @@ def test_files_before_session_30_give_their_unslowed_windows_from_the_raw_readin
     """The H200 A/B of session 30 (CS_BAL=2 against the default, both capped after their first
     window): recorded before bench nodes kept the shares, so ab_nodes derives them from the raw
     GPU-state readings and replay windows; the first windows (6032.6 / 6087.8 us) differ by +0.9 %."""
-    a = json.loads((SWEEPS / "2026-12-02-h200-nodes-27b-s30-1-default-1.json").read_text())
-    b = json.loads((SWEEPS / "2026-12-02-h200-nodes-27b-s30-2-csbal2-1.json").read_text())
+    a = load_json(SWEEPS / "2026-12-02-h200-nodes-27b-s30-1-default-1.json.gz")
+    b = load_json(SWEEPS / "2026-12-02-h200-nodes-27b-s30-2-csbal2-1.json.gz")
     assert bench_nodes.slowed_windows(a["nodes"]) == 2 and bench_nodes.clean_samples(a["nodes"]) == [a["nodes"]["step_samples_us"][0]]
     by = _by_label(ab_nodes.compare_nodes(a, b, threshold=0.005))
     assert by["decode step (graph replay)"].verdict == "SAME"
@@ -344,7 +345,7 @@ def test_damaged_window_fields_say_nothing_rather_than_something_wrong():
     n["step_samples_slowdown"] = [0.0] * 100000
     assert bench_nodes.windows(n) == [] and bench_nodes.slowed_windows(n) == 0
     # an older file: windows shifted by one against the samples, reasons that are not names
-    old = json.loads((SWEEPS / "2026-12-02-h200-nodes-27b-s30-1-default-1.json").read_text())
+    old = load_json(SWEEPS / "2026-12-02-h200-nodes-27b-s30-1-default-1.json.gz")
     shifted = copy.deepcopy(old)
     shifted["nodes"]["step_windows"] = [[0.0, 1.0]] + shifted["nodes"]["step_windows"]
     assert bench_nodes.windows(shifted["nodes"]) == []

@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from harness import benchtable
+from harness.jsonio import load_json
 from harness.cli import main
 from harness.results import SCHEMA, write_json
 from reports import render_html
 
 REAL = (Path(__file__).parent.parent / "docs/results"
-        / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v4.json")
+        / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v4.json.gz")  # stored gzipped
 EVIL = "<script>alert(1)</script>"
 
 
@@ -82,7 +83,7 @@ def test_no_gpu_and_odd_rows_are_tolerated():
 
 
 def test_rows_from_real_result():
-    raw = json.loads(REAL.read_text())
+    raw = load_json(REAL)
     rows = _by(benchtable.rows_from_result(raw))
     gpu = raw["machine"]["gpu"]["name"]
     for backend in ("engine", "llamacpp"):

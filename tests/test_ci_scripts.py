@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.jsonio import read_bytes
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ci" / "gpu-nightly.sh"
 PAIRS = ROOT / "ci" / "gate_pairs.py"
@@ -475,7 +477,7 @@ def test_nightly_names_changed_tracked_and_stray_files(fake, tmp_path):
     assert "the checkout changed during this run" in r.stdout and "> ?? stray.txt" in r.stdout
 
 
-@pytest.mark.skipif(not (S7 / "verify-run1-897e202.json").is_file(),
+@pytest.mark.skipif(not (S7 / "verify-run1-897e202.json.gz").is_file(),
                     reason="H200 session 7 records not present")
 @pytest.mark.parametrize("knob,outcome", [("engine", "pass"), ("all", "FAIL")])
 def test_gate_on_the_h200_results_with_the_real_harness(tmp_path, knob, outcome):
@@ -487,9 +489,9 @@ def test_gate_on_the_h200_results_with_the_real_harness(tmp_path, knob, outcome)
     harness.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT} exec {sys.executable} -m harness.cli \"$@\"\n")
     harness.chmod(0o755)
     out = tmp_path / "out"
-    for i, name in enumerate(["verify-run1-897e202.json", "verify-run2-e783cc3.json"]):
-        (out / "runs" / f"r{i}").mkdir(parents=True)
-        shutil.copy(S7 / name, out / "runs" / f"r{i}" / "result.json")
+    for i, name in enumerate(["verify-run1-897e202.json.gz", "verify-run2-e783cc3.json.gz"]):
+        (out / "runs" / f"r{i}").mkdir(parents=True)  # stored gzipped; a nightly writes plain
+        (out / "runs" / f"r{i}" / "result.json").write_bytes(read_bytes(S7 / name))
     r = _script("--only", "gate", HARNESS=harness, VENV=sys.prefix, OUT=out,
                 GATE_SLOWER_BACKENDS=knob)
     assert r.returncode == (0 if outcome == "pass" else 1), r.stdout + r.stderr

@@ -2,7 +2,8 @@
 escaping, links to run reports, skipped files, and rendering in headless Chromium.
 
 Results are synthetic dicts of the run schema (written with harness.results.write_json into
-a tmp OUT/runs/<name>/result.json layout), plus the committed docs/results/*.json files as
+a tmp OUT/runs/<name>/result.json layout), plus the committed docs/results/*.json.gz files
+(stored gzipped; plain *.json as they were before, or as a new result is until compressed) as
 realistic input. Expected orders and values are designed into the inputs.
 """
 from __future__ import annotations
@@ -19,9 +20,10 @@ import pytest
 from rich.console import Console
 
 from harness.cli import main
+from harness.jsonio import json_stem
 from harness.results import SCHEMA, write_json
 from reports.history import build_history
-from reports.history_runs import group_commits, load_run
+from reports.history_runs import group_commits, load_run, result_files
 from reports.history_trends import (
     decode_series,
     error_series,
@@ -230,14 +232,15 @@ def test_dollar_in_model_name_is_drawn_as_text(tmp_path):
 
 
 def _docs_out(tmp_path) -> Path:
-    """docs/results/*.json laid out as OUT/runs/<name>/result.json."""
-    files = sorted(DOCS.glob("*.json"))
+    """docs/results/*.json.gz (or *.json) laid out as OUT/runs/<name>/result.json.gz (or
+    result.json): the history reads either."""
+    files = sorted([*DOCS.glob("*.json"), *DOCS.glob("*.json.gz")])
     assert len(files) >= 5, "committed result summaries missing"
     out = tmp_path / "out"
     for f in files:
-        d = out / "runs" / f.stem
+        d = out / "runs" / json_stem(f)
         d.mkdir(parents=True)
-        shutil.copy(f, d / "result.json")
+        shutil.copy(f, d / ("result.json.gz" if f.name.endswith(".gz") else "result.json"))
     return out
 
 
@@ -265,7 +268,7 @@ def test_cli_history_and_single_report(tmp_path, monkeypatch, capsys):
     assert main(["report", "--history"]) == 0  # OUT_ROOT defaults to ./out
     assert capsys.readouterr().out.strip() == str(Path("out") / "reports" / "index.html")
     assert (out / "reports" / "index.html").is_file()
-    one = next(out.glob("runs/*/result.json"))
+    one = result_files(out)[0]
     assert main(["report", str(one)]) == 0  # the single-result form still works
     assert (one.parent / "report.html").is_file()
     assert main(["report"]) == 2

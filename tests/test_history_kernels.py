@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from harness.jsonio import load_json
 from harness.results import write_json
 from reports.history import build_history
 from reports.history_runs import (
@@ -242,19 +243,19 @@ def test_format_without_any_point_gets_no_plot(tmp_path):
 
 # ---- the real H200 kernels.json (session 7, two nightlies on the same code) --------------
 
-REAL = [("20261129T204043Z-897e202a6f", "kernels-inv1-897e202.json"),
-        ("20261129T204642Z-e783cc3323", "kernels-inv2-e783cc3.json")]
+REAL = [("20261129T204043Z-897e202a6f", "kernels-inv1-897e202.json.gz"),
+        ("20261129T204642Z-e783cc3323", "kernels-inv2-e783cc3.json.gz")]
 
 
 def _real_out(tmp_path: Path) -> Path:
     out = tmp_path / "out"
     for run, name in REAL:
         (out / "runs" / run).mkdir(parents=True)
-        shutil.copy(S7 / name, out / "runs" / run / "kernels.json")
-    for run, name in (("20261129T203940Z-897e202a6f", "verify-run1-897e202.json"),
-                      ("20261129T204544Z-e783cc3323", "verify-run2-e783cc3.json")):
+        shutil.copy(S7 / name, out / "runs" / run / "kernels.json.gz")  # read gzipped as stored
+    for run, name in (("20261129T203940Z-897e202a6f", "verify-run1-897e202.json.gz"),
+                      ("20261129T204544Z-e783cc3323", "verify-run2-e783cc3.json.gz")):
         (out / "runs" / run).mkdir(parents=True)
-        shutil.copy(S7 / name, out / "runs" / run / "result.json")
+        shutil.copy(S7 / name, out / "runs" / run / "result.json.gz")
     return out
 
 
@@ -277,7 +278,7 @@ def test_real_h200_kernels_runs(tmp_path):
                                   "output [248320x5120] · NVIDIA H200",
                                   "ssm_out [5120x6144] · NVIDIA H200"]
     for i, (_, name) in enumerate(REAL):  # the plotted figure is the file's cold_b2b GB/s
-        doc = json.loads((S7 / name).read_text())
+        doc = load_json(S7 / name)
         head = next(r for r in doc["rows"] if r["name"] == "output")
         assert ks["Q6_K"]["output [248320x5120] · NVIDIA H200"][i] == \
             head["modes"]["cold_b2b"]["gb_s"]
@@ -288,7 +289,7 @@ def test_real_h200_kernels_runs(tmp_path):
 
 @pytest.mark.skipif(not (S7 / REAL[0][1]).is_file(), reason="session 7 records not present")
 def test_real_structure_with_a_failed_check_and_an_untimed_row(tmp_path):
-    doc = json.loads((S7 / REAL[0][1]).read_text())
+    doc = load_json(S7 / REAL[0][1])
     bad = copy.deepcopy(doc)
     by_name = {r["name"]: r for r in bad["rows"]}
     by_name["output"]["check"]["ok"] = False  # a timing of a wrong kernel: no point

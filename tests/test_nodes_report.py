@@ -126,11 +126,13 @@ def test_the_page_gives_the_unslowed_windows_of_a_capped_step():
     shares come from its raw GPU-state readings) gets a line with the unslowed windows' median;
     an uncapped one (session 27, start 2) none; nor one whose windows cannot be judged."""
     from pathlib import Path
+
+    from harness.jsonio import load_json
     sweeps = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"
-    capped = json.loads((sweeps / "2026-12-02-h200-nodes-27b-s30-1-default-1.json").read_text())
+    capped = load_json(sweeps / "2026-12-02-h200-nodes-27b-s30-1-default-1.json.gz")
     html = render_nodes_html(capped)
     assert "2 of the step&#39;s 3 replay windows ran slowed (power / thermal limit); the 1 unslowed: median 6032.6" in html
-    calm = json.loads((sweeps / "2026-12-02-h200-nodes-27b-s27-start2-1-default-early1.json").read_text())
+    calm = load_json(sweeps / "2026-12-02-h200-nodes-27b-s27-start2-1-default-early1.json.gz")
     assert "replay windows ran slowed" not in render_nodes_html(calm)
     capped["nodes"]["step_samples_slowdown"] = [1.0, 1.0, 1.0]
     capped["nodes"]["step_retakes"] = [{"us": 6050.0, "slowdown": 0.0}, {"us": 6070.0, "slowdown": 0.5}]

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
+from harness.jsonio import load_json, read_bytes
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
-V4 = RESULTS / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v4.json"
+V4 = RESULTS / "2026-11-29-h200-qwen2.5-coder-0.5b-q4_k_m-engine-v4.json.gz"  # stored gzipped
 
 
 def one_error_line(err: str) -> str:
@@ -49,7 +50,7 @@ def test_history_skips_a_deeply_nested_result(tmp_path, capsys):
     (out / "runs" / "bad").mkdir(parents=True)
     (out / "runs" / "bad" / "result.json").write_text("[" * 100_000 + "]" * 100_000)
     (out / "runs" / "good").mkdir()
-    shutil.copy(V4, out / "runs" / "good" / "result.json")
+    shutil.copy(V4, out / "runs" / "good" / "result.json.gz")
     before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (out / "runs").rglob("*")
               if p.is_file()}
     assert main(["report", "--history", str(out)]) == 0
@@ -162,7 +163,7 @@ def _gate_pairs(runs: Path, before: Path) -> list[list[str]]:
 
 
 def _bad_results() -> dict[str, str]:
-    good = json.loads(V4.read_text())
+    good = load_json(V4)
     out = {"deep": "[" * 100_000 + "]" * 100_000}
     for key, value in (("model", "x"), ("machine", [1]), ("prompt", 5)):
         out[f"{key}-not-an-object"] = json.dumps(good | {key: value})
@@ -174,7 +175,7 @@ def _bad_results() -> dict[str, str]:
 def test_gate_pairs_survives_a_malformed_result(name, tmp_path):
     runs = tmp_path / "runs"
     (runs / "good").mkdir(parents=True)
-    shutil.copy(V4, runs / "good" / "result.json")
+    (runs / "good" / "result.json").write_bytes(read_bytes(V4))  # a nightly's runs are plain
     (runs / "bad").mkdir()
     bad = runs / "bad" / "result.json"
     bad.write_text(_bad_results()[name])
