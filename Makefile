@@ -10,7 +10,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=$(AVX512) -DL
 EXTRAS ?= qwen05b
 PYTEST_ARGS ?=
 
-.PHONY: setup run test clean-venv
+.PHONY: setup run test clean-venv compress-results
 
 setup: $(BIN)/.installed
 
@@ -30,3 +30,7 @@ test: setup
 
 clean-venv:
 	rm -rf $(VENV)
+
+# gzip the plain .json / .npy under docs/results (deterministic; docs/results/README.md); no venv needed
+compress-results:
+	$(PY) -m harness.jsonio --compress docs/results
