@@ -123,19 +123,28 @@ def test_compress_command(tmp_path, capsys):
 
 # ---- the readers ---------------------------------------------------------------------------
 
-# pairs of committed results (docs/results), one per kind `harness ab` compares
+# pairs of committed results (docs/results, stored gzipped), one per kind `harness ab` compares
 AB_PAIRS = {
-    "run": ("nightly-2026-11-29-h200-s7/verify-run1-897e202.json",
-            "nightly-2026-11-29-h200-s7/verify-run2-e783cc3.json"),
-    "kernels": ("sweeps/2026-11-29-h200-kernels-v8-pf2-a.json", "sweeps/2026-11-29-h200-kernels-v8-pf0.json"),
-    "nodes": ("sweeps/2026-11-30-h200-nodes-27b-s9a-DEFAULT-1.json",
-              "sweeps/2026-11-30-h200-nodes-27b-s9a-KQ_IQ3S-1.json"),
+    "run": ("nightly-2026-11-29-h200-s7/verify-run1-897e202.json.gz",
+            "nightly-2026-11-29-h200-s7/verify-run2-e783cc3.json.gz"),
+    "kernels": ("sweeps/2026-11-29-h200-kernels-v8-pf2-a.json.gz",
+                "sweeps/2026-11-29-h200-kernels-v8-pf0.json.gz"),
+    "nodes": ("sweeps/2026-11-30-h200-nodes-27b-s9a-DEFAULT-1.json.gz",
+              "sweeps/2026-11-30-h200-nodes-27b-s9a-KQ_IQ3S-1.json.gz"),
 }
 
 
 def _committed_bytes(rel: str) -> bytes:
-    """The JSON text of a committed result, whether it is stored as .json or .json.gz."""
-    return jsonio.read_bytes(jsonio.find_json(RESULTS / rel))
+    """The JSON text of a committed result (gunzipped)."""
+    return jsonio.read_bytes(RESULTS / rel)
+
+
+def test_committed_results_are_gzipped_and_found_by_their_old_names():
+    """docs/perf-notes.md names the files as written (X.json); find_json gives X.json.gz."""
+    for rel in (r for pair in AB_PAIRS.values() for r in pair):
+        old = RESULTS / rel.removesuffix(".gz")
+        assert not old.exists() and jsonio.find_json(old) == RESULTS / rel
+        assert (RESULTS / rel).read_bytes()[:2] == jsonio.GZIP_MAGIC
 
 
 def _ab_out(capsys, a: str, b: str, fmt: str) -> tuple[int, str]:
