@@ -44,15 +44,16 @@ def plain_name(path: str | Path) -> str:
 
 
 def json_stem(path: str | Path) -> str:
-    """The file name without .json.gz, .json or .gz: "X.json.gz" and "X.json" -> "X"."""
+    """The file name without .json.gz or .json ("X.json.gz" and "X.json" -> "X"); another
+    name loses its last suffix, after a .gz ("X.txt.gz" -> "X")."""
     name = plain_name(path)
     return name[:-len(".json")] if name.endswith(".json") else Path(name).stem
 
 
 def find_json(path: str | Path) -> Path:
-    """path when it exists; else path + ".gz" when path names a .json that is stored gzipped
-    (docs/results keeps X.json as X.json.gz); else path unchanged, so that reading it raises
-    FileNotFoundError naming the file that was asked for."""
+    """path when it exists; else path + ".gz" when that exists (docs/results keeps X.json as
+    X.json.gz); else path unchanged, so that reading it raises FileNotFoundError naming the
+    file that was asked for."""
     path = Path(path)
     if path.exists() or path.name.endswith(GZ):
         return path
