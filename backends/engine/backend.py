@@ -20,7 +20,7 @@ from harness.gguf_file import open_gguf
 from ..base import CAP_GRAPH, CAP_MEMORY, CAP_NODES, CAP_TIMINGS
 from .executor import Executor
 from . import ops as _ops
-from . import kq_flags, module, switches, xpf
+from . import module, switches, xpf
 from .formats import check_type
 
 
@@ -75,9 +75,6 @@ class EngineBackend:
             self.bufs = arch.Buffers.allocate(p, n_vocab, cfg.n_ctx)
             body, head = arch.build(self.arena, self.bufs, p, cfg.n_ctx)
             xpf.link(body + head)  # GGUF_HARNESS_GEMV_KQ_XPF: each v9 GEMV learns the next one's rows
-            if kq_flags.enabled():  # GGUF_HARNESS_GEMV_KQ_FLAGS=1: gate/up -> ffn_down readiness counts
-                self.kq_counts = cp.zeros(kq_flags.WORDS, dtype=cp.uint32)
-                self.kq_linked = kq_flags.link(body, self.kq_counts)
         except BaseException:  # not loaded, so close() frees nothing: free the arena here
             self.arena.close()
             raise
@@ -116,34 +113,6 @@ class EngineBackend:
         clear = getattr(self.bufs, "clear_recurrent", None) if self._loaded else None
         if clear is not None:  # qwen35: zero the conv and delta-rule states
             clear(self.stream)
-        self._zero_counts()
-
-    def _counts(self):
-        """The readiness counts (cupy uint32 [kq_flags.WORDS]) of a loaded engine with
-        GGUF_HARNESS_GEMV_KQ_FLAGS=1, else None."""
-        return getattr(self, "kq_counts", None) if self._loaded else None
-
-    def _check_counts(self) -> None:
-        """GGUF_HARNESS_GEMV_KQ_FLAGS: raise NumericError when a linked consumer found its readiness
-        counts wrong or waited past its time limit (kq_flags: the error word); the values of that
-        step are then not to be trusted. The counts are zeroed first, so the engine can go on."""
-        counts = self._counts()
-        if counts is None:
-            return
-        err = int(counts[kq_flags.ERR].get(stream=self.stream))
-        if err:
-            self._zero_counts()
-            raise NumericError(f"engine: {err} readiness-count error(s) between a gate/up pair and its ffn_down "
-                               f"(GGUF_HARNESS_GEMV_KQ_FLAGS=1) by position {self.pos - 1}: a consumer waited "
-                               f"past its time limit or found counts left over; this step's values are wrong")
-
-    def _zero_counts(self) -> None:
-        """GGUF_HARNESS_GEMV_KQ_FLAGS: zero the readiness counts (kq_flags), which a step that stopped
-        between a producer and its consumer (the eager finite check) would leave behind."""
-        counts = self._counts()
-        if counts is not None:
-            with self.stream:
-                counts.fill(0)
 
     def _feed(self, token: int, with_head: bool) -> None:
         if not self._loaded:
@@ -174,7 +143,6 @@ class EngineBackend:
         logits = self.bufs.logits.get(stream=self.stream)
         state = self.bufs.state.get(stream=self.stream)
         self.stream.synchronize()
-        self._check_counts()
         if state[2] and not self._diag:  # a diagnostic build's values are wrong by design
             self._report_nonfinite(token, int(state[2]))
         return logits
@@ -182,10 +150,7 @@ class EngineBackend:
     def _report_nonfinite(self, token: int, count: int) -> None:
         """Re-run the step eagerly, checking every node, and name the first bad one."""
         self.bufs.state.set(np.array([token, self.pos - 1, 0, 0], np.int32), stream=self.stream)
-        try:
-            node = self.step_exec.first_nonfinite()
-        finally:
-            self._zero_counts()  # it stops at the first bad node, maybe between a linked pair
+        node = self.step_exec.first_nonfinite()
         where = node.name if node is not None else "the logits"
         raise NumericError(f"engine: {count} non-finite logits at position {self.pos - 1}; "
                            f"first NaN/Inf produced by node {where}")
@@ -198,7 +163,6 @@ class EngineBackend:
             import cupy as cp
             self.stream.synchronize()
             del self.bufs, self.prompt_exec, self.step_exec  # the graphs first: they read the arena
-            self.__dict__.pop("kq_counts", None)
             self.arena.close()  # device arena and the pinned host memory of token_embd
             del self.arena
             cp.get_default_memory_pool().free_all_blocks()
@@ -246,7 +210,6 @@ class EngineBackend:
                 self.step_exec.replay()
                 int(self.bufs.state[0].get(stream=self.stream))  # synchronises
             out["decode_sync_s"].append(time.perf_counter() - t0)
-        self._check_counts()  # (GGUF_HARNESS_GEMV_KQ_FLAGS: before reset() zeroes the error word)
         self.reset()
         return out
 
@@ -289,7 +252,5 @@ class EngineBackend:
                 "nodes_per_step": len(self.step_exec.nodes),
                 "bytes_per_step": sum(n.bytes for n in self.step_exec.nodes),
                 "gemv_impl": _ops.GEMV_IMPL, "attn_impl": _ops.ATTN_IMPL,
-                # GGUF_HARNESS_GEMV_KQ_FLAGS=1: gate/up -> ffn_down pairs given readiness counts
-                "kq_flags_linked": getattr(self, "kq_linked", 0),
                 # every switch's value as run (unset ones too: defaults change between versions)
                 "switches_effective": switches.effective()}

@@ -149,22 +149,19 @@ class Executor:
         each node captured `reps` times back to back in its own CUDA graph: the cost of the node
         as it runs inside the step graph (launch latency and tail included, no host gaps). The
         median of `samples` replays; the samples themselves give A/B verdicts their spread
-        (harness/ab_nodes.py). A node linked by kq_flags runs unlinked here (kq_flags.unlinked:
-        alone, a consumer would wait for counts no producer writes). Nodes write
+        (harness/ab_nodes.py). Nodes write
         their outputs `reps` times (an "add" node adds reps times); `restore` lists device
         arrays (state, residual stream) copied back after each node so values stay sane."""
         import cupy as cp
-        from . import kq_flags
         saved = [a.copy() for a in restore]
         ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
         out = []
         with self.stream:
             for n in self.nodes:
-                alone = kq_flags.unlinked(n)  # (GGUF_HARNESS_GEMV_KQ_FLAGS: no partner moves the counts here)
                 self.stream.begin_capture()
                 try:
                     for _ in range(reps):
-                        alone.launch()
+                        n.launch()
                 finally:
                     graph = self.stream.end_capture()
                 graph.launch(stream=self.stream)  # warm-up (first replay uploads the graph)

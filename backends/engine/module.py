@@ -51,49 +51,16 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
 #   nowait_norm
 #            only the v9 GEMVs with a fused RMSNorm skip their PDL wait (gate/up, ssm_in, qkv, the
 #            head): bounds what staging x chunk by chunk in those consumers could gain. Added to
-#            gemv_kq.cu's builds only;
-#   flags_pdl
-#            with GGUF_HARNESS_GEMV_KQ_FLAGS=1: a linked ffn_down makes its PDL wait before its count
-#            wait, so the flags' head start is gone and only their cost stays (the counting, the
-#            producer's row order, the polls). Added to the KQ_CSPLIT KQ_FLAGS builds only;
-#   flags_noremap, flags_nopm, flags_nocount
-#            with GGUF_HARNESS_GEMV_KQ_FLAGS=1, to split the linked pair's cost (session 34): the
-#            producer takes its rows in the default order (no kq_flag_row); the consumer's blocks
-#            keep the default group-major order (not part-major); neither counts nor waits on
-#            counts (the consumer makes its PDL wait instead), leaving only the row order, the
-#            block order and the build. Added to the KQ_FLAGS builds of gemv_kq.cu only;
-#   flags_noend, flags_nofence
-#            with GGUF_HARNESS_GEMV_KQ_FLAGS=1 and flags_pdl (session 34, after the counting alone
-#            measured +361 us): the consumer's last block neither checks nor resets the counts
-#            (kq_flag_end; they grow from step to step, so without flags_pdl a consumer would not
-#            wait at all), resp. the producer adds its group counts without the GPU fence before
-#            them (kq_flag_done). Added to the KQ_FLAGS builds of gemv_kq.cu only;
-#   flags_nopoll, flags_noglobal, flags_nobfence
-#            with GGUF_HARNESS_GEMV_KQ_FLAGS=1 (session 35, after the fourth form left ~200 us of
-#            the counting unexplained): the consumer makes its PDL wait instead of polling (the
-#            producers still count, the end still checks and resets); the producer's blocks count
-#            their rows in shared memory but make no global add (needs flags_nopoll and
-#            flags_noend: nothing would come to poll or to check); the producer counts a row in
-#            shared memory without the CTA fence before it (needs flags_pdl or flags_nopoll, the
-#            only waits that do not rely on it). Added to the KQ_FLAGS builds of gemv_kq.cu only.
+#            gemv_kq.cu's builds only.
 # The rooflines' sources (ROOFLINE_SOURCES) are built without them. Only `harness bench nodes` and
 # `harness bench kernels` run them (the engine refuses them elsewhere: backend.EngineBackend); the
 # engine does not raise on their non-finite logits; results record the switch (harness.machine).
 DIAG_DEFINES = {"nowait": "DIAG_NOWAIT", "nostage": "DIAG_NOSTAGE", "nowait_c4": "DIAG_NOWAIT_C4",
-                "nowait_c2": "DIAG_NOWAIT_C2", "nowait_norm": "DIAG_NOWAIT_NORM",
-                "flags_pdl": "DIAG_FLAGS_PDL", "flags_noremap": "DIAG_FLAGS_NOREMAP",
-                "flags_nopm": "DIAG_FLAGS_NOPM", "flags_nocount": "DIAG_FLAGS_NOCOUNT",
-                "flags_noend": "DIAG_FLAGS_NOEND", "flags_nofence": "DIAG_FLAGS_NOFENCE",
-                "flags_nopoll": "DIAG_FLAGS_NOPOLL", "flags_noglobal": "DIAG_FLAGS_NOGLOBAL",
-                "flags_nobfence": "DIAG_FLAGS_NOBFENCE"}
+                "nowait_c2": "DIAG_NOWAIT_C2", "nowait_norm": "DIAG_NOWAIT_NORM"}
 # defines that only some builds read, so no other module recompiles: define -> (source, defines) -> bool
 _DIAG_ONLY_IN = {"DIAG_NOWAIT_C4": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
                  "DIAG_NOWAIT_C2": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d,
-                 "DIAG_NOWAIT_NORM": lambda src, d: src == "gemv_kq.cu",
-                 "DIAG_FLAGS_PDL": lambda src, d: src == "gemv_kq.cu" and "KQ_CSPLIT=1" in d and "KQ_FLAGS=1" in d}
-# the other flags_* words: every KQ_FLAGS build of gemv_kq.cu (producers and consumers)
-_DIAG_ONLY_IN.update({DIAG_DEFINES[w]: (lambda src, d: src == "gemv_kq.cu" and "KQ_FLAGS=1" in d)
-                      for w in DIAG_DEFINES if w.startswith("flags_") and w != "flags_pdl"})
+                 "DIAG_NOWAIT_NORM": lambda src, d: src == "gemv_kq.cu"}
 
 
 def _diag_words(value: str) -> list[str] | None:

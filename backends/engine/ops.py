@@ -339,14 +339,6 @@ GEMV_KQ_PRE = os.environ.get("GGUF_HARNESS_GEMV_KQ_PRE") or "0"  # (empty reads 
 # the conv node goes (qwen35._deltanet). "1": on (A/B, measured slower: H200, session 18, the 27B
 # step +5.1 %, ssm_in +33 %); "0" or unset: off. Bitwise equal outputs and states (GPU test passed).
 GEMV_KQ_CONV = os.environ.get("GGUF_HARNESS_GEMV_KQ_CONV", "0")
-# KQ_FLAGS (kernels/gemv_kq.cu, an A/B build of every v9 kernel; session 32): "1" links each SwiGLU
-# pair of the queue build to the 4-part ffn_down group node after it (kq_flags.link, at engine
-# load): the consumer waits on per-group readiness counts instead of the pair's whole grid. "0" /
-# "": off (the default).
-GEMV_KQ_FLAGS = os.environ.get("GGUF_HARNESS_GEMV_KQ_FLAGS", "0")
-# KQ_FLAG_SLEEP (with GEMV_KQ_FLAGS=1; session 33): ns a waiting ffn_down block sleeps between
-# polls of its counts (__nanosleep); "" / "0": none (the KQ_FLAGS default).
-GEMV_KQ_FLAGS_SLEEP = os.environ.get("GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP", "")
 
 
 GEMV_KQ_DQ = os.environ.get("GGUF_HARNESS_GEMV_KQ_DQ", "1")
@@ -566,18 +558,6 @@ def kv9_defines() -> tuple[str, ...]:
     _switch01("GGUF_HARNESS_GEMV_KQ_CONV", GEMV_KQ_CONV)
     if GEMV_KQ_CONV == "1":  # every v9 build with the conv fields (only ssm_in nodes set them)
         out.append("KQ_CONV=1")
-    _switch01("GGUF_HARNESS_GEMV_KQ_FLAGS", GEMV_KQ_FLAGS)
-    if GEMV_KQ_FLAGS == "1":  # every v9 build with the flag fields (kq_flags.link sets them on linked pairs)
-        if GEMV_KQ_DQ_MAP == "0":  # the producer counts a block's rows per group for rows b + k B
-            raise ValueError("GGUF_HARNESS_GEMV_KQ_FLAGS=1 needs the queue's rows b + k B (GGUF_HARNESS_GEMV_KQ_DQ_MAP=1)")
-        out.append("KQ_FLAGS=1")
-    v = GEMV_KQ_FLAGS_SLEEP
-    if v not in ("", "0"):
-        if not (v.isascii() and v.isdigit()) or not 1 <= int(v) <= 100000:
-            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP={v!r}: expected ns 0..100000")
-        if GEMV_KQ_FLAGS != "1":  # only a linked consumer polls
-            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP={v} needs GGUF_HARNESS_GEMV_KQ_FLAGS=1")
-        out.append(f"KQ_FLAG_SLEEP={int(v)}")
     kv9_part_rot()  # refuse a bad GGUF_HARNESS_GEMV_KQ_PART_ROT early (a define of the cluster build only)
     return tuple(out) + iq4_xil_defines()
 
@@ -650,18 +630,15 @@ XPF_DT = np.dtype([("w", "<u8"), ("row_bytes", "<i4"), ("rows", "<i4"), ("bytes"
                   align=True)  # struct XpfSeg, kernels/segs.cuh (24 bytes)
 CONV_DT = np.dtype([("state", "<u8"), ("w", "<u8"), ("y", "<u8"), ("C", "<i4"), ("pad", "<i4")],
                    align=True)  # struct ConvArgs, kernels/segs.cuh (32 bytes)
-FLAGS_DT = np.dtype([("cnt", "<u8"), ("ng", "<i4"), ("F", "<i4"), ("role", "<i4"), ("pad", "<i4")],
-                    align=True)  # kernels/segs.cuh FlagArgs (24 bytes)
 
 
-def table_dtype(xpf: bool = False, conv: bool = False, flags: bool = False) -> np.dtype:
+def table_dtype(xpf: bool = False, conv: bool = False) -> np.dtype:
     """struct SegTable of a gemv_kq.cu build (kernels/segs.cuh): TABLE_DT, then the KQ_XPF records
-    (2 x XPF_DT), the KQ_CONV record (CONV_DT) and the KQ_FLAGS record (FLAGS_DT) when the build has
-    them: 152 bytes + 48 + 32 + 24 (the kernel's static_asserts hold the C side to these)."""
+    (2 x XPF_DT) and the KQ_CONV record (CONV_DT) when the build has them: 152, 200, 184 or 232
+    bytes (the kernel's static_asserts hold the C side to these)."""
     fields = [("s", SEG_DT, (MAX_SEG,)), ("n", "<i4"), ("row_bytes", "<i4", (MAX_SEG,))]
     fields += [("xpf", XPF_DT, (2,))] if xpf else []
     fields += [("conv", CONV_DT)] if conv else []
-    fields += [("flags", FLAGS_DT)] if flags else []
     return np.dtype(fields, align=True)
 
 
@@ -804,15 +781,14 @@ def seg_type(type_id: int, narrow: bool = False) -> int:
 
 
 def seg_table_value(segs: list[Seg], narrow: bool = False, xpf: bool = False, conv: bool = False,
-                    conv_args: tuple[int, int, int, int] | None = None, flags: bool = False):
+                    conv_args: tuple[int, int, int, int] | None = None):
     """struct SegTable as a numpy structured scalar, passed by value as a kernel parameter.
     narrow: mark Q4_K/Q5_K/Q6_K/IQ4_XS segments for the per-8 loop (seg_type). xpf / conv: the
     table of a KQ_XPF / KQ_CONV build (table_dtype), the next-node fields zero (xpf.link fills
-    them); conv_args: (state, taps, y addresses, C) of a fused conv (zero: none). flags: the table
-    of a KQ_FLAGS build, its record zero (role 0; kq_flags.link fills linked pairs')."""
+    them); conv_args: (state, taps, y addresses, C) of a fused conv (zero: none)."""
     if not 1 <= len(segs) <= MAX_SEG:
         raise ValueError(f"a GEMV node takes 1..{MAX_SEG} matrices, got {len(segs)}")
-    t = np.zeros((), table_dtype(xpf, conv, flags))
+    t = np.zeros((), table_dtype(xpf, conv))
     if conv and conv_args:
         t["conv"] = tuple(conv_args) + (0,)
     for i, s in enumerate(segs):
@@ -961,7 +937,7 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
             raise ValueError(f"{name}: a fused conv needs device arrays (conv state, taps, y)")
     table = (seg_table_value(segs, narrow, xpf="KQ_XPF=1" in kdefs, conv="KQ_CONV=1" in kdefs,
                              conv_args=(device_ptr(conv_state) or 0, device_ptr(conv_w) or 0, device_ptr(conv_y) or 0,
-                                        conv_c) if fused else None, flags="KQ_FLAGS=1" in kdefs)
+                                        conv_c) if fused else None)
              if by_value else seg_table(segs, narrow))
     wbytes = sum(s.w.nbytes for s in segs)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)

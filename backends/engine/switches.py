@@ -77,25 +77,6 @@ def check() -> None:
                          ("GGUF_HARNESS_GEMV_MMA_MIN_ROWS", gemv_mma.GEMV_MMA_MIN_ROWS)):
             if val and not (val.isascii() and val.isdigit()):
                 raise ValueError(f"{env}={val!r}: expected a whole number")
-        diag = set(module.diag_defines())
-        if ops.GEMV_KQ_FLAGS == "1" and diag & {"DIAG_NOWAIT", "DIAG_NOWAIT_NORM"}:
-            # the counts' reset is ordered before the next producer only by that producer's PDL wait
-            raise ValueError(f"GGUF_HARNESS_GEMV_KQ_FLAGS=1 with GGUF_HARNESS_DIAG={module.DIAG}: the gate/up "
-                             f"pair would count without its wait; time them apart")
-        flag_words = [w for w in (module.DIAG or "").split(",") if w.startswith("flags_")]
-        if flag_words and ops.GEMV_KQ_FLAGS != "1":  # their defines reach only KQ_FLAGS builds
-            raise ValueError(f"GGUF_HARNESS_DIAG={flag_words[0]} needs GGUF_HARNESS_GEMV_KQ_FLAGS=1 (without it "
-                             "no node is linked and the build would be the default's)")
-        pdl_waits = bool(diag & {"DIAG_FLAGS_PDL", "DIAG_FLAGS_NOPOLL"})  # a wait that needs no counts
-        if "DIAG_FLAGS_NOEND" in diag and not pdl_waits:  # counts never reset: no count wait
-            raise ValueError("GGUF_HARNESS_DIAG=flags_noend needs flags_pdl or flags_nopoll as well (the counts "
-                             "are never reset, so from the second step on a consumer would not wait at all)")
-        if "DIAG_FLAGS_NOBFENCE" in diag and not pdl_waits:  # the count would publish unfenced rows
-            raise ValueError("GGUF_HARNESS_DIAG=flags_nobfence needs flags_pdl or flags_nopoll as well (a count "
-                             "wait would then read rows the count does not order)")
-        if "DIAG_FLAGS_NOGLOBAL" in diag and not {"DIAG_FLAGS_NOPOLL", "DIAG_FLAGS_NOEND"} <= diag:
-            raise ValueError("GGUF_HARNESS_DIAG=flags_noglobal needs flags_nopoll and flags_noend as well (no "
-                             "count comes: a poll would time out, the end's check would fail)")
         try:
             ops.head_splitting()
         except ValueError:

@@ -604,7 +604,7 @@ __device__ __forceinline__ int grid_warp() { return (int)blockIdx.x * (int)(bloc
 // at 8 MiB, 6554.6 at 16 (+1.9 / +3.5 %): the step's gap over the node sum fell 171 -> 36 / -16
 // us, but every node grew more (ffn_down +11.7 % at 16 MiB): the finished warps' prefetches
 // compete with the node's own late rows. Off by default.
-static_assert(sizeof(SegTable) == 200 + 32 * KQ_CONV + 24 * KQ_FLAGS, "SegTable with KQ_XPF: 200 bytes, +32 with KQ_CONV, +24 with KQ_FLAGS (ops.table_dtype)");
+static_assert(sizeof(SegTable) == 200 + 32 * KQ_CONV, "SegTable with KQ_XPF: 200 bytes, +32 with KQ_CONV (ops.table_dtype)");
 __device__ __forceinline__ void xpf_tail(const SegTable& t) {
     const int lane = threadIdx.x & 31, W = grid_warps(), gw = grid_warp();
 #pragma unroll
@@ -637,7 +637,7 @@ __device__ __forceinline__ void xpf_tail(const SegTable& t) {
 // Measured (H200, session 18, 27B step at c = 2048): 6335 -> 6660.5 us (+5.1 %): ssm_in +33 %
 // (7 us per node: the store's dependent state / taps loads end every row), the conv's 43 us gone.
 // Off by default; to win, its loads would have to be issued before the row's weight loads.
-static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32 + 24 * KQ_FLAGS, "SegTable with KQ_CONV (ops.table_dtype)");
+static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32, "SegTable with KQ_CONV (ops.table_dtype)");
 template <int MODE> __device__ __forceinline__ void store_out(const SegTable& t, int si, int row, float y, float up) {
     store_row<MODE>(t.s[si], row, y, up);
     if (MODE == 0 && si == 0 && t.conv.state) {
@@ -675,165 +675,7 @@ __device__ __forceinline__ void conv_prefetch(const SegTable& t) {
 #define KQ_CONV_PREFETCH(t)
 #endif
 
-#if KQ_FLAGS
-// KQ_FLAGS=1 (ops GGUF_HARNESS_GEMV_KQ_FLAGS=1, an A/B build of every v9 kernel; session 32, written
-// before it ran; backends/engine/kq_flags.py links the nodes): a SwiGLU pair of the queue build
-// (the producer, role 1) counts the rows it has stored per 1024-row group of its output, and the
-// 4-part group kernel after it (ffn_down, the consumer, role 2) waits on the counts of the groups
-// its part stages instead of on the producer's whole grid (griddepcontrol.wait). Why: the
-// consumer's blocks become resident on the SMs the producer's 32-warp blocks leave during its tail
-// (session 31's pair trace: 238 of 260 blocks >= 1 us before the wait); the timing-only build
-// GGUF_HARNESS_DIAG=nowait_c4 (no wait at all) took the 27B step 6048.7 -> 5974.6 us (session 32).
-// To have groups ready early the producer takes its rows in the consumer's order (kq_flag_row)
-// and the consumer's blocks are part-major (kq_body), so the blocks that land first are those
-// whose x is complete. Values: the same rows, sums and order as the default (bitwise).
-// Counting: a warp that stores a row counts it in its block's shared count of the row's group
-// (after a CTA-scope fence); the warp that completes the block's rows of a group publishes them
-// with one GPU-scope fence (acq_rel) and one global add (cumulativity: the other warps' stores, ordered
-// before their shared-memory adds, are ordered before that fence), so a block pays ~17 fences, not
-// one per row (a fence per row would stall every warp at every row end).
-// Safety: the producer is one wave (every block resident before the consumer can launch, so a
-// waiting consumer block cannot starve it). The consumer adds into the residual (the producer's x)
-// only after all CS blocks of its group have counted in (kq_gcount), i.e. after every group is
-// complete, and a complete group set means every producer block stored a row, which it does only
-// after staging x: no producer read is left. The counts are reset by the consumer's last block to
-// end (kq_flag_end), before the next producer (a later node, behind PDL waits) counts again. A
-// consumer whose counts do not come (run without its producer) or are not exactly 1024 (left over
-// from a producer run without its consumer) does not hang or pass silently: it stops waiting
-// after kFlagTimeoutNs and, like a wrong count, raises the error word cnt[kFlagErr], which the
-// engine checks (backend.py).
-// Third form (session 33, after the second measured +357 us on the 27B step): the count-in and
-// the last block's check and reset moved from after the wait to the block's end, and the two
-// GPU fences are fence.acq_rel instead of __threadfence's fence.sc.
-static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32 * KQ_CONV + 24, "SegTable with KQ_FLAGS (ops.table_dtype)");
-constexpr int kFlagGroup = 1024;  // values of 4 super-blocks: the consumer parts' unit (stage_xq cs_entry)
-constexpr int kFlagMaxGroups = 30;  // count words 0..29 (kq_flags.MAX_GROUPS)
-constexpr int kFlagErr = 30;        // protocol errors (sticky until the engine zeroes the counts)
-constexpr int kFlagSeen = 31;       // consumer blocks ended (kq_flag_end)
-constexpr unsigned long long kFlagTimeoutNs = 1000000000ull;  // 1 s: far beyond any producer's run
-// KQ_FLAG_SLEEP (ops GGUF_HARNESS_GEMV_KQ_FLAGS_SLEEP; session 33): ns a waiting consumer block
-// sleeps between polls (0: none). Why it was tried: every waiting block's thread 0 polls the same
-// 128-byte line of counts, which the producers' adds also need (one L2 slice). Measured (session
-// 33, second form): 256 and 1000 ns left the 27B step where no sleep had it (+357 us against the
-// default), so the polls are not the flags' cost.
-#ifndef KQ_FLAG_SLEEP
-#define KQ_FLAG_SLEEP 0
-#endif
-// The producer's row L in its queue order -> the row it computes: the consumer's groups in the
-// order its parts need them (part p stages groups p + 4 j, j < F, and, KQ_PART_ROT, every part
-// the leftover groups 4 F .. ng - 1): the leftovers, then part 0's groups, 1's, 2's, 3's.
-__device__ __forceinline__ int kq_flag_row(int L, int ng, int F) {
-    const int gi = L / kFlagGroup, nl = ng - 4 * F;
-    int g;
-    if (gi < nl) {
-        g = 4 * F + gi;
-    } else {
-        const int j = gi - nl, p = j / F;
-        g = p + 4 * (j - p * F);
-    }
-    return g * kFlagGroup + L % kFlagGroup;
-}
-// Rows b + k B (k >= 0) below v: how many of a block's rows (KQ_DQ_MAP 1) precede logical row v.
-__device__ __forceinline__ int kq_rows_below(int v, int b, int B) { return v > b ? (v - b + B - 1) / B : 0; }
-__device__ __forceinline__ unsigned long long globaltimer_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-// The release / acquire half of a fence-and-relaxed-atomic pattern (PTX ISA, memory consistency
-// model: fence.acq_rel is enough there; __threadfence is fence.sc.gpu, a heavier sequentially
-// consistent fence).
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-__device__ __forceinline__ unsigned ld_relaxed_u32(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-// Lane 0 of the producer warp that stored logical row L (row = kq_flag_row(L)): count it in the
-// block's shared count of its group; the warp completing the block's rows of that group publishes
-// them (fence.acq_rel.gpu, then a relaxed add: together a release of every counted row's store).
-__device__ __forceinline__ void kq_flag_done(const FlagArgs& f, unsigned* scnt, int L, int row, int total_rows) {
-#ifdef DIAG_FLAGS_NOCOUNT  // timing-only diagnostic (module.py): no counting at all
-    return;
-#endif
-    const int gi = L / kFlagGroup, b = (int)blockIdx.x, B = (int)gridDim.x;
-    const int lo = gi * kFlagGroup, hi = min(lo + kFlagGroup, total_rows);
-    const unsigned need = (unsigned)(kq_rows_below(hi, b, B) - kq_rows_below(lo, b, B));
-#ifndef DIAG_FLAGS_NOBFENCE  // timing-only diagnostic (module.py): the shared count without its fence
-    __threadfence_block();  // this row's store before the shared count (CTA scope)
-#endif
-    if (atomicAdd(scnt + gi, 1u) + 1u == need) {
-#ifndef DIAG_FLAGS_NOFENCE  // timing-only diagnostic (module.py): the add without its fence
-        fence_acq_rel_gpu();  // every counted row's store (cumulativity) before the global add
-#endif
-#ifndef DIAG_FLAGS_NOGLOBAL  // timing-only diagnostic (module.py): the block counts, publishes nothing
-        atomicAdd((unsigned*)f.cnt + row / kFlagGroup, need);
-#endif
-    }
-}
-// The consumer block of part `part`: warp 0 waits until each group the part stages holds its
-// 1024 rows, lane k polling the part's k-th group (relaxed polls, then a GPU-scope fence in every
-// polling lane: an acquire of the producers' releases); the barrier passes that on to the block's
-// threads. (kq_flag_end counts the block in at its end.) Fourth form (session 35): the polls and
-// the end's check-and-reset are one lane per group instead of thread 0 walking the groups (each
-// walk F + nl, up to 17, dependent L2 round trips per block). Measured (session 35): -70 us on the
-// 27B step against the third form, not the ~330 us the walks had been estimated at.
-__device__ __forceinline__ void kq_flag_wait(const FlagArgs& f, int part) {
-#if defined(DIAG_FLAGS_NOCOUNT) || defined(DIAG_FLAGS_NOPOLL)  // timing-only diagnostics: the plain
-    pdl_wait();  // PDL wait instead of the counts (NOPOLL: the producers still count)
-    return;
-#endif
-    unsigned* cnt = (unsigned*)f.cnt;
-    if (threadIdx.x < 32) {  // warp 0, every lane (the vote below takes the full mask)
-        const int nl = f.ng - 4 * f.F, k = (int)threadIdx.x;  // F + nl <= ng <= kFlagMaxGroups < 32
-        bool late = false;
-        if (k < f.F + nl) {
-            const int g = cs_group_rot(k, f.F, 4, part);  // the groups stage_xq stages for the part
-            const unsigned long long t0 = globaltimer_ns();
-            for (unsigned n = 0; ld_relaxed_u32(cnt + g) < (unsigned)kFlagGroup; ++n) {
-                if constexpr (KQ_FLAG_SLEEP > 0) __nanosleep(KQ_FLAG_SLEEP);  // back off: fewer polls of the one line
-                if ((n & 255u) == 255u && globaltimer_ns() - t0 > kFlagTimeoutNs) {
-                    late = true;
-                    break;
-                }
-            }
-            fence_acq_rel_gpu();  // acquire: this lane's polled count's releases before the block's reads of x
-        }
-        if (__any_sync(0xffffffffu, late) && k == 0) atomicAdd(cnt + kFlagErr, 1u);
-    }
-    __syncthreads();
-}
-// Warp 0 of a consumer block at the block's end (session 33: off the path between the wait and
-// the block's work, where the first form had it and its last block's check and reset delayed
-// that block's rows): lane 0 counts the block in; in the grid's last block (every block past its
-// wait, so every group complete) lane g checks count g is exactly 1024 and resets it for the next
-// producer, which counts only after its own PDL wait, itself after this grid's end.
-__device__ __forceinline__ void kq_flag_end(const FlagArgs& f) {
-#if defined(DIAG_FLAGS_NOCOUNT) || defined(DIAG_FLAGS_NOEND)  // timing-only diagnostics: nothing
-    return;  // counted, or (NOEND, with flags_pdl / flags_nopoll) the counts left to grow: no check, no reset
-#endif
-    if (threadIdx.x >= 32) return;  // warp 0, every lane (the shuffle and vote take the full mask)
-    unsigned* cnt = (unsigned*)f.cnt;
-    const int g = (int)threadIdx.x;
-    unsigned last = 0;
-    if (g == 0) last = atomicAdd(cnt + kFlagSeen, 1u) == gridDim.x - 1;
-    last = __shfl_sync(0xffffffffu, last, 0);
-    if (last) {  // warp-uniform
-        __syncwarp();  // lane 0's add before the other lanes' reads (memory ordering among the lanes)
-        fence_acq_rel_gpu();
-        bool bad = false;
-        if (g < f.ng) {
-            bad = ld_relaxed_u32(cnt + g) != (unsigned)kFlagGroup;
-            cnt[g] = 0u;
-        }
-        if (__any_sync(0xffffffffu, bad) && g == 0) atomicAdd(cnt + kFlagErr, 1u);
-        if (g == 0) cnt[kFlagSeen] = 0u;
-    }
-}
-#define KQ_FLAG_FPROD(MODE, t) (MODE == 2 && (t).flags.role == 1)
-#else
 static_assert(sizeof(SegTable) == 152 + 48 * KQ_XPF + 32 * KQ_CONV, "SegTable (ops.table_dtype)");
-#endif
 
 #ifndef KQ_DQ
 // KQ_DQ=1 (ops GGUF_HARNESS_GEMV_KQ_DQ, the wide nodes' build since session 17; 32-warp blocks):
@@ -926,11 +768,6 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     __shared__ int dq_next;                    // the next unit to hand out
     __shared__ int dq_seen[KQ_DQ_T];                // tail row j: parts added so far
     __shared__ float dq_part[KQ_DQ_T][KQ_DQ_P][2];  // tail row j, part p: (y, up)
-#if KQ_FLAGS
-    static_assert(KQ_DQ_MAP == 1, "KQ_FLAGS: a block's rows per group are counted for KQ_DQ_MAP 1 (b + k B)");
-    __shared__ unsigned fl_cnt[kFlagMaxGroups];  // KQ_FLAGS producer: the block's stored rows per group
-    if (threadIdx.x < kFlagMaxGroups) fl_cnt[threadIdx.x] = 0u;  // (published by stage_xq's barriers)
-#endif
     int4* xq = smem4 + (Q::TYPE == T_IQ3_S ? kIq3sDynInt4 : 0);  // (KQ_IQ3S_GRID 32: the grid copies first)
     int* xs = (int*)(xq + K / 8);  // K % 256 == 0 (ops.py): Kp = K
     float* xd = (float*)(xs + K / 8);
@@ -939,18 +776,11 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
     constexpr int P = KQ_DQ_P;  // compile-time: with a runtime P every row's loop had a runtime stride (session 17)
 #if KQ_DQ_MAP  // the block's k-th row is b + k B (rows dealt round-robin over the blocks)
     const int r0 = 0, nb = (int)blockIdx.x < total_rows ? (total_rows - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
-    auto grow0 = [&](int k) { return (int)blockIdx.x + k * (int)gridDim.x; };
+    auto grow = [&](int k) { return (int)blockIdx.x + k * (int)gridDim.x; };
 #else  // the block's k-th row is r0 + k (a contiguous range)
     const int r0 = (int)((long long)blockIdx.x * total_rows / gridDim.x);
     const int nb = (int)((long long)(blockIdx.x + 1) * total_rows / gridDim.x) - r0;
-    auto grow0 = [&](int k) { return r0 + k; };
-#endif
-#if KQ_FLAGS && !defined(DIAG_FLAGS_NOREMAP)  // a producer takes its rows in its consumer's order (kq_flag_row)
-    auto grow = [&](int k) {
-        return KQ_FLAG_FPROD(MODE, t) ? kq_flag_row(grow0(k), t.flags.ng, t.flags.F) : grow0(k);
-    };
-#else
-    auto grow = grow0;
+    auto grow = [&](int k) { return r0 + k; };
 #endif
     const int T = min(nb, KQ_DQ_T), F = nb - T, nunits = F + T * P;
     // unit u: its row (node-global), part and parts; j: the tail row's index
@@ -1032,9 +862,6 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
         if (lane == 0) {
             if (np == 1) {
                 KQ_STORE(MODE, t, si, row, y * rs, up * rs);
-#if KQ_FLAGS
-                if (KQ_FLAG_FPROD(MODE, t)) kq_flag_done(t.flags, fl_cnt, grow0(u), row, total_rows);
-#endif
             } else {
                 volatile float* pp = &dq_part[j][0][0];
                 pp[2 * p] = y;
@@ -1048,9 +875,6 @@ __device__ __forceinline__ void kq_dq_body(const SegTable& t, const float* x, co
                         us += pp[2 * q + 1];
                     }
                     KQ_STORE(MODE, t, si, row, ys * rs, us * rs);
-#if KQ_FLAGS
-                    if (KQ_FLAG_FPROD(MODE, t)) kq_flag_done(t.flags, fl_cnt, grow0(F + j), row, total_rows);
-#endif
                 }
             }
         }
@@ -1101,22 +925,8 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     const int G = NW / S, g = warp / S, ws = warp - g * S;  // row groups per block, this warp's
     // CS > 1: the cluster takes the block's place in the row order; the block's rank is its part
     // wpart (nparts of them) where S > 1 uses the warp's part ws
-#if KQ_FLAGS && KQ_GSPLIT
-    // a KQ_FLAGS consumer's blocks are part-major (block b: part b / ncb of group b % ncb), so the
-    // blocks resident first are those of the parts whose x the producer completes first
-    const bool fcons = CS == 4 && t.flags.role == 2;
-    const int ncb = CS > 1 ? (int)gridDim.x / CS : (int)gridDim.x;
-#ifdef DIAG_FLAGS_NOPM  // timing-only diagnostic (module.py): the default group-major block order
-    const bool fpm = false;
-#else
-    const bool fpm = fcons;
-#endif
-    const int cb = fpm ? (int)blockIdx.x % ncb : CS > 1 ? (int)blockIdx.x / CS : (int)blockIdx.x;
-    const int wpart = fpm ? (int)blockIdx.x / ncb : CS > 1 ? (int)blockIdx.x % CS : ws;
-#else
     const int cb = CS > 1 ? (int)blockIdx.x / CS : (int)blockIdx.x, ncb = CS > 1 ? (int)gridDim.x / CS : (int)gridDim.x;
     const int wpart = CS > 1 ? (KQ_GSPLIT ? (int)blockIdx.x % CS : (int)cluster_rank()) : ws;
-#endif
     constexpr int nparts = CS > 1 ? CS : S;
     if constexpr (CS > 1 && !KQ_GSPLIT) cluster_arrive_relaxed();  // paired with the wait before the first DSMEM store
 #if KQ_WMAJ  // the warp's first row group: warp-major g gridDim.x + b
@@ -1166,14 +976,6 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
     }
     Q::setup();     // constants only (IQ3_S: the grid to shared memory; stage_xq's barriers publish it)
     KQ_CONV_PREFETCH(t);
-#if KQ_FLAGS && KQ_GSPLIT
-    if (fcons) {
-#ifdef DIAG_FLAGS_PDL  // timing-only diagnostic (module.py): the consumer's PDL wait as well, so only the counting costs
-        pdl_wait();
-#endif
-        kq_flag_wait(t.flags, wpart);  // x's groups of this part, not the producer's whole grid
-    } else
-#endif
     if (kq_waits<CS>(norm)) pdl_wait();  // x (and the output, for "add") come from the previous kernels
     KQ_MARK(1);
     pdl_trigger();
@@ -1338,9 +1140,6 @@ __device__ __forceinline__ void kq_body(const SegTable& t, const float* x, const
             }
         }
     }
-#endif
-#if KQ_FLAGS && KQ_GSPLIT
-    if (fcons) kq_flag_end(t.flags);
 #endif
     KQ_MARK(3);
     KQ_XPF_TAIL(t);

@@ -41,23 +41,7 @@ struct ConvArgs {         // 32 bytes, mirrored by backends/engine/ops.py CONV_D
     int pad;
 };
 
-#ifndef KQ_FLAGS
-#define KQ_FLAGS 0
-#endif
-// KQ_FLAGS (gemv_kq.cu's A/B build, ops GGUF_HARNESS_GEMV_KQ_FLAGS; backends/engine/kq_flags.py links
-// the nodes): readiness counts from a SwiGLU pair (producer, the queue build) to the 4-part ffn_down
-// group kernel after it (consumer), which waits on the counts of the x it needs instead of the
-// producer's whole grid (griddepcontrol.wait).
-struct FlagArgs {         // 24 bytes, mirrored by backends/engine/ops.py FLAGS_DT
-    u64 cnt;              // u32 [32]: [g] rows stored of 1024-row group g < ng; [30] protocol errors;
-                          // [31] consumer blocks ended (gemv_kq.cu kq_flag_end)
-    int ng;               // 1024-row groups of the producer's rows (the consumer's K / 1024), 4..30
-    int F;                // ng / 4: the consumer parts' full sweeps of 4 groups
-    int role;             // 0: none (plain PDL wait), 1: producer, 2: consumer
-    int pad;
-};
-
-// 152 bytes (+48 with KQ_XPF, +32 with KQ_CONV, +24 with KQ_FLAGS), mirrored by backends/engine/ops.py
+// 152 bytes (+48 with KQ_XPF, +32 with KQ_CONV), mirrored by backends/engine/ops.py
 // table_dtype(): a kernel parameter (v4) or, for the pointer convention of v1-v3, in device
 // memory (one per node, written once at build time).
 struct SegTable {
@@ -69,9 +53,6 @@ struct SegTable {
 #endif
 #if KQ_CONV
     ConvArgs conv;
-#endif
-#if KQ_FLAGS
-    FlagArgs flags;
 #endif
 };
 

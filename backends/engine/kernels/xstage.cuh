@@ -30,37 +30,15 @@
 #endif
 static_assert(KQ_PART_ROT >= 0 && KQ_PART_ROT <= 2, "KQ_PART_ROT: 0 off, 1 keyed by the round, 2 by the row group");
 template <int CS> constexpr bool kKqPartRot = KQ_PART_ROT && CS == 4;  // one rule for stage_xq and kq_body
-#ifndef KQ_FLAGS
-#define KQ_FLAGS 0  // gemv_kq.cu KQ_FLAGS (segs.cuh FlagArgs): readiness counts between a producer and a consumer
-#endif
-template <int CS> constexpr bool kXsCoherent = KQ_FLAGS && CS == 4;  // stage_xq's x loads through L2
-// (volatile asm with a memory clobber: cuda's __ldcg is asm without one, which the compiler may move
-// above the barrier that follows kq_flag_wait's acquire)
-__device__ __forceinline__ float4 ld_cg_f4(const float* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ float ld_cg_f1(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-    return v;
-}
 __device__ __forceinline__ int cs_entries(int nch, int cs, int part, bool rot) {
     const int ng = (nch + 127) >> 7;
     if (rot) return 128 * (ng / cs + ng % cs);
     return ng > part ? 128 * ((ng - part + cs - 1) / cs) : 0;
 }
-// The k-th group of 4 super-blocks a part stages under KQ_PART_ROT (F = full sweeps of cs groups):
-// its groups part + cs k for k < F, then the leftover groups F cs .. (also the groups a KQ_FLAGS
-// consumer part waits for, gemv_kq.cu kq_flag_wait)
-__device__ __forceinline__ int cs_group_rot(int k, int F, int cs, int part) {
-    return k < F ? k * cs + part : F * cs + k - F;
-}
 __device__ __forceinline__ int cs_entry(int v, int nv, int nch, int cs, int part, bool rot) {
     if (rot) {
         const int g = v >> 7, F = ((nch + 127) >> 7) / cs;
-        return v < nv ? ((cs_group_rot(g, F, cs, part) << 7) | (v & 127)) : nch;
+        return v < nv ? (((g < F ? g * cs + part : F * cs + g - F) << 7) | (v & 127)) : nch;
     }
     return v < nv ? ((((v >> 7) * cs + part) << 7) | (v & 127)) : nch;
 }
@@ -121,17 +99,6 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
 #endif
     const bool vec = (K & 7) == 0;
     const int nch = ((K + 255) >> 8) * 32;  // multiple of 32: the c < nch test is warp-uniform
-    // x through L2 (ld.global.cg) in a KQ_FLAGS 4-part group kernel, which may read x while its
-    // producer grid still runs (after acquiring the readiness counts, gemv_kq.cu kq_flag_wait): not
-    // through the non-coherent read-only path a const __restrict__ pointer allows
-    auto ld4 = [&](int i) -> float4 {
-        if constexpr (kXsCoherent<CS>) return ld_cg_f4(x + 4 * i);
-        else return ((const float4*)x)[i];
-    };
-    auto ld1 = [&](int i) -> float {
-        if constexpr (kXsCoherent<CS>) return ld_cg_f1(x + i);
-        else return x[i];
-    };
 #ifdef ACT_Q8_1
     float* xf = xd + nch / 4;
 #endif
@@ -147,18 +114,18 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
         auto at = [&](int j) { return IL ? 32 * (c >> 2) + 4 * (c & 3) + (j >> 1) + 16 * (j & 1) : i0 + j; };
         if (IL && vec && 32 * (c >> 2) + 32 <= K) {
             const int f = 8 * (c >> 2) + (c & 3);  // float4 of values 4k..4k+3; +4: 4k+16..
-            const float4 a = ld4(f), b = ld4(f + 4);
+            const float4 a = ((const float4*)x)[f], b = ((const float4*)x)[f + 4];
             v[0] = a.x; v[1] = b.x; v[2] = a.y; v[3] = b.y; v[4] = a.z; v[5] = b.z; v[6] = a.w; v[7] = b.w;
             if (norm) {
                 // the sum of squares over the natural entry c (values 8c..8c+7) in the default's
                 // order, so rs (and with it every output) is the default build's bit for bit
-                const float4 ra = ld4(2 * c), rb = ld4(2 * c + 1);
+                const float4 ra = ((const float4*)x)[2 * c], rb = ((const float4*)x)[2 * c + 1];
                 ss += ra.x * ra.x + ra.y * ra.y + ra.z * ra.z + ra.w * ra.w + rb.x * rb.x + rb.y * rb.y + rb.z * rb.z + rb.w * rb.w;
                 const float4 na = ((const float4*)norm)[f], nb = ((const float4*)norm)[f + 4];
                 v[0] *= na.x; v[1] *= nb.x; v[2] *= na.y; v[3] *= nb.y; v[4] *= na.z; v[5] *= nb.z; v[6] *= na.w; v[7] *= nb.w;
             }
         } else if (!IL && vec && i0 + 8 <= K) {
-            const float4 a = ld4(2 * c), b = ld4(2 * c + 1);
+            const float4 a = ((const float4*)x)[2 * c], b = ((const float4*)x)[2 * c + 1];
             v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
             if (norm) {
                 const float4 na = ((const float4*)norm)[2 * c], nb = ((const float4*)norm)[2 * c + 1];
@@ -169,14 +136,14 @@ __device__ __forceinline__ float stage_xq(const float* __restrict__ x, const flo
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
                 const int ik = at(k);
-                v[k] = ik < K ? ld1(ik) : 0.f;
+                v[k] = ik < K ? x[ik] : 0.f;
                 if (norm) {
                     // IL: natural order, but one square at a time, where the natural build sums a
                     // full in-bounds entry as one 8-term expression: bitwise equal to it only for
                     // K % 32 == 0 (every IL caller: IQ4_XS rows, K % 256 == 0; this branch then
                     // sees only the padding entries, c >= K / 8)
                     if constexpr (IL) {
-                        const float xn = i0 + k < K ? ld1(i0 + k) : 0.f;
+                        const float xn = i0 + k < K ? x[i0 + k] : 0.f;
                         ss += xn * xn;
                     } else {
                         ss += v[k] * v[k];
