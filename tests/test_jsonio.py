@@ -231,3 +231,22 @@ def test_history_reads_gz_runs_and_prefers_plain(tmp_path):
     assert [r.json_file.name for r in records] == ["result.json.gz", "result.json"]
     assert [(p.name, "not a gguf-harness result" in why) for p, why in skipped] == [
         ("kernels.json.gz", True)]
+
+
+def test_committed_results_are_stored_gzipped():
+    """docs/results keeps results as .json.gz / .npy.gz (docs/results/README.md): a plain .json or
+    .npy committed there would grow the tree past what a device call can carry beside the llama.cpp
+    build. Fix with `make compress-results`. Only git-tracked files count (a scratch file is not)."""
+    import shutil
+    import subprocess
+    root = RESULTS.parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout: the tracked files cannot be listed")
+    out = subprocess.run(["git", "ls-files", "-z", "--", "docs/results"], cwd=root,
+                         capture_output=True, check=True).stdout.decode()
+    tracked = [p for p in out.split("\0") if p]
+    assert tracked, "git lists no files under docs/results"
+    plain = [p for p in tracked if p.endswith(jsonio.COMPRESS_SUFFIXES)]
+    assert plain == [], f"run `make compress-results`, then commit: {plain[:5]}"
+    # and the tool agrees on the working tree's tracked files
+    assert jsonio.main(["--compress", *[str(root / p) for p in tracked[:50]], "--check"]) == 0
