@@ -487,6 +487,14 @@ def test_tma_plan_hand_counts():
     p = plan(5120, 136, True, ops.gemv_smem(5120), smem)
     assert (p.kc, p.chunks, p.slot, p.smem) == (12, 2, 1648, 13440 + 128 * 1648)
     assert plan(256, 210, False, ops.gemv_smem(256), smem).kc == 1
+    # IQ3_S K = 17408 beside its 32960 B of static grid copies: (232448 - 32960 - 45696) / 64 = 2403 B
+    # per slot: 21 blocks fit, 20 taken -> 4 chunks. With only the 4096 B reserve it planned kc 24,
+    # 215680 B, over the opt-in limit with the static part (session 37's GPU failure).
+    p = plan(17408, 110, False, ops.gemv_smem(17408), smem, static=32960)
+    assert (p.kc, p.chunks, p.slot, p.smem) == (20, 4, 2224, 45696 + 64 * 2224)
+    assert p.smem + 32960 <= smem
+    assert plan(17408, 110, False, ops.gemv_smem(17408), smem, static=100).smem == \
+        plan(17408, 110, False, ops.gemv_smem(17408), smem).smem  # at least the reserve is kept
     assert plan(5120, 144, False, ops.gemv_smem(5120), 20 * 1024) is None  # 46 B per slot: no block fits
     for bad in ((100, 144), (0, 144), (512, 0)):
         with pytest.raises(ValueError, match="TMA plan"):
@@ -518,6 +526,13 @@ def test_gemv_tma_routing(monkeypatch):
         from backends.engine.formats import FORMATS
         p = plan(K, FORMATS[types[0]].type_size, mode == "swiglu", ops.gemv_smem(K), 227 * 1024)
         assert [int(a) for a in node.args[6:]] == [p.kc, p.slot, p.ring_off] and node.smem == p.smem
+    # the plan leaves room for the instance's static shared memory (IQ3_S: the grid copies)
+    monkeypatch.setattr(ops.module, "kernel_in", lambda src, name, defines=(): asked.append(
+        (src, name, tuple(defines))) or NS(name=name, shared_size_bytes=32960 if "iq3_s" in name else 192))
+    for mode, types, K, rows in (("store", [21], 17408, 5120), ("swiglu", [21, 21], 5120, 17408),
+                                 ("add", [14], 17408, 5120)):
+        node = _gemv_node(mode, types, K, rows, lambda i: 256 << (20 + i))
+        assert node.smem + node.kernel.shared_size_bytes <= 227 * 1024, (mode, types, node.smem)
     for types in ([12, 0], [8], [12, 14]):
         node = _gemv_node("store", types, 5120, 64, lambda i: 256 << (20 + i))
         assert not node.kernel.name.startswith("gemvtma_"), (types, node.kernel.name)

@@ -1003,14 +1003,15 @@ def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float,
     if GEMV_TMA_RING and not GEMV_TMA_RING.isdigit():
         raise ValueError(f"GGUF_HARNESS_GEMV_TMA_RING={GEMV_TMA_RING!r}: expected a byte count")
     t = types.pop()
-    p = plan(K, FORMATS[t].type_size, mode == "swiglu", gemv_smem(K), module.smem_optin(), nst, tile_rows,
-             int(GEMV_TMA_RING) if GEMV_TMA_RING else None)
-    if p is None:
-        return None
     for s in segs:
         if s.w.ptr % 16:
             raise ValueError(f"{s.w.name}: the TMA GEMV copies 16-byte aligned matrices")
     k = module.kernel_in("gemv_tma.cu", f"gemvtma_{mode}_{KV9_NAMES[t]}", defs)
+    # the ring takes what the instance's static shared memory leaves (IQ3_S's grid copies: 33 KB)
+    p = plan(K, FORMATS[t].type_size, mode == "swiglu", gemv_smem(K), module.smem_optin(), nst, tile_rows,
+             int(GEMV_TMA_RING) if GEMV_TMA_RING else None, int(getattr(k, "shared_size_bytes", 0) or 0))
+    if p is None:
+        return None
     module.allow_smem(k, p.smem)
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
     threads = (warps + 1) * 32

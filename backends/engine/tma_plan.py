@@ -18,7 +18,10 @@ from dataclasses import dataclass
 TMA_NST = 4      # kernels/gemv_tma.cu TMA_NST
 TMA_WARPS = 16   # kernels/gemv_tma.cu TMA_WARPS (consumer warps; the block has one more)
 RING_ALIGN = 128
-STATIC_RESERVE = 4096  # static shared memory of an instance: barriers, scratch, IQ3_S's 2 KiB grid
+STATIC_RESERVE = 4096  # static shared memory reserved at least: barriers, scratch. An instance with
+# more (the IQ3_S ones: kernels/kwide_iq3s.cuh's 16 grid copies, 32960 B in all, session 20) passes
+# its own figure as `static`; with 4096 their plan overran the opt-in limit and the launch set-up
+# failed (CUDA_ERROR_INVALID_VALUE, the GPU test of session 37).
 
 
 @dataclass(frozen=True)
@@ -35,19 +38,22 @@ def _slot(kc: int, type_size: int) -> int:
 
 
 def plan(K: int, type_size: int, pair: bool, x_bytes: int, smem_max: int,
-         nst: int = TMA_NST, warps: int = TMA_WARPS, ring_max: int | None = None) -> TmaPlan | None:
+         nst: int = TMA_NST, warps: int = TMA_WARPS, ring_max: int | None = None,
+         static: int = 0) -> TmaPlan | None:
     """The plan of a node with input length K (a multiple of 256), super-blocks of `type_size`
     bytes, `pair` True for a gate/up pair, x_bytes of staged x (ops.gemv_smem) and smem_max bytes
     of shared memory per block (module.smem_optin()); nst stages of `warps` tile rows (the build's
     TMA_NST, and TMA_WARPS x TMA_RPW for a store/add node); ring_max: at most this many ring bytes (a small ring lets 2-3 blocks share
-    an SM). None when not even one super-block per slot fits. Raises ValueError on K not a
+    an SM); static: the instance's static shared memory in bytes (the kernel's shared_size_bytes;
+    at least STATIC_RESERVE is kept free). The plan's smem + static <= smem_max. None when not
+    even one super-block per slot fits. Raises ValueError on K not a
     positive multiple of 256 or a non-positive size."""
     if K <= 0 or K % 256 or type_size <= 0 or x_bytes < 0:
         raise ValueError(f"TMA plan: K={K} (a positive multiple of 256), type_size={type_size}")
     nsb = K // 256
     ring_off = -(-x_bytes // RING_ALIGN) * RING_ALIGN
     slots = nst * (2 if pair else 1) * warps
-    per_slot = (smem_max - STATIC_RESERVE - ring_off) // slots
+    per_slot = (smem_max - max(STATIC_RESERVE, static) - ring_off) // slots
     if ring_max is not None:
         per_slot = min(per_slot, ring_max // slots)
     kc = min(nsb, (per_slot - 16) // type_size)
