@@ -129,7 +129,11 @@ def gzip_bytes(data: bytes) -> bytes:
     return buf.getvalue()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename over `path` (readers see
+    the old file or the new one, never a part). Creates the folder. The file is 0644 (mkstemp
+    makes 0600; results are meant to be shared). Raises OSError; the temporary file is removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -154,7 +158,7 @@ def compress(path: str | Path) -> Path:
         if read_bytes(gz) != data:
             raise ValueError(f"{gz} exists with other contents than {path}; not overwritten")
     else:
-        _write_atomic(gz, gzip_bytes(data))
+        write_atomic(gz, gzip_bytes(data))
         if read_bytes(gz) != data:  # never remove the original on a bad copy
             gz.unlink()
             raise ValueError(f"{gz}: read back differs from {path}; {path} kept")

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .jsonio import load_json
+from .jsonio import load_json, write_atomic  # noqa: F401  (write_atomic: used here and re-exported)
 from .jsonread import json_int
 
 SCHEMA = "gguf-harness/run/1"
@@ -59,22 +57,6 @@ def _clean(x):
     if hasattr(x, "item") and callable(x.item):  # numpy scalars
         return _clean(x.item())
     return x
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_json(path: Path, obj: dict) -> None:

@@ -250,3 +250,22 @@ def test_committed_results_are_stored_gzipped():
     assert plain == [], f"run `make compress-results`, then commit: {plain[:5]}"
     # and the tool agrees on the working tree's tracked files
     assert jsonio.main(["--compress", *[str(root / p) for p in tracked[:50]], "--check"]) == 0
+
+
+def test_write_atomic_keeps_the_old_file_when_the_rename_fails(tmp_path, monkeypatch):
+    """jsonio.write_atomic (results, reports and compress all write through it): a failure before
+    the rename leaves the earlier file as it was and no temporary file behind; a success is 0644."""
+    import os
+    from harness import results
+    assert results.write_atomic is jsonio.write_atomic
+    target = tmp_path / "sub" / "r.json"
+    jsonio.write_atomic(target, b"old")
+    assert target.read_bytes() == b"old" and (target.stat().st_mode & 0o777) == 0o644
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        jsonio.write_atomic(target, b"new")
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["r.json"]
