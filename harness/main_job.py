@@ -38,7 +38,7 @@ def _choose_backends(spec: str | None, reference: str, bench: bool = False) -> t
     from backends.registry import available_backends
     avail = available_backends()
     if spec:
-        names = [s.strip() for s in spec.split(",") if s.strip()]
+        names = list(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))  # once each
         unknown = [n for n in names if n not in avail]
         if unknown:
             raise ConfigError(f"unknown backend(s) {unknown}; known: {sorted(avail)}")

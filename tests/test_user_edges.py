@@ -186,3 +186,15 @@ def test_gate_pairs_survives_a_malformed_result(name, tmp_path):
     # baseline of its own group ('-'), never a crash
     assert ["-", str((runs / "good" / "result.json").resolve())] in lines
     assert any(line[1] == str(bad.resolve()) and line[0] in ("!", "-") for line in lines)
+
+
+def test_a_backend_listed_twice_counts_once(tmp_path, capsys):
+    """`--backends oracle,oracle` is the reference alone: nothing to compare (exit 2), not an
+    empty result with exit 0; a repeated backend otherwise runs once."""
+    from harness import main_job
+    out = tmp_path / "out"
+    assert main(["verify", "--backends", "oracle,oracle", "--model", "nosuch.gguf",
+                 "--out", str(out)]) == 2
+    assert "nothing to compare" in one_error_line(capsys.readouterr().err)
+    assert not list(out.rglob("result.json"))
+    assert main_job._choose_backends("llamacpp,oracle,llamacpp", "oracle")[0] == ["oracle", "llamacpp"]
