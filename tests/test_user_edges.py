@@ -197,4 +197,4 @@ def test_a_backend_listed_twice_counts_once(tmp_path, capsys):
                  "--out", str(out)]) == 2
     assert "nothing to compare" in one_error_line(capsys.readouterr().err)
     assert not list(out.rglob("result.json"))
-    assert main_job._choose_backends("llamacpp,oracle,llamacpp", "oracle")[0] == ["oracle", "llamacpp"]
+    assert main_job._choose_backends("oracle, oracle", "oracle", bench=True)[0] == ["oracle"]
