@@ -198,3 +198,49 @@ def test_a_backend_listed_twice_counts_once(tmp_path, capsys):
     assert "nothing to compare" in one_error_line(capsys.readouterr().err)
     assert not list(out.rglob("result.json"))
     assert main_job._choose_backends("oracle, oracle", "oracle", bench=True)[0] == ["oracle"]
+
+
+def _hand_edited(tmp_path, edit) -> Path:
+    """V4 with one hand edit (valid JSON, wrong types), written as a plain .json."""
+    doc = load_json(V4)
+    edit(doc)
+    p = tmp_path / "edited.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def _set_run(key, value):
+    def edit(doc):
+        doc["runs"][0][key] = value
+    return edit
+
+
+def _set_divergence_ids(doc):  # first-divergence token ids that are an object and a list
+    d = doc["runs"][0]["summary"]["first_divergence"]
+    d["ref_id"], d["id"] = {"id": 1}, [2]
+    d["ref_top5"][0][0] = {"id": 1}
+    doc["reference"]["ids"][0] = [3]
+
+
+@pytest.mark.parametrize("edit", [_set_run("n_ctx", [512]), _set_run("n_ctx", {"a": 1}),
+                                  _set_run("mode", {"x": 1})])
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_ab_of_a_result_with_unhashable_fields_is_no_traceback(edit, side, tmp_path, capsys):
+    """A hand-edited result whose run n_ctx / mode is a list or object: harness ab compares
+    it (the run is then missing or new: a failure, exit 1) or refuses it, never a TypeError."""
+    bad = _hand_edited(tmp_path, edit)
+    argv = ["ab", str(V4), str(bad)] if side == "b" else ["ab", str(bad), str(V4)]
+    assert main(argv + ["--force"]) in (1, 2)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit", [_set_run("mode", {"x": 1}), _set_run("mode", [1]),
+                                  _set_divergence_ids, _set_run("n_ctx", [512])])
+def test_report_of_a_result_with_wrong_types_is_one_line(edit, tmp_path, capsys):
+    """harness report on a hand-edited result (a run's mode an object, token ids that are
+    objects or lists): fields of the wrong type read as absent or shown as text
+    (harness/jsonread.py's rule), so the report renders; never a TypeError."""
+    bad = _hand_edited(tmp_path, edit)
+    assert main(["report", str(bad)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert (tmp_path / "edited.report.html").stat().st_size > 0
