@@ -244,3 +244,30 @@ def test_report_of_a_result_with_wrong_types_is_one_line(edit, tmp_path, capsys)
     assert main(["report", str(bad)]) == 0
     assert "Traceback" not in capsys.readouterr().err
     assert (tmp_path / "edited.report.html").stat().st_size > 0
+
+
+KERNELS = RESULTS / "nightly-2026-11-29-h200-s8" / "kernels-inv2-867779a.json.gz"
+
+
+def _kernels_edit(doc):  # one row with each field of the wrong type, another without modes
+    rows = doc["rows"]
+    rows[0]["check"] = "ok"
+    rows[0]["modes"] = {m: [1] for m in rows[0]["modes"]}
+    rows[1]["modes"] = 7
+    if len(rows) > 2:
+        mode = next(iter(rows[2]["modes"]))
+        rows[2]["modes"][mode] = {"kernel": {"us": 1.0, "noise": 0.0, "n": "many"}}
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_ab_of_hand_edited_kernels_results_is_no_traceback(side, tmp_path, capsys):
+    """harness ab of two bench kernels results, one hand-edited (a row's check a string, its
+    modes lists, modes a number, a sample count that is text): compared as far as it can be
+    (wrong types read as absent), never an AttributeError / TypeError traceback."""
+    doc = load_json(KERNELS)
+    _kernels_edit(doc)
+    bad = tmp_path / "kernels.json"
+    bad.write_text(json.dumps(doc))
+    argv = ["ab", str(KERNELS), str(bad)] if side == "b" else ["ab", str(bad), str(KERNELS)]
+    assert main(argv) in (0, 1)
+    assert "Traceback" not in capsys.readouterr().err
