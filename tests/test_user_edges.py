@@ -271,3 +271,21 @@ def test_ab_of_hand_edited_kernels_results_is_no_traceback(side, tmp_path, capsy
     argv = ["ab", str(KERNELS), str(bad)] if side == "b" else ["ab", str(bad), str(KERNELS)]
     assert main(argv) in (0, 1)
     assert "Traceback" not in capsys.readouterr().err
+
+
+S36 = RESULTS / "2026-12-04-h200-qwen35-27b-ud-q4_k_m-engine-vs-llamacpp-s36.json.gz"
+
+
+@pytest.mark.parametrize("i", [{"a": 1}, 1e300, "x", [0], True])
+def test_report_of_a_step_index_of_the_wrong_type_renders(i, tmp_path, capsys):
+    """A hand-edited step position ("i") that is an object, a float beyond int64, text, a
+    list or a boolean: the report plots the step at its index in the list, as it does a step
+    without one (TypeError / OverflowError tracebacks, or an error for a ValueError, before)."""
+    doc = load_json(S36)
+    for run in doc["runs"]:
+        for step in (run.get("steps") or [])[1:2]:
+            step["i"] = i
+    p = tmp_path / "steps.json"
+    p.write_text(json.dumps(doc))
+    assert main(["report", str(p)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
