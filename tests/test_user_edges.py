@@ -289,3 +289,14 @@ def test_report_of_a_step_index_of_the_wrong_type_renders(i, tmp_path, capsys):
     p.write_text(json.dumps(doc))
     assert main(["report", str(p)]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen35-tiny"])
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_synth_seed_out_of_range_is_one_line(preset, seed, tmp_path, capsys):
+    """--seed is stored as a uint64 (harness.synth.seed): a negative or too large one is bad
+    input before anything is written (a struct.error / numpy ValueError traceback before)."""
+    out = tmp_path / "m.gguf"
+    assert main(["synth", "--preset", preset, "--seed", seed, "--out", str(out)]) == 2
+    assert "--seed" in one_error_line(capsys.readouterr().err)
+    assert not list(tmp_path.iterdir())
