@@ -300,3 +300,18 @@ def test_synth_seed_out_of_range_is_one_line(preset, seed, tmp_path, capsys):
     assert main(["synth", "--preset", preset, "--seed", seed, "--out", str(out)]) == 2
     assert "--seed" in one_error_line(capsys.readouterr().err)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("pair", [(V4, V4), (KERNELS, KERNELS)])
+@pytest.mark.parametrize("bad_out", ["file", "empty"])
+def test_ab_bad_out_fails_before_the_comparison(pair, bad_out, tmp_path, capsys):
+    """harness ab --out FILE (or an empty --out) printed the whole comparison first and only
+    then failed on the folder; now it is refused first, one line, exit 2, nothing on stdout."""
+    out = tmp_path / "out"
+    out.write_text("an earlier file")
+    arg = str(out) if bad_out == "file" else ""
+    assert main(["ab", str(pair[0]), str(pair[1]), "--out", arg]) == 2
+    got = capsys.readouterr()
+    assert "--out" in one_error_line(got.err)
+    assert got.out == ""
+    assert out.read_text() == "an earlier file"
