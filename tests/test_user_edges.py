@@ -315,3 +315,14 @@ def test_ab_bad_out_fails_before_the_comparison(pair, bad_out, tmp_path, capsys)
     assert "--out" in one_error_line(got.err)
     assert got.out == ""
     assert out.read_text() == "an earlier file"
+
+
+def test_llama_bench_file_that_is_one_json_object_says_so(tmp_path, capsys):
+    """A pretty-printed JSON object (e.g. a harness result given as --llama-bench by mistake)
+    was read as JSONL and refused as "not JSON or JSONL: Expecting property name ... line 1";
+    it is valid JSON, so the error says what it is instead."""
+    lb = tmp_path / "lb.json"
+    lb.write_text(json.dumps(load_json(V4), indent=1))
+    assert main(["bench-table", str(V4), "--llama-bench", str(lb)]) == 2
+    err = one_error_line(capsys.readouterr().err)
+    assert "not JSON" not in err and "array" in err
