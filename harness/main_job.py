@@ -9,7 +9,7 @@ from rich.table import Table
 
 from . import models, results
 from .config import ProtocolConfig, RunConfig
-from .errors import ConfigError, HarnessError
+from .errors import ConfigError, HarnessError, ModelError
 from .gguf_file import open_gguf
 from .machine import git_info, gpu_info
 from .progress import Progress, bytes_progress
@@ -96,6 +96,21 @@ def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
     return _contexts(args.contexts), prompt if prompt is not None else STANDARD_PROMPT, n_tok
 
 
+LLAMA_MAX_LAYERS = 512  # llama.cpp src/llama-hparams.h
+
+
+def check_block_count(info) -> None:
+    """ModelError when {arch}.block_count is present but not an integer in 1..512: llama.cpp's
+    loader (the tokeniser child included) aborts on it with a GGML_ASSERT (SIGABRT)."""
+    key = f"{info.arch}.block_count"
+    n = info.get(key)
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= LLAMA_MAX_LAYERS:
+        raise ModelError(f"{info.path.name}: metadata {key!r} = {n!r} is outside "
+                         f"[1, {LLAMA_MAX_LAYERS}] (llama.cpp's LLAMA_MAX_LAYERS)")
+
+
 def tokenize_prompt(model, text: str, n_tokens: int | None):
     """Prompt ids through llama.cpp (child process), and a detokeniser for the report."""
     from backends.registry import create
@@ -126,6 +141,7 @@ def run_job(args, console: Console) -> int:
     with bytes_progress(console, f"model {args.model}") as advance:
         model = models.resolve(args.model, progress=advance)
     info = open_gguf(model.path)
+    check_block_count(info)
     gpu = gpu_info()
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (99 if gpu else 0)
     base = RunConfig(n_threads=args.threads, n_gpu_layers=ngl, flash_attn=not args.no_flash_attn,

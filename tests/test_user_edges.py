@@ -326,3 +326,29 @@ def test_llama_bench_file_that_is_one_json_object_says_so(tmp_path, capsys):
     assert main(["bench-table", str(V4), "--llama-bench", str(lb)]) == 2
     err = one_error_line(capsys.readouterr().err)
     assert "not JSON" not in err and "array" in err
+
+
+@pytest.mark.parametrize("n_layer", [0, 513, 2**32 - 1])
+def test_block_count_out_of_range_is_refused_before_llama_cpp(n_layer, tmp_path, monkeypatch,
+                                                              capsys):
+    """A header whose block_count is 0 (or over llama.cpp's LLAMA_MAX_LAYERS, 512) made the
+    llama.cpp tokeniser child abort on a GGML_ASSERT (SIGABRT, a 40-line backtrace); the
+    header is refused first, one line, exit 2."""
+    import struct
+
+    from harness import main_job
+    from harness.synth.presets import write_preset
+    model = write_preset("qwen2-tiny", tmp_path / "tiny.gguf")
+    raw = bytearray(model.read_bytes())
+    key = b"qwen2.block_count"
+    at = raw.find(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<I", raw, at)[0] == 4  # GGUF UINT32
+    struct.pack_into("<I", raw, at + 4, n_layer)
+    model.write_bytes(bytes(raw))
+
+    def boom(*a, **k):
+        raise AssertionError("llama.cpp was started on the bad header")
+    monkeypatch.setattr(main_job, "tokenize_prompt", boom)
+    assert main(["verify", "--backends", "oracle", "--bench", "--model", str(model),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "block_count" in one_error_line(capsys.readouterr().err)
