@@ -328,11 +328,12 @@ def run_layerdiff(args, console: Console) -> int:
     llama_info = check_backends(args)
     from .gguf_file import open_gguf
     from .machine import machine_info
-    from .main_job import model_meta
+    from .main_job import check_block_count, model_meta
     from .progress import bytes_progress
     with bytes_progress(console, f"model {args.model}") as advance:
         model = models.resolve(args.model, progress=advance)
     info = open_gguf(model.path)
+    check_block_count(info)  # llama.cpp (tokeniser, --against llamacpp) aborts on a bad one
     from backends.oracle import _oracle_class
     _oracle_class(info.arch)  # UnsupportedError now for an architecture the oracle lacks
     from .engine_layerdiff import ARCHS as ENGINE_ARCHS

@@ -352,3 +352,5 @@ def test_block_count_out_of_range_is_refused_before_llama_cpp(n_layer, tmp_path,
     assert main(["verify", "--backends", "oracle", "--bench", "--model", str(model),
                  "--out", str(tmp_path / "out")]) == 2
     assert "block_count" in one_error_line(capsys.readouterr().err)
+    assert main(["layerdiff", "--model", str(model), "--out", str(tmp_path / "out")]) == 2
+    assert "block_count" in one_error_line(capsys.readouterr().err)
