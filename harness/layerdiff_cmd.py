@@ -52,6 +52,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import models, results
+from .config import MAX_THREADS
 from .errors import ConfigError, UnsupportedError
 from .layerdiff import DEFAULT_TOL, LayerDiff, NodeDiff
 
@@ -124,8 +125,8 @@ def check_args(args) -> None:
         raise ConfigError(f"--tol must be a finite number >= 0, got {args.tol}")
     if args.ctx < 8:
         raise ConfigError(f"--ctx must be >= 8, got {args.ctx}")
-    if args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if not 1 <= args.threads <= MAX_THREADS:
+        raise ConfigError(f"--threads must be in 1 .. {MAX_THREADS}, got {args.threads}")
     if args.prompt is not None and not args.prompt.strip():
         raise ConfigError("the prompt is empty")
     if args.prompt_ids is not None:

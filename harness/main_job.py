@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import models, results
-from .config import ProtocolConfig, RunConfig
+from .config import MAX_THREADS, ProtocolConfig, RunConfig
 from .errors import ConfigError, HarnessError, ModelError
 from .gguf_file import open_gguf
 from .machine import git_info, gpu_info
@@ -78,6 +78,8 @@ def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
     prompt token count or None). Raises ConfigError."""
     if args.n_predict <= 0:
         raise ConfigError(f"--n-predict must be > 0, got {args.n_predict}")
+    if not 1 <= args.threads <= MAX_THREADS:
+        raise ConfigError(f"--threads must be in 1 .. {MAX_THREADS}, got {args.threads}")
     for flag in ("bench_decode", "bench_reps"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

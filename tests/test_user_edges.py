@@ -354,3 +354,13 @@ def test_block_count_out_of_range_is_refused_before_llama_cpp(n_layer, tmp_path,
     assert "block_count" in one_error_line(capsys.readouterr().err)
     assert main(["layerdiff", "--model", str(model), "--out", str(tmp_path / "out")]) == 2
     assert "block_count" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("cmd", [["verify", "--backends", "oracle", "--bench"], ["layerdiff"]])
+def test_threads_beyond_ggml_max_is_bad_input(cmd, tmp_path, capsys):
+    """--threads 100000 crashed the llama.cpp child (SIGSEGV while creating threads), shown as
+    a run ERROR with exit 1; a count over ggml's GGML_MAX_N_THREADS (512) is bad input."""
+    out = tmp_path / "out"
+    assert main([*cmd, "--threads", "100000", "--model", "nosuch.gguf", "--out", str(out)]) == 2
+    assert "threads" in one_error_line(capsys.readouterr().err)
+    assert not list(out.rglob("*.json"))
