@@ -89,6 +89,11 @@ def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
     prompt = getattr(args, "prompt", None)
     if prompt is not None and not prompt.strip():
         raise ConfigError("the prompt is empty")
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes of another encoding in argv arrive as surrogates
+            raise ConfigError("the prompt is not valid UTF-8") from None
     n_tok = getattr(args, "prompt_tokens", None)
     if n_tok is not None and n_tok < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {n_tok}")

@@ -364,3 +364,16 @@ def test_threads_beyond_ggml_max_is_bad_input(cmd, tmp_path, capsys):
     assert main([*cmd, "--threads", "100000", "--model", "nosuch.gguf", "--out", str(out)]) == 2
     assert "threads" in one_error_line(capsys.readouterr().err)
     assert not list(out.rglob("*.json"))
+
+
+def test_prompt_that_is_not_utf8_is_bad_input(tmp_path, monkeypatch, capsys):
+    """--prompt with bytes that are not UTF-8 (Python passes them as surrogates) failed inside
+    the tokeniser child ("tokenize() raised builtins.UnicodeEncodeError"); refused up front."""
+    from harness import main_job
+
+    def boom(*a, **k):
+        raise AssertionError("the tokeniser was started")
+    monkeypatch.setattr(main_job, "tokenize_prompt", boom)
+    assert main(["verify", "--backends", "oracle", "--bench", "--prompt", "a\udcff\udcfe",
+                 "--model", "nosuch.gguf", "--out", str(tmp_path / "out")]) == 2
+    assert "UTF-8" in one_error_line(capsys.readouterr().err)
