@@ -129,6 +129,9 @@ def check_args(args) -> None:
         raise ConfigError(f"--threads must be in 1 .. {MAX_THREADS}, got {args.threads}")
     if args.prompt is not None and not args.prompt.strip():
         raise ConfigError("the prompt is empty")
+    if args.prompt is not None:
+        from .main_job import check_utf8
+        check_utf8(args.prompt)
     if args.prompt_ids is not None:
         parse_prompt_ids(args.prompt_ids)
     if args.gpu and args.against == "engine":

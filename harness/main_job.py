@@ -73,6 +73,15 @@ def _contexts(spec: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def check_utf8(prompt: str) -> None:
+    """ConfigError when --prompt held bytes that are not UTF-8 (argv gives them as surrogates,
+    which the tokeniser child cannot encode)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("the prompt is not valid UTF-8") from None
+
+
 def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
     """Everything that can be checked before any model is touched: (contexts, prompt text,
     prompt token count or None). Raises ConfigError."""
@@ -90,10 +99,7 @@ def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
     if prompt is not None and not prompt.strip():
         raise ConfigError("the prompt is empty")
     if prompt is not None:
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:  # bytes of another encoding in argv arrive as surrogates
-            raise ConfigError("the prompt is not valid UTF-8") from None
+        check_utf8(prompt)
     n_tok = getattr(args, "prompt_tokens", None)
     if n_tok is not None and n_tok < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {n_tok}")

@@ -377,3 +377,6 @@ def test_prompt_that_is_not_utf8_is_bad_input(tmp_path, monkeypatch, capsys):
     assert main(["verify", "--backends", "oracle", "--bench", "--prompt", "a\udcff\udcfe",
                  "--model", "nosuch.gguf", "--out", str(tmp_path / "out")]) == 2
     assert "UTF-8" in one_error_line(capsys.readouterr().err)
+    assert main(["layerdiff", "--prompt", "a\udcff", "--model", "nosuch.gguf",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "UTF-8" in one_error_line(capsys.readouterr().err)
