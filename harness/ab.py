@@ -226,7 +226,10 @@ def mismatches(a: dict, b: dict) -> list[str]:
     reference backend)."""
     out = []
     sha_a, sha_b = as_dict(a.get("model")).get("sha256"), as_dict(b.get("model")).get("sha256")
-    if not sha_a or sha_a != sha_b:
+    if not sha_a or not sha_b:
+        gone = " and ".join(side for side, sha in (("A", sha_a), ("B", sha_b)) if not sha)
+        out.append(f"model SHA256 missing in {gone}")
+    elif sha_a != sha_b:
         out.append(f"model SHA256 differs ({str(sha_a)[:12]} vs {str(sha_b)[:12]})")
     if _prompt_key(a) != _prompt_key(b):
         out.append("prompt differs")

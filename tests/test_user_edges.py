@@ -380,3 +380,14 @@ def test_prompt_that_is_not_utf8_is_bad_input(tmp_path, monkeypatch, capsys):
     assert main(["layerdiff", "--prompt", "a\udcff", "--model", "nosuch.gguf",
                  "--out", str(tmp_path / "out")]) == 2
     assert "UTF-8" in one_error_line(capsys.readouterr().err)
+
+
+def test_ab_mismatch_names_a_missing_model_sha():
+    """Two results without a model SHA256 were "model SHA256 differs (None vs None)"."""
+    from harness import ab
+    doc = {"model": {}}
+    assert ab.mismatches(doc, doc)[0] == "model SHA256 missing in A and B"
+    assert ab.mismatches({"model": {"sha256": "ab" * 32}}, doc)[0] == "model SHA256 missing in B"
+    assert ab.mismatches({"model": {"sha256": "ab" * 32}},
+                         {"model": {"sha256": "cd" * 32}})[0] == \
+        "model SHA256 differs (abababababab vs cdcdcdcdcdcd)"
