@@ -70,10 +70,10 @@ TABLE_HEAD = ("phase", "node", "compared", "bad", "not compared", "median rel_rm
 
 def add_layerdiff_parser(sub) -> None:
     """Register `harness layerdiff` on the CLI's subparsers."""
-    import argparse
+    from .cli import DefaultsFormatter
     p = sub.add_parser("layerdiff", help="oracle vs llama.cpp (or the engine) node by node: "
                        "where the computations part",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsFormatter)
     p.add_argument("--model", default=models.DEFAULT_MODEL, help="registry name or .gguf path")
     p.add_argument("--against", choices=AGAINST, default="llamacpp",
                    help="what the float64 oracle is compared with")
