@@ -304,9 +304,13 @@ def test_synth_seed_out_of_range_is_one_line(preset, seed, tmp_path, capsys):
 
 @pytest.mark.parametrize("pair", [(V4, V4), (KERNELS, KERNELS)])
 @pytest.mark.parametrize("bad_out", ["file", "empty"])
-def test_ab_bad_out_fails_before_the_comparison(pair, bad_out, tmp_path, capsys):
+def test_ab_bad_out_fails_before_the_comparison(pair, bad_out, tmp_path, monkeypatch, capsys):
     """harness ab --out FILE (or an empty --out) printed the whole comparison first and only
-    then failed on the folder; now it is refused first, one line, exit 2, nothing on stdout."""
+    then failed on the folder (an empty --out wrote ab.json/ab.html into the working folder);
+    now it is refused first, one line, exit 2, nothing on stdout, nothing written."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     out = tmp_path / "out"
     out.write_text("an earlier file")
     arg = str(out) if bad_out == "file" else ""
@@ -315,6 +319,7 @@ def test_ab_bad_out_fails_before_the_comparison(pair, bad_out, tmp_path, capsys)
     assert "--out" in one_error_line(got.err)
     assert got.out == ""
     assert out.read_text() == "an earlier file"
+    assert not list(cwd.iterdir())
 
 
 def test_llama_bench_file_that_is_one_json_object_says_so(tmp_path, capsys):
