@@ -53,7 +53,7 @@ from . import metrics
 from .bench_e2e import rep_rates
 from .errors import ConfigError
 from .gpu_state import short_note
-from .jsonread import as_dict, as_list, finite_pos
+from .jsonread import as_dict, as_list, finite_pos, key_part
 from .results import SCHEMA, read_json
 
 AB_SCHEMA = "gguf-harness/ab/1"
@@ -226,7 +226,10 @@ def mismatches(a: dict, b: dict) -> list[str]:
     reference backend)."""
     out = []
     sha_a, sha_b = as_dict(a.get("model")).get("sha256"), as_dict(b.get("model")).get("sha256")
-    if not sha_a or sha_a != sha_b:
+    if not sha_a or not sha_b:
+        gone = " and ".join(side for side, sha in (("A", sha_a), ("B", sha_b)) if not sha)
+        out.append(f"model SHA256 missing in {gone}")
+    elif sha_a != sha_b:
         out.append(f"model SHA256 differs ({str(sha_a)[:12]} vs {str(sha_b)[:12]})")
     if _prompt_key(a) != _prompt_key(b):
         out.append("prompt differs")
@@ -286,12 +289,12 @@ def perf_stats(a: list[float], b: list[float], threshold: float) -> dict:
 
 def _bench_rows(result: dict) -> dict[tuple[str, int], dict]:
     rows = as_list(as_dict(result.get("bench")).get("rows"))
-    return {(str(r.get("backend")), r.get("n_ctx")): r for r in rows if isinstance(r, dict)}
+    return {(str(r.get("backend")), key_part(r.get("n_ctx"))): r for r in rows if isinstance(r, dict)}
 
 
 def _bench_errors(result: dict) -> dict[tuple[str, int], str]:
     errs = as_list(as_dict(result.get("bench")).get("errors"))
-    return {(str(e.get("backend")), e.get("n_ctx")): str(e.get("error"))
+    return {(str(e.get("backend")), key_part(e.get("n_ctx"))): str(e.get("error"))
             for e in errs if isinstance(e, dict)}
 
 
@@ -343,7 +346,7 @@ def _runs(result: dict) -> dict[RunKey, dict]:
     out = {}
     for run in [result.get("reference")] + as_list(result.get("runs")):
         if isinstance(run, dict):
-            out[(str(run.get("backend")), str(run.get("mode")), run.get("n_ctx"))] = run
+            out[(str(run.get("backend")), str(run.get("mode")), key_part(run.get("n_ctx")))] = run
     return out
 
 
@@ -414,7 +417,7 @@ def run_checks(a: dict, b: dict, comparable: bool) -> list[CheckRow]:
 
 def _verdicts(result: dict) -> dict[tuple[str, int], dict]:
     vs = as_list(result.get("verdicts"))
-    return {(str(v.get("backend")), v.get("n_ctx")): v for v in vs if isinstance(v, dict)}
+    return {(str(v.get("backend")), key_part(v.get("n_ctx"))): v for v in vs if isinstance(v, dict)}
 
 
 def verdict_checks(a: dict, b: dict) -> list[CheckRow]:

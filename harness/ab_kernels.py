@@ -102,15 +102,15 @@ def _key(row: dict) -> str:
 
 
 def _ok(row: dict) -> bool:
-    return row.get("status") == "ok" and bool((row.get("check") or {}).get("ok"))
+    return row.get("status") == "ok" and bool(as_dict(row.get("check")).get("ok"))
 
 
 def mode_stats(a: dict, b: dict, threshold: float) -> dict:
     """Speed verdict of one mode from the two rows' `modes[mode]["kernel"]` dicts."""
-    ka, kb = a.get("kernel") or {}, b.get("kernel") or {}
+    ka, kb = (as_dict(as_dict(m).get("kernel")) for m in (a, b))
     us_a, us_b = _finite(ka.get("us")), _finite(kb.get("us"))
     na, nb = _finite(ka.get("noise")), _finite(kb.get("noise"))
-    enough = min(int(ka.get("n") or 0), int(kb.get("n") or 0)) >= MIN_SAMPLES
+    enough = min(_finite(ka.get("n")) or 0, _finite(kb.get("n")) or 0) >= MIN_SAMPLES
     if not enough or None in (us_a, us_b, na, nb) or not us_a:
         return {"a_us": us_a, "b_us": us_b, "delta": None, "noise": None, "tolerance": None,
                 "verdict": "UNKNOWN"}
@@ -164,7 +164,7 @@ def compare_kernels(a: dict, b: dict, threshold: float = 0.02) -> KernelsAB:
             perf.append(KernelPerf(name, label, "-", None, None, None, None, None, "UNKNOWN",
                                    f"spec {ra.get('spec')} vs {rb.get('spec')}"))
             continue
-        ma, mb = ra.get("modes") or {}, rb.get("modes") or {}
+        ma, mb = as_dict(ra.get("modes")), as_dict(rb.get("modes"))
         for mode in [m for m in MODES if m in ma or m in mb]:
             if mode in ma and mode in mb:
                 perf.append(KernelPerf(name, label, mode, **mode_stats(ma[mode], mb[mode], threshold)))

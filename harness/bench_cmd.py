@@ -91,10 +91,11 @@ def run_bench(args, console: Console) -> int:
     results.check_out_root(args.out)  # an --out file fails now, not after the benchmark
     from .gguf_file import open_gguf
     from .machine import machine_info
-    from .main_job import model_meta, tokenize_prompt
+    from .main_job import check_block_count, model_meta, tokenize_prompt
     from .prompt import STANDARD_PROMPT, STANDARD_PROMPT_TOKENS
     model = resolve_model(args.model, console)
     info = open_gguf(model.path)
+    check_block_count(info)  # the llama.cpp tokeniser aborts on a bad one
     if given is not None:  # checked against the vocabulary before 16 GB of weights go up
         n_vocab = info.tensor("token_embd.weight").ne[1]
         if max(given) >= n_vocab:

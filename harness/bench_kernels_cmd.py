@@ -12,7 +12,6 @@ arguments or no GPU. The --ggml column (harness.bench_kernels_ggml) never change
 """
 from __future__ import annotations
 
-import argparse
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,12 +24,13 @@ from .errors import ConfigError
 
 
 def add_kernels_parser(bsub) -> None:
+    from .cli import DefaultsFormatter
     from .bench_kernels import MODES
     from .bench_stats import StopRule
     from .kernel_shapes import COLD_BYTES, MAX_COPIES
     d = StopRule()
     k = bsub.add_parser("kernels", help="per-kernel GEMV microbenchmark of the engine (GPU)",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=DefaultsFormatter)
     k.add_argument("--shapes", default=None, help="comma list of table names, fnmatch patterns "
                    "or [2x]ROWSxK:FMT specs (default: the whole table, harness.kernel_shapes)")
     k.add_argument("--formats", default=None, help="keep only these GGML types, comma list")

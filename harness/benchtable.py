@@ -132,6 +132,15 @@ def rows_from_result(result: dict) -> list[dict]:
 
 # ---- llama-bench import ---------------------------------------------------------------------
 
+def _one_object(text: str) -> bool:
+    """text is a single JSON value (not JSONL)."""
+    try:
+        json.loads(text, parse_int=json_int)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def _records(path: Path) -> list:
     """The JSON values of a llama-bench json (array) or jsonl (object per line) file."""
     try:
@@ -145,6 +154,10 @@ def _records(path: Path) -> list:
         text = data.decode("utf-8").strip()
         if text.startswith("["):
             recs = json.loads(text, parse_int=json_int)
+        elif "\n" in text and text.startswith("{") and _one_object(text):
+            raise ConfigError(f"llama-bench file {path} is one JSON object over several lines: "
+                              "expected a JSON array of test objects (-o json) or one object "
+                              "per line (-o jsonl)")
         else:
             recs = []
             for line in text.splitlines():

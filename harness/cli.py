@@ -73,11 +73,19 @@ def _add_verify_args(p: argparse.ArgumentParser, *, standard: bool) -> None:
                        "a draft that fails leaves the reference sequential")
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" suffix, except where the help already states its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="harness", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = DefaultsFormatter
     p = sub.add_parser("run", help="standard verification on the default model + report",
                        formatter_class=fmt)
     _add_verify_args(p, standard=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 KV_TYPES = ("f16", "f32", "q8_0")
+MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS; 100000 crashed the llama.cpp child (SIGSEGV)
 EMBD_PLACEMENTS = ("auto", "device", "host")  # the engine's token_embd placement (harness.plan)
 
 
@@ -59,8 +60,8 @@ class RunConfig:
             raise ConfigError(f"n_ctx must be >= 8, got {self.n_ctx}")
         if self.n_batch < 1 or self.n_ubatch < 1 or self.n_ubatch > self.n_batch:
             raise ConfigError(f"need 1 <= n_ubatch <= n_batch, got {self.n_ubatch}, {self.n_batch}")
-        if self.n_threads < 1:
-            raise ConfigError(f"n_threads must be >= 1, got {self.n_threads}")
+        if not 1 <= self.n_threads <= MAX_THREADS:
+            raise ConfigError(f"n_threads must be in 1 .. {MAX_THREADS}, got {self.n_threads}")
         if self.kv_type not in KV_TYPES:
             raise ConfigError(f"kv_type must be one of {KV_TYPES}, got {self.kv_type!r}")
         if self.vram_limit is not None and (isinstance(self.vram_limit, bool)

@@ -12,6 +12,18 @@ def as_dict(x) -> dict:
     return x if isinstance(x, dict) else {}
 
 
+def key_part(x):
+    """x when it can be part of a dict key (a scalar), else its JSON text: a hand-edited n_ctx
+    that is a list or an object still names a row instead of raising TypeError."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    import json
+    try:
+        return json.dumps(x, sort_keys=True)[:80]
+    except (TypeError, ValueError, RecursionError):
+        return repr(type(x))
+
+
 def as_list(x) -> list:
     """x when it is a list, else []."""
     return x if isinstance(x, list) else []

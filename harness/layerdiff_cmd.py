@@ -52,6 +52,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import models, results
+from .config import MAX_THREADS
 from .errors import ConfigError, UnsupportedError
 from .layerdiff import DEFAULT_TOL, LayerDiff, NodeDiff
 
@@ -69,10 +70,10 @@ TABLE_HEAD = ("phase", "node", "compared", "bad", "not compared", "median rel_rm
 
 def add_layerdiff_parser(sub) -> None:
     """Register `harness layerdiff` on the CLI's subparsers."""
-    import argparse
+    from .cli import DefaultsFormatter
     p = sub.add_parser("layerdiff", help="oracle vs llama.cpp (or the engine) node by node: "
                        "where the computations part",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsFormatter)
     p.add_argument("--model", default=models.DEFAULT_MODEL, help="registry name or .gguf path")
     p.add_argument("--against", choices=AGAINST, default="llamacpp",
                    help="what the float64 oracle is compared with")
@@ -124,10 +125,13 @@ def check_args(args) -> None:
         raise ConfigError(f"--tol must be a finite number >= 0, got {args.tol}")
     if args.ctx < 8:
         raise ConfigError(f"--ctx must be >= 8, got {args.ctx}")
-    if args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if not 1 <= args.threads <= MAX_THREADS:
+        raise ConfigError(f"--threads must be in 1 .. {MAX_THREADS}, got {args.threads}")
     if args.prompt is not None and not args.prompt.strip():
         raise ConfigError("the prompt is empty")
+    if args.prompt is not None:
+        from .main_job import check_utf8
+        check_utf8(args.prompt)
     if args.prompt_ids is not None:
         parse_prompt_ids(args.prompt_ids)
     if args.gpu and args.against == "engine":
@@ -328,11 +332,12 @@ def run_layerdiff(args, console: Console) -> int:
     llama_info = check_backends(args)
     from .gguf_file import open_gguf
     from .machine import machine_info
-    from .main_job import model_meta
+    from .main_job import check_block_count, model_meta
     from .progress import bytes_progress
     with bytes_progress(console, f"model {args.model}") as advance:
         model = models.resolve(args.model, progress=advance)
     info = open_gguf(model.path)
+    check_block_count(info)  # llama.cpp (tokeniser, --against llamacpp) aborts on a bad one
     from backends.oracle import _oracle_class
     _oracle_class(info.arch)  # UnsupportedError now for an architecture the oracle lacks
     from .engine_layerdiff import ARCHS as ENGINE_ARCHS

@@ -8,8 +8,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import models, results
-from .config import ProtocolConfig, RunConfig
-from .errors import ConfigError, HarnessError
+from .config import MAX_THREADS, ProtocolConfig, RunConfig
+from .errors import ConfigError, HarnessError, ModelError
 from .gguf_file import open_gguf
 from .machine import git_info, gpu_info
 from .progress import Progress, bytes_progress
@@ -38,7 +38,7 @@ def _choose_backends(spec: str | None, reference: str, bench: bool = False) -> t
     from backends.registry import available_backends
     avail = available_backends()
     if spec:
-        names = [s.strip() for s in spec.split(",") if s.strip()]
+        names = list(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))  # once each
         unknown = [n for n in names if n not in avail]
         if unknown:
             raise ConfigError(f"unknown backend(s) {unknown}; known: {sorted(avail)}")
@@ -73,11 +73,22 @@ def _contexts(spec: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def check_utf8(prompt: str) -> None:
+    """ConfigError when --prompt held bytes that are not UTF-8 (argv gives them as surrogates,
+    which the tokeniser child cannot encode)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("the prompt is not valid UTF-8") from None
+
+
 def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
     """Everything that can be checked before any model is touched: (contexts, prompt text,
     prompt token count or None). Raises ConfigError."""
     if args.n_predict <= 0:
         raise ConfigError(f"--n-predict must be > 0, got {args.n_predict}")
+    if not 1 <= args.threads <= MAX_THREADS:
+        raise ConfigError(f"--threads must be in 1 .. {MAX_THREADS}, got {args.threads}")
     for flag in ("bench_decode", "bench_reps"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -87,6 +98,8 @@ def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
     prompt = getattr(args, "prompt", None)
     if prompt is not None and not prompt.strip():
         raise ConfigError("the prompt is empty")
+    if prompt is not None:
+        check_utf8(prompt)
     n_tok = getattr(args, "prompt_tokens", None)
     if n_tok is not None and n_tok < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {n_tok}")
@@ -94,6 +107,21 @@ def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
         n_tok = STANDARD_PROMPT_TOKENS
     results.check_out_root(args.out)
     return _contexts(args.contexts), prompt if prompt is not None else STANDARD_PROMPT, n_tok
+
+
+LLAMA_MAX_LAYERS = 512  # llama.cpp src/llama-hparams.h
+
+
+def check_block_count(info) -> None:
+    """ModelError when {arch}.block_count is present but not an integer in 1..512: llama.cpp's
+    loader (the tokeniser child included) aborts on it with a GGML_ASSERT (SIGABRT)."""
+    key = f"{info.arch}.block_count"
+    n = info.get(key)
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= LLAMA_MAX_LAYERS:
+        raise ModelError(f"{info.path.name}: metadata {key!r} = {n!r} is outside "
+                         f"[1, {LLAMA_MAX_LAYERS}] (llama.cpp's LLAMA_MAX_LAYERS)")
 
 
 def tokenize_prompt(model, text: str, n_tokens: int | None):
@@ -126,6 +154,7 @@ def run_job(args, console: Console) -> int:
     with bytes_progress(console, f"model {args.model}") as advance:
         model = models.resolve(args.model, progress=advance)
     info = open_gguf(model.path)
+    check_block_count(info)
     gpu = gpu_info()
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (99 if gpu else 0)
     base = RunConfig(n_threads=args.threads, n_gpu_layers=ngl, flash_attn=not args.no_flash_attn,

@@ -199,8 +199,10 @@ def resolve(name_or_path: str, progress: Callable[[int], None] | None = None) ->
 
 
 def status(model: RealModel) -> str:
-    """'assembled', 'installed' (chunks present, not assembled yet) or 'missing'."""
-    if (cache_dir() / model.filename).is_file():
+    """'assembled' (a cached file of the model's size; its SHA256 is checked on use),
+    'installed' (chunks present, not assembled yet) or 'missing'."""
+    cached = cache_dir() / model.filename
+    if cached.is_file() and cached.stat().st_size == model.size:  # else rebuilt on use
         return "assembled"
     try:
         part_files(model)

@@ -124,6 +124,8 @@ def run_synth(args, console: Console) -> int:
         args.jobs = usable_cpus()
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    if not 0 <= args.seed < 2**64:  # stored as the uint64 harness.synth.seed
+        raise ConfigError(f"--seed must be in 0 .. 2^64-1, got {args.seed}")
     t0 = time.perf_counter()
     path = _write(args, console)
     seconds = time.perf_counter() - t0

@@ -24,12 +24,17 @@ from .fmt import no_math, to_float
 _TOP, _BOTTOM = 0.97, 0.03
 
 
+def _position(step, n: int) -> int:
+    """A step's "i" when it is an int64, else n (its index): hand-edited files hold anything."""
+    i = step.get("i", n) if isinstance(step, dict) else n
+    return i if isinstance(i, int) and -2**63 <= i < 2**63 else n
+
+
 def step_values(steps: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     """(positions [n] int64, values [n] float64) of `key` over the steps; missing -> nan.
 
-    A step's position is its "i" field when present, else its index in the list."""
-    pos = np.array([int(s.get("i", n)) if isinstance(s, dict) else n
-                    for n, s in enumerate(steps)], dtype=np.int64)
+    A step's position is its "i" field when it is an integer, else its index in the list."""
+    pos = np.array([_position(s, n) for n, s in enumerate(steps)], dtype=np.int64)
     vals = [to_float(s.get(key)) if isinstance(s, dict) else None for s in steps]
     return pos, np.array([math.nan if v is None else v for v in vals], dtype=np.float64)
 

@@ -26,6 +26,15 @@ def pieces(prompt: dict) -> dict[int, str]:
     return out
 
 
+def piece(pcs: dict, tid, default=None):
+    """pcs[tid], or default when tid is absent or cannot be a key (a hand-edited id that is a
+    list or an object)."""
+    try:
+        return pcs.get(tid, default)
+    except TypeError:
+        return default
+
+
 def first_difference(ids: list, ref_ids: list) -> int | None:
     """Index of the first position where ids and ref_ids differ (a shorter list differs
     where it ends); None when equal."""
@@ -44,7 +53,8 @@ def _margins(runs: list[dict]) -> dict[int, tuple]:
     for run in sorted(runs, key=lambda r: r.get("mode") == "teacher_forced"):
         for n, s in enumerate(as_list(run.get("steps"))):
             if isinstance(s, dict) and "ref_margin" in s:
-                out[int(s.get("i", n))] = (s.get("ref_margin"), s.get("ref_margin_rel"))
+                i = s.get("i", n)
+                out[i if isinstance(i, int) else n] = (s.get("ref_margin"), s.get("ref_margin_rel"))
     return out
 
 
@@ -58,7 +68,7 @@ def _cell(i: int, ids: list, ref_id, first: int | None, pcs: dict, anchor: str) 
         cls = "div first-div"
     else:
         cls = "div" if tid != ref_id else "after"
-    return {"id": tid, "text": pcs.get(tid), "cls": cls,
+    return {"id": tid, "text": piece(pcs, tid), "cls": cls,
             "anchor": anchor if i == first else None}
 
 
@@ -84,7 +94,7 @@ def token_table(result: dict, pcs: dict, margin_rel: float,
         cells = [_cell(i, ids, ref_id, f, pcs, f"div-{k}") for (k, ids, _), f in zip(cols, firsts)]
         m, rel = margins.get(i, (None, None))
         rel_f = to_float(rel)
-        rows.append({"pos": i, "ref_id": ref_id, "ref_text": pcs.get(ref_id), "margin": m,
+        rows.append({"pos": i, "ref_id": ref_id, "ref_text": piece(pcs, ref_id), "margin": m,
                      "margin_rel": rel, "tie": rel_f is not None and rel_f < margin_rel,
                      "cells": cells, "has_div": any(f == i for f in firsts)})
     return {"columns": [label for _, _, label in cols], "rows": rows}
@@ -98,7 +108,7 @@ def _top5_rows(entries, ref_id, own_id, pcs: dict) -> list[dict]:
             continue
         tid = e[0]
         cls = "ref-choice" if tid == ref_id else "own-choice" if tid == own_id else ""
-        rows.append({"rank": rank, "id": tid, "text": pcs.get(tid), "logit": e[1], "cls": cls})
+        rows.append({"rank": rank, "id": tid, "text": piece(pcs, tid), "logit": e[1], "cls": cls})
     return rows
 
 
@@ -116,10 +126,10 @@ def divergences(result: dict, pcs: dict, run_label: Callable[[dict], str]) -> li
         before = ref_ids[start:idx] if isinstance(idx, int) else []
         out.append({
             "anchor": f"div-{k}", "label": run_label(run), "mode": run.get("mode"),
-            "index": idx, "ref_id": d.get("ref_id"), "ref_text": pcs.get(d.get("ref_id")),
-            "id": d.get("id"), "text": pcs.get(d.get("id")), "ref_margin": d.get("ref_margin"),
+            "index": idx, "ref_id": d.get("ref_id"), "ref_text": piece(pcs, d.get("ref_id")),
+            "id": d.get("id"), "text": piece(pcs, d.get("id")), "ref_margin": d.get("ref_margin"),
             "ref_margin_rel": d.get("ref_margin_rel"),
-            "context": "".join(pcs.get(t, f"[{t}]") for t in before) if pcs else None,
+            "context": "".join(piece(pcs, t, f"[{t}]") for t in before) if pcs else None,
             "ref_top5": _top5_rows(d.get("ref_top5"), d.get("ref_id"), d.get("id"), pcs),
             "top5": _top5_rows(d.get("top5"), d.get("ref_id"), d.get("id"), pcs)})
     return out

@@ -18,7 +18,8 @@ MODE_LABEL = {"greedy": "greedy", "teacher_forced": "teacher-forced"}
 
 def run_label(run: dict) -> str:
     """"llama.cpp c=512 greedy" (backend, context, mode)."""
-    mode = MODE_LABEL.get(run.get("mode"), str(run.get("mode", "?")))
+    mode = run.get("mode", "?")
+    mode = MODE_LABEL.get(mode, mode) if isinstance(mode, str) else str(mode)
     return f"{run.get('backend', '?')} c={run.get('n_ctx', '?')} {mode}"
 
 

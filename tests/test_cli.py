@@ -188,3 +188,15 @@ def test_os_errors_from_the_environment_are_one_line_exit_2(capsys, monkeypatch)
     code, err = _run(capsys, "models", "list")
     assert code == 2
     assert "Not a directory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("cmd", [["run"], ["verify"], ["bench", "kernels"], ["layerdiff"]])
+def test_help_states_each_default_once(cmd, capsys, monkeypatch):
+    """A help text that says its own default ("(default: every backend ...)") got argparse's
+    "(default: None)" appended as well."""
+    import re
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        main([*cmd, "--help"])
+    out = capsys.readouterr().out
+    assert not re.search(r"\(default[^)]*\) *\(default", out), out

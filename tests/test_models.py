@@ -84,3 +84,16 @@ def test_cached_file_of_right_size_but_wrong_content_is_rebuilt(tmp_path, monkey
     path.write_bytes(b"\0" * len(whole))  # same size, changes mtime: the stamp no longer matches
     again = models.resolve(m.name)
     assert again.path.read_bytes() == whole
+
+
+def test_a_cut_off_cached_file_is_not_listed_as_assembled(tmp_path, monkeypatch):
+    """`harness models list` said "assembled" for any file of the model's name in the cache,
+    e.g. a 1000-byte leftover; a file of the wrong size is rebuilt on use, so it is not."""
+    m, whole = _fake_model(tmp_path, monkeypatch, [b"GGUF" + b"a" * 100, b"b" * 50])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / m.filename).write_bytes(whole[:20])
+    assert models.status(m) == "installed"
+    (cache / m.filename).unlink()
+    (cache / m.filename).mkdir()
+    assert models.status(m) == "installed"
