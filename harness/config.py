@@ -7,6 +7,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 KV_TYPES = ("f16", "f32", "q8_0")
+MIN_CTX = 8  # smallest n_ctx a run takes
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS; 100000 crashed the llama.cpp child (SIGSEGV)
 EMBD_PLACEMENTS = ("auto", "device", "host")  # the engine's token_embd placement (harness.plan)
 
@@ -56,8 +57,8 @@ class RunConfig:
     embd_placement: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.n_ctx < 8:
-            raise ConfigError(f"n_ctx must be >= 8, got {self.n_ctx}")
+        if self.n_ctx < MIN_CTX:
+            raise ConfigError(f"n_ctx must be >= {MIN_CTX}, got {self.n_ctx}")
         if self.n_batch < 1 or self.n_ubatch < 1 or self.n_ubatch > self.n_batch:
             raise ConfigError(f"need 1 <= n_ubatch <= n_batch, got {self.n_ubatch}, {self.n_batch}")
         if not 1 <= self.n_threads <= MAX_THREADS:

@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import models, results
-from .config import MAX_THREADS, ProtocolConfig, RunConfig
+from .config import MAX_THREADS, MIN_CTX, ProtocolConfig, RunConfig
 from .errors import ConfigError, HarnessError, ModelError
 from .gguf_file import open_gguf
 from .machine import git_info, gpu_info
@@ -70,6 +70,8 @@ def _contexts(spec: str) -> tuple[int, ...]:
         raise ConfigError(f"--contexts must be a comma list of integers, got {spec!r}") from None
     if not values:
         raise ConfigError(f"--contexts gives no context size: {spec!r}")
+    if values[0] < MIN_CTX:  # RunConfig's bound, checked here before any model is resolved
+        raise ConfigError(f"--contexts must be >= {MIN_CTX}, got {values[0]}")
     return tuple(values)
 
 
@@ -105,8 +107,9 @@ def _check_args(args) -> tuple[tuple[int, ...], str, int | None]:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {n_tok}")
     if prompt is None and n_tok is None:
         n_tok = STANDARD_PROMPT_TOKENS
+    contexts = _contexts(args.contexts)
     results.check_out_root(args.out)
-    return _contexts(args.contexts), prompt if prompt is not None else STANDARD_PROMPT, n_tok
+    return contexts, prompt if prompt is not None else STANDARD_PROMPT, n_tok
 
 
 LLAMA_MAX_LAYERS = 512  # llama.cpp src/llama-hparams.h

@@ -396,3 +396,21 @@ def test_ab_mismatch_names_a_missing_model_sha():
     assert ab.mismatches({"model": {"sha256": "ab" * 32}},
                          {"model": {"sha256": "cd" * 32}})[0] == \
         "model SHA256 differs (abababababab vs cdcdcdcdcdcd)"
+
+
+@pytest.mark.parametrize("spec", ["0", "-5", "7,512"])
+def test_contexts_below_the_minimum_are_refused_before_the_model(spec, tmp_path, monkeypatch, capsys):
+    """`--contexts 0` was refused only after the model was resolved and opened (RunConfig's
+    bound); now it is bad input first: exit 2, one line, the model never looked up."""
+    from harness import models
+
+    def no_lookup(*a, **k):
+        raise AssertionError("the model was resolved before --contexts was checked")
+    monkeypatch.setattr(models, "resolve", no_lookup)
+    out = tmp_path / "out"
+    assert main(["verify", "--model", str(tmp_path / "none.gguf"), "--backends", "oracle",
+                 "--contexts", spec, "--out", str(out)]) == 2
+    cap = capsys.readouterr()
+    err = cap.out + cap.err
+    assert "--contexts must be >= 8" in err and "Traceback" not in err
+    assert not out.exists() or not any(out.rglob("*.json"))  # no result written
