@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import ab
+from . import ab, results
 from .errors import ConfigError
 from .results import SCHEMA
 
@@ -60,22 +60,6 @@ def add_ab_parser(sub) -> None:
                    help="stdout format (default table)")
     p.add_argument("--out", default=None,
                    help="also write ab.json + ab.html into a new folder under this one")
-
-
-def check_out(root: str | Path) -> Path:
-    """--out before any work, as a Path: ConfigError when it is empty (--out "$OUT" with OUT
-    unset: the working folder), a file or cannot be created (the whole comparison was printed
-    before the error otherwise)."""
-    if not str(root).strip():
-        raise ConfigError("--out is empty; give a folder")
-    root = Path(root)
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"cannot create a folder under --out {root}: it exists and is not a folder")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot create a folder under --out {root}: {e}") from None
-    return root
 
 
 def _slower_arg(text: str) -> tuple[str, ...]:
@@ -266,8 +250,8 @@ def run_ab(args, console: Console) -> int:
     """The `harness ab` command; returns the exit code (ConfigError for bad input). Two
     `harness bench kernels` or two `harness bench nodes` results go to harness/ab_kernels_cmd.py."""
     from . import ab_kernels, ab_nodes
-    if args.out is not None:
-        args.out = check_out(args.out)
+    if args.out is not None:  # before any work: the whole comparison was printed before this error
+        args.out = results.check_out_root(args.out, sub=None)
     kinds = [_peek(p) for p in (args.a, args.b)]
     for name, is_kind, files in (("bench kernels", ab_kernels.is_kernels_result, "kernels.json"),
                                  ("bench nodes", ab_nodes.is_nodes_result, "nodes.json")):

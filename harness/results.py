@@ -15,9 +15,9 @@ from .jsonread import json_int
 SCHEMA = "gguf-harness/run/1"
 
 
-def check_out_root(out: str | Path) -> Path:
-    """The --out folder, with its runs/ subfolder created; ConfigError (before any work) when
-    it is a file or cannot be created."""
+def check_out_root(out: str | Path, sub: str | None = "runs") -> Path:
+    """The --out folder, with its `sub` folder (runs/; None: the folder alone) created;
+    ConfigError (before any work) when it is empty, a file or cannot be created."""
     from .errors import ConfigError
     if not str(out).strip():  # --out "$OUT" with OUT unset: Path("") would be the cwd
         raise ConfigError("--out is empty; give a folder (default: out)")
@@ -25,7 +25,7 @@ def check_out_root(out: str | Path) -> Path:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a folder")
     try:
-        (out / "runs").mkdir(parents=True, exist_ok=True)
+        (out / sub if sub else out).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create the output folder {out}: {e}") from None
     return out
