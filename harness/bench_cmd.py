@@ -16,10 +16,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import models, results
+from .config import MIN_CTX
 from .errors import ConfigError
 
 
-MIN_CTX = 8  # the smallest --ctx of a command that loads the engine on a model
 
 
 def add_model_args(p) -> None:

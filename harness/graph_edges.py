@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from . import results
-    from .bench_cmd import MIN_CTX, add_model_args, require_engine, resolve_model
+    from .bench_cmd import add_model_args, require_engine, resolve_model
+    from .config import MIN_CTX
     from .errors import ConfigError, HarnessError
     ap = argparse.ArgumentParser(prog="python -m harness.graph_edges", description=__doc__.split("\n")[0])
     add_model_args(ap)

@@ -52,7 +52,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import models, results
-from .config import MAX_THREADS
+from .config import MAX_THREADS, MIN_CTX
 from .errors import ConfigError, UnsupportedError
 from .layerdiff import DEFAULT_TOL, LayerDiff, NodeDiff
 
@@ -123,8 +123,8 @@ def check_args(args) -> None:
         raise ConfigError(f"--steps must be >= 0, got {args.steps}")
     if not math.isfinite(args.tol) or args.tol < 0:
         raise ConfigError(f"--tol must be a finite number >= 0, got {args.tol}")
-    if args.ctx < 8:
-        raise ConfigError(f"--ctx must be >= 8, got {args.ctx}")
+    if args.ctx < MIN_CTX:
+        raise ConfigError(f"--ctx must be >= {MIN_CTX}, got {args.ctx}")
     if not 1 <= args.threads <= MAX_THREADS:
         raise ConfigError(f"--threads must be in 1 .. {MAX_THREADS}, got {args.threads}")
     if args.prompt is not None and not args.prompt.strip():

@@ -14,6 +14,13 @@ DASH = "–"
 _NONFINITE = {"inf": math.inf, "+inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
+def step_position(step, n: int) -> int:
+    """A step's position: its "i" when that is an int64, else n (its index in the list);
+    hand-edited files hold anything there (an object, text, a float beyond range)."""
+    i = step.get("i", n) if isinstance(step, dict) else n
+    return i if isinstance(i, int) and not isinstance(i, bool) and -2**63 <= i < 2**63 else n
+
+
 def to_float(v) -> float | None:
     """A JSON number, or one of the non-finite strings, as float; None when absent or not numeric.
 

@@ -18,23 +18,17 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from matplotlib.transforms import blended_transform_factory
 
-from .fmt import no_math, to_float
+from .fmt import no_math, step_position, to_float
 
 # y positions (axes fraction) of the markers for values a log axis cannot show
 _TOP, _BOTTOM = 0.97, 0.03
-
-
-def _position(step, n: int) -> int:
-    """A step's "i" when it is an int64, else n (its index): hand-edited files hold anything."""
-    i = step.get("i", n) if isinstance(step, dict) else n
-    return i if isinstance(i, int) and -2**63 <= i < 2**63 else n
 
 
 def step_values(steps: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     """(positions [n] int64, values [n] float64) of `key` over the steps; missing -> nan.
 
     A step's position is its "i" field when it is an integer, else its index in the list."""
-    pos = np.array([_position(s, n) for n, s in enumerate(steps)], dtype=np.int64)
+    pos = np.array([step_position(s, n) for n, s in enumerate(steps)], dtype=np.int64)
     vals = [to_float(s.get(key)) if isinstance(s, dict) else None for s in steps]
     return pos, np.array([math.nan if v is None else v for v in vals], dtype=np.float64)
 

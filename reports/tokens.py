@@ -10,7 +10,7 @@ from typing import Callable
 
 from harness.jsonread import as_dict, as_list
 
-from .fmt import to_float
+from .fmt import step_position, to_float
 
 CONTEXT_TOKENS = 8  # reference tokens shown before a divergence
 
@@ -53,8 +53,7 @@ def _margins(runs: list[dict]) -> dict[int, tuple]:
     for run in sorted(runs, key=lambda r: r.get("mode") == "teacher_forced"):
         for n, s in enumerate(as_list(run.get("steps"))):
             if isinstance(s, dict) and "ref_margin" in s:
-                i = s.get("i", n)
-                out[i if isinstance(i, int) else n] = (s.get("ref_margin"), s.get("ref_margin_rel"))
+                out[step_position(s, n)] = (s.get("ref_margin"), s.get("ref_margin_rel"))
     return out
 
 
