@@ -154,17 +154,20 @@ def _records(path: Path) -> list:
         text = data.decode("utf-8").strip()
         if text.startswith("["):
             recs = json.loads(text, parse_int=json_int)
-        elif "\n" in text and text.startswith("{") and _one_object(text):
-            raise ConfigError(f"llama-bench file {path} is one JSON object over several lines: "
-                              "expected a JSON array of test objects (-o json) or one object "
-                              "per line (-o jsonl)")
         else:
             recs = []
-            for line in text.splitlines():
-                if line.strip():
-                    recs.append(json.loads(line, parse_int=json_int))
-                    if len(recs) > MAX_RECORDS:
-                        break
+            try:
+                for line in text.splitlines():
+                    if line.strip():
+                        recs.append(json.loads(line, parse_int=json_int))
+                        if len(recs) > MAX_RECORDS:
+                            break
+            except ValueError:  # not JSONL: say so plainly when it is one pretty-printed object
+                if text.startswith("{") and _one_object(text):
+                    raise ConfigError(f"llama-bench file {path} is one JSON object over several "
+                                      "lines: expected a JSON array of test objects (-o json) or "
+                                      "one object per line (-o jsonl)") from None
+                raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"llama-bench file {path} is not JSON or JSONL: {msg}") from None

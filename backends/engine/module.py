@@ -158,11 +158,16 @@ def kernel_in(source: str, name: str, defines: tuple[str, ...] = ()):
     return _module(source, defines).get_function(name)
 
 
+def static_smem(k) -> int:
+    """Bytes of static shared memory of kernel `k` (e.g. gemv_kq.cu's IQ3_S grid copies,
+    kernels/kwide_iq3s.cuh, 2-33 KiB); 0 when the object does not say (test doubles)."""
+    return int(getattr(k, "shared_size_bytes", 0) or 0)
+
+
 def allow_smem(k, nbytes: int) -> None:
     """Opt a kernel in to `nbytes` of dynamic shared memory when that and its static shared
-    memory together exceed the 48 KiB default (the static part: e.g. gemv_kq.cu's IQ3_S grid
-    copies, kernels/kwide_iq3s.cuh, 2-32 KiB)."""
-    static = int(getattr(k, "shared_size_bytes", 0) or 0)
+    memory (static_smem) together exceed the 48 KiB default."""
+    static = static_smem(k)
     if nbytes + static > SMEM_DEFAULT_MAX and k.max_dynamic_shared_size_bytes < nbytes:
         k.max_dynamic_shared_size_bytes = nbytes
 

@@ -1009,7 +1009,7 @@ def gemv_tma(name: str, mode: str, segs: list[Seg], x, K: int, norm, eps: float,
     k = module.kernel_in("gemv_tma.cu", f"gemvtma_{mode}_{KV9_NAMES[t]}", defs)
     # the ring takes what the instance's static shared memory leaves (IQ3_S's grid copies: 33 KB)
     p = plan(K, FORMATS[t].type_size, mode == "swiglu", gemv_smem(K), module.smem_optin(), nst, tile_rows,
-             int(GEMV_TMA_RING) if GEMV_TMA_RING else None, int(getattr(k, "shared_size_bytes", 0) or 0))
+             int(GEMV_TMA_RING) if GEMV_TMA_RING else None, module.static_smem(k))
     if p is None:
         return None
     module.allow_smem(k, p.smem)
