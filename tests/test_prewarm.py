@@ -8,6 +8,7 @@ import re
 import pytest
 
 from backends.engine import module, ops, prewarm
+from gpu_util import no_gpu_or_skip
 
 
 @pytest.fixture(autouse=True)
@@ -57,14 +58,7 @@ def test_builds_name_existing_kernels_and_engine_define_orders():
 
 
 def test_without_a_gpu_it_exits_2(capsys):
-    try:
-        import cupy
-        cupy.cuda.runtime.getDeviceCount()
-        has_gpu = True
-    except Exception:
-        has_gpu = False
-    if has_gpu:
-        pytest.skip("a GPU is present: prewarm would compile")
+    no_gpu_or_skip()  # with a GPU, prewarm would compile every build instead of refusing
     assert prewarm.main([]) == 2
     assert "needs CuPy and a GPU" in capsys.readouterr().err
 
