@@ -107,8 +107,8 @@ class GemvCase:
         w = [dequantize(h[self._rows].reshape(-1), s.type_id, (len(self._rows), s.K))
              .astype(np.float64) for h in self.host]
         impl = self.ops.GEMV_IMPL
-        if impl == "q16" and self.nodes[0].kernel.name.startswith("gemvmma_"):
-            impl = "mma"  # engine v11 rounds x to codes of at most 32639 (kernels/gemv_mma.cu)
+        if impl == "q16" and self.nodes[0].kernel.name.startswith(("gemvmma_", "gemvtcr_")):
+            impl = "mma"  # engine v11 / v12 round x to codes of at most 32639 (kernels/gemv_mma.cu)
         raw = [h[self._rows] for h in self.host]  # the q8_1 check needs legacy offsets
         v = (check_swiglu(self._y, w[0], w[1], self.x, self._rows, impl, raw=tuple(raw),
                           type_ids=(s.type_id, s.type_id)) if s.n_mats == 2

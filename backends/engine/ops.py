@@ -16,6 +16,7 @@ from .deltanet_ops import check_conv_step
 from .executor import Node
 from .formats import ENGINE_TYPES, FORMATS, check_type
 from .gemv_mma import gemv_mma
+from .gemv_tcr import gemv_tcr
 
 WARPS = 4            # rows per GEMV block (kernels/gemv.cu WARPS)
 MAX_SEG = 4          # kernels/gemv.cu MAX_SEG
@@ -845,6 +846,9 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
         wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
+    elif (impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8")
+          and (tc := gemv_tcr(name, mode, segs, x, K, norm, eps, rows))):
+        return tc  # engine v12 (GGUF_HARNESS_GEMV_TCR, gemv_tcr.py)
     elif (impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8")
           and (mn := gemv_mma(name, mode, segs, x, K, norm, eps, rows))):
         return mn  # engine v11 (GGUF_HARNESS_GEMV_MMA, gemv_mma.py)

@@ -11,17 +11,17 @@ import os
 
 from harness.machine import ENGINE_SWITCHES
 
-from . import deltanet_ops, gemv_mma, launch, module, ops
+from . import deltanet_ops, gemv_mma, gemv_tcr, launch, module, ops
 
 # switches whose variable is not named after them (env name minus GGUF_HARNESS_)
 _ALIASES = {"GGUF_HARNESS_GEMV": (ops, "GEMV_IMPL"), "GGUF_HARNESS_ATTN": (ops, "ATTN_IMPL"),
             "GGUF_HARNESS_PDL": (launch, "MODE")}
-_MODULES = (ops, deltanet_ops, gemv_mma, launch, module)
+_MODULES = (ops, deltanet_ops, gemv_mma, gemv_tcr, launch, module)
 
 
 def effective() -> dict[str, str]:
     """{switch name: the value the engine runs with, as a string} for every ENGINE_SWITCHES name
-    the engine reads into a module variable (ops, deltanet_ops, gemv_mma, launch, module), plus
+    the engine reads into a module variable (ops, deltanet_ops, gemv_mma, gemv_tcr, launch, module), plus
     GGUF_HARNESS_ATTN_SINGLE / _SPLIT_MIN (ops.head_splitting, read at call time). "" where the
     variable is unset and its default lives in the kernel (its define's default) or in a routing
     function. Raises nothing: a switch without such a variable is left out."""
@@ -57,6 +57,8 @@ def check() -> None:
         ops.tma_defines()
         gemv_mma.mma_defines()
         gemv_mma.mma_types()
+        gemv_tcr.tcr_defines()
+        gemv_tcr.tcr_on()
         deltanet_ops.check_switches()  # GDN_CSPLIT, GDN_EARLY, GDN_CONV and their combinations
         for env, val, ok in (("GGUF_HARNESS_GEMV_KQ_MIXED", ops.GEMV_KQ_MIXED, ("split", "beside", "one")),
                              ("GGUF_HARNESS_GEMV_KQ_Q0", ops.GEMV_KQ_Q0, ("0", "1")),

@@ -376,3 +376,211 @@ __device__ __forceinline__ void mma_body(const SegTable& tb, const float* x, con
     MMA_INSTANCE(2, swiglu, T, TNAME)
 // kernel names: gemvmma_<store|add|swiglu>_<q4_k|q5_k|iq4_xs>
 MMA_MODES(T_Q4_K, q4_k) MMA_MODES(T_Q5_K, q5_k) MMA_MODES(T_IQ4_XS, iq4_xs)
+
+// ---- engine v12 (A/B build, ops GGUF_HARNESS_GEMV_TCR): v11's mma with Q4_K weights repacked at load ----
+// Why (docs/perf-notes.md session 12, "v11 lost"): v11 read the GGUF blocks as they are, so a warp's
+// load touched 8 rows x 32-64 bytes (8 cache lines for 256 useful bytes; lanes t and t ^ 1 loaded the
+// same 32 qs bytes and each kept half), and every lane re-read its rows' headers. Here the matrix is
+// rewritten once (tcr_repack_q4_k, the same bytes in another order) so that one warp load is 512
+// contiguous bytes, every byte loaded is used, and the mma A registers come out of the loaded words
+// with one LOP3 each (v11: shifts and masks per word; v9's dp2a loop: 99 lane instructions per 32
+// weights, session 10's count). Expected (written before it ran): the bulk of a node at >= the head's
+// rate (~94 % of copy), i.e. [10240x5120] Q4_K 11.3 -> ~8.5 us cold back to back if the tiles'
+// tails allow (2.4 tiles per resident block), and a Q4_K step node -10 to -20 %.
+//
+// Repacked Q4_K matrix, rows % 16 == 0, K % 256 == 0 (nsb = K / 256 super-blocks per row; rb = 144
+// nsb bytes per row, as the GGUF matrix): tile T (rows 16 T .. 16 T + 15) starts at byte 16 rb T, its
+// super-block sb at + 2304 sb (= 16 x 144: the repack is a permutation of the same bytes). Inside a
+// super-block of a tile:
+//   [0, 256)      the 16 rows' 16-byte block headers (d, dmin, scales[12]), row r at 16 r;
+//   [256, 1280)   group 0 = sub-blocks 0..3, [1280, 2304) group 1 = sub-blocks 4..7; a group is two
+//                 512-byte halves (h = 0: rows 0..7, 1: rows 8..15) of 32 lane slots of 16 bytes:
+//                 slot L = 4 g + t holds sub-block 4 q + t of row g + 8 h;
+//   slot byte n (0..15): low nibble = code n of the sub-block (value 32 s + n), high nibble = code
+//                 n + 16 (ggml: code l of sub-block s = nibble (s & 1) of qs[32 (s >> 1) + l]).
+// So lane (g, t) loads its rows g and g + 8 with one 16-byte load each (the warp: 512 contiguous
+// bytes) and, with words w0..w3 of a slot, mma j takes (a0, a2) = (w0, w1) & 0x0f0f0f0f (j = 0),
+// (w2, w3) & 0x0f.. (j = 1), (w0, w1) & 0xf0f0f0f0 (j = 2), (w2, w3) & 0xf0.. (j = 3): codes 8 j ..
+// 8 j + 7 as v11's k order (B, stage_x8's natural order, unchanged). Mmas 2 and 3 see 16 x the codes
+// (u8 <= 240) and add into their own accumulator ch; dot = (256 cl0 + cl1) + (256 ch0 + ch1) / 16,
+// exact (every term of ch is a multiple of 16; |256 ch0 + ch1| <= 16 x 32 x 15 x 32639 < 2^28).
+// The float epilogue is v11's MK::sum (d sc (xd dot) - dmin m xm), so the result is v11's up to the
+// float order of the per-sub-block sums, which is also v11's (one lane per sub-block, warps in order).
+#ifndef TCR_WARPS
+#define TCR_WARPS 8
+#endif
+#ifndef TCR_MINB
+#define TCR_MINB 2
+#endif
+#ifndef TCR_UNROLL
+#define TCR_UNROLL 2
+#endif
+
+// One thread per 16-byte chunk of dst (tile-major, then super-block, then the 144 chunks above).
+// src: the GGUF Q4_K matrix [rows, 144 nsb] (16-byte aligned); dst: as many bytes, another buffer.
+extern "C" __global__ void tcr_repack_q4_k(const u8* __restrict__ src, u8* __restrict__ dst, int rows, int nsb) {
+    const long long n = (long long)(rows >> 4) * nsb * 144;
+    const size_t rb = (size_t)nsb * 144;
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < n;
+         c += (long long)gridDim.x * blockDim.x) {
+        const int k = (int)(c % 144);
+        const long long ts = c / 144;  // tile * nsb + sb
+        const int sb = (int)(ts % nsb), tile = (int)(ts / nsb);
+        uint4 out;
+        if (k < 16) {
+            out = *(const uint4*)(src + rb * (16 * tile + k) + 144 * sb);
+        } else {
+            const int c2 = k - 16, q = c2 >> 6, h = (c2 >> 5) & 1, L = c2 & 31, g = L >> 2, t = L & 3;
+            const int s = 4 * q + t, sh = 4 * (s & 1);
+            const u8* qs = src + rb * (16 * tile + g + 8 * h) + 144 * sb + 16 + 32 * (s >> 1);
+            u32 w[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                u32 v = 0;
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int nn = 4 * i + b;
+                    v |= ((((u32)qs[nn] >> sh) & 15u) | ((((u32)qs[nn + 16] >> sh) & 15u) << 4)) << (8 * b);
+                }
+                w[i] = v;
+            }
+            out = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        ((uint4*)dst)[c] = out;
+    }
+}
+
+// Blocks and warps as v11 (mma_body): NW warps on one 16-row tile at a time, grid-stride over tiles,
+// warp w takes groups w, w + NW, .. (NW even: the lane's sub-block 4 (w & 1) + t stays), the warps'
+// row sums meet in shared memory. Nodes: Q4_K only, every segment's rows % 16 == 0 (ops gemv_tcr).
+template <int MODE, int NW>
+__device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, const float* norm, float eps, int K,
+                                         int ntiles) {
+    static_assert(NW % 2 == 0, "NW even: a warp's groups keep their parity (the lane's sub-block)");
+    constexpr int NM = MODE == 2 ? 2 : 1;
+    constexpr int U = TCR_UNROLL;
+    constexpr int SB = 2304;  // bytes of one super-block of a tile
+    __shared__ float scratch[32];
+    __shared__ float part[2][NW][NM][16];
+    int4* xb = smem4;
+    float* xd = (float*)(smem4 + K / 8 + 4);
+    float* xm = xd + K / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int NG = K >> 7;
+    {  // L2 prefetch of the warp's first group (header lines and 1024 data bytes) of the first tile
+        int si, r0;
+        if (warp < NG && lane < 10 && tile_seg(tb, blockIdx.x, MODE == 2, si, r0)) {
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {
+                const int sj = MODE == 2 ? m : si;
+                const u8* p = (const u8*)tb.s[sj].w + (size_t)tb.row_bytes[sj] * r0 + (warp >> 1) * SB;
+                prefetch_l2(p + (lane < 2 ? 128 * lane : 256 + 1024 * (warp & 1) + 128 * (lane - 2)));
+            }
+        }
+    }
+    pdl_wait();
+    pdl_trigger();
+    const float rs = stage_x8<false>(x, norm, eps, K, xb, xd, xm, scratch);
+    const u32 xba = smem_addr(xb), zero = smem_addr(xb + K / 8), xda = smem_addr(xd), xma = smem_addr(xm);
+    const int w8 = 4 * (warp & 1) + t;
+    const int doff = 256 + 1024 * (warp & 1) + 16 * lane;
+    int it = 0;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, ++it) {
+        int si, r0;
+        tile_seg(tb, tile, MODE == 2, si, r0);
+        const int rows = tb.s[si].rows;
+        const u8* hp[NM];  // the warp's current super-block of the tile, per matrix
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            const int sj = MODE == 2 ? m : si;
+            hp[m] = (const u8*)tb.s[sj].w + (size_t)tb.row_bytes[sj] * r0 + (warp >> 1) * SB;
+        }
+        // B as v11: lane (g, t) holds column g = 2 s' + h of sub-block s' = g >> 1 where t == s'
+        const bool bl = (g >> 1) == t;
+        u32 ba = (bl ? xba + 64 * (4 * warp + t) : zero) + 8 * (g & 1);
+        const u32 bst = bl ? 64 * 4 * NW : 0;
+        u32 xo = 4 * (4 * warp + t);
+        float acc[NM][2] = {};
+        for (int gi0 = warp; gi0 < NG; gi0 += U * NW) {
+            uint4 hd[U][NM][2], qd[U][NM][2];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (gi0 + u * NW < NG) {
+#pragma unroll
+                    for (int m = 0; m < NM; ++m) {
+                        const u8* p = hp[m] + u * (NW / 2) * SB;
+                        hd[u][m][0] = *(const uint4*)(p + 16 * g);
+                        hd[u][m][1] = *(const uint4*)(p + 128 + 16 * g);
+                        qd[u][m][0] = *(const uint4*)(p + doff);
+                        qd[u][m][1] = *(const uint4*)(p + doff + 512);
+                    }
+                }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (gi0 + u * NW < NG) {
+                    int cl[NM][4] = {}, ch[NM][4] = {};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int2 bv = lds64(ba + u * bst + 16 * j);
+                        const u32 mk = j < 2 ? 0x0f0f0f0fu : 0xf0f0f0f0u;
+#pragma unroll
+                        for (int m = 0; m < NM; ++m) {
+                            const uint4& r0w = qd[u][m][0];
+                            const uint4& r8w = qd[u][m][1];
+                            const u32 a0 = ((j & 1) ? r0w.z : r0w.x) & mk, a2 = ((j & 1) ? r0w.w : r0w.y) & mk;
+                            const u32 a1 = ((j & 1) ? r8w.z : r8w.x) & mk, a3 = ((j & 1) ? r8w.w : r8w.y) & mk;
+                            if (j < 2)
+                                mma_s8<true>(cl[m], a0, a1, a2, a3, (u32)bv.x, (u32)bv.y);
+                            else
+                                mma_s8<true>(ch[m], a0, a1, a2, a3, (u32)bv.x, (u32)bv.y);
+                        }
+                    }
+                    const float d = lds32f(xda + xo + u * 16 * NW), mm = lds32f(xma + xo + u * 16 * NW);
+#pragma unroll
+                    for (int m = 0; m < NM; ++m)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const uint4& hh = hd[u][m][h];
+                            const int dot = 256 * cl[m][2 * h] + cl[m][2 * h + 1] +
+                                            ((256 * ch[m][2 * h] + ch[m][2 * h + 1]) >> 4);
+                            int sc, mn;
+                            scale_min_k4_one(hh.y, hh.z, hh.w, w8, sc, mn);
+                            const float dd = h2f((u16)(hh.x & 0xffffu)), dmin = h2f((u16)(hh.x >> 16));
+                            acc[m][h] += (dd * (float)sc) * (d * (float)dot) - (dmin * (float)mn) * mm;
+                        }
+                }
+#pragma unroll
+            for (int m = 0; m < NM; ++m) hp[m] += U * (NW / 2) * SB;
+            ba += U * bst;
+            xo += U * 16 * NW;
+        }
+        float* pp = &part[it & 1][0][0][0];
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float v = acc[m][h];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                if (t == 0) pp[(warp * NM + m) * 16 + g + 8 * h] = v;
+            }
+        __syncthreads();  // double-buffered by tile
+        if (warp == 0 && lane < 16 && r0 + lane < rows) {
+            float y = 0.f, up = 0.f;
+            for (int w2 = 0; w2 < NW; ++w2) {
+                y += pp[(w2 * NM) * 16 + lane];
+                if (MODE == 2) up += pp[(w2 * NM + 1) * 16 + lane];
+            }
+            store_row<MODE>(tb.s[si], r0 + lane, y * rs, up * rs);
+        }
+    }
+}
+
+#define TCR_INSTANCE(MODE, MNAME)                                                                  \
+    extern "C" __global__ void __launch_bounds__(TCR_WARPS * 32, TCR_MINB)                        \
+    gemvtcr_##MNAME##_q4_k(const SegTable t, const float* x, const float* norm, float eps, int K,  \
+                           int ntiles) {                                                          \
+        tcr_body<MODE, TCR_WARPS>(t, x, norm, eps, K, ntiles);                                    \
+    }
+// kernel names: gemvtcr_<store|add|swiglu>_q4_k
+TCR_INSTANCE(0, store) TCR_INSTANCE(1, add) TCR_INSTANCE(2, swiglu)

@@ -1,0 +1,166 @@
+"""Engine v12 GEMV nodes (kernels/gemv_mma.cu tcr_body): v11's int8 tensor-core dot products
+(mma.sync m16n8k32) on Q4_K weights repacked once at node build so that a warp's load is 512
+contiguous bytes and every loaded byte is used. An A/B build behind GGUF_HARNESS_GEMV_TCR.
+
+Switches (read at import, as ops.py's):
+  GGUF_HARNESS_GEMV_TCR        "1" or "q4_k": Q4_K nodes take v12; "" or "0": none (the default).
+  GGUF_HARNESS_GEMV_TCR_WARPS  warps per block (2, 4, 8 or 16; the kernel's default 8).
+  GGUF_HARNESS_GEMV_TCR_UNROLL groups in flight per warp (1..4; default 2).
+  GGUF_HARNESS_GEMV_TCR_MINB   minBlocks of the launch bounds (1..4; default 2).
+
+The repacked layout (kernels/gemv_mma.cu, the comment above tcr_repack_q4_k, derived from the PTX
+ISA's m16n8k32 fragment layout and ggml's block_q4_K) is a permutation of the matrix's bytes: the
+same size, tiles of 16 rows, per super-block the 16 headers and then per 128-value group the lanes'
+16-byte slots. `repack_q4_k` is its numpy model (CPU tests), `decode_repacked_q4_k` reads a repacked
+matrix back into values the way the kernel does, so the CPU tests can hold both to gguf-py's
+dequantisation; the GPU test holds the device repack to `repack_q4_k` byte for byte.
+
+The repacked copy is a second buffer beside the GGUF weights (other nodes, e.g. prefill, read the
+GGUF layout), kept alive by the node: a v12 build needs the Q4_K bytes twice on the device.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import module
+
+Q4_K = 12
+BLOCK_BYTES = 144  # block_q4_K: d, dmin (fp16), scales[12], qs[128]
+SB_BYTES = 16 * BLOCK_BYTES  # one super-block of a 16-row tile (2304)
+TILE_ROWS = 16
+WARPS_DEFAULT = 8  # kernels/gemv_mma.cu TCR_WARPS
+
+GEMV_TCR = os.environ.get("GGUF_HARNESS_GEMV_TCR", "")
+GEMV_TCR_WARPS = os.environ.get("GGUF_HARNESS_GEMV_TCR_WARPS", "")
+GEMV_TCR_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_TCR_UNROLL", "")
+GEMV_TCR_MINB = os.environ.get("GGUF_HARNESS_GEMV_TCR_MINB", "")
+
+
+def tcr_on(value: str | None = None) -> bool:
+    """Whether Q4_K nodes take v12 (GGUF_HARNESS_GEMV_TCR; value None: the switch read at import).
+    Raises ValueError on a value other than "", "0", "1", "q4_k"."""
+    v = (GEMV_TCR if value is None else value).strip().lower()
+    if v not in ("", "0", "1", "q4_k"):
+        raise ValueError(f"GGUF_HARNESS_GEMV_TCR={v!r}: expected 0, 1 or q4_k")
+    return v in ("1", "q4_k")
+
+
+def tcr_defines() -> tuple[str, ...]:
+    """Preprocessor defines of the v12 build (TCR_WARPS, TCR_UNROLL, TCR_MINB from their switches;
+    unset: the kernel's defaults). Raises ValueError on a value outside the allowed."""
+    out = []
+    for env, val, define, ok in (("GGUF_HARNESS_GEMV_TCR_WARPS", GEMV_TCR_WARPS, "TCR_WARPS", (2, 4, 8, 16)),
+                                 ("GGUF_HARNESS_GEMV_TCR_UNROLL", GEMV_TCR_UNROLL, "TCR_UNROLL", (1, 2, 3, 4)),
+                                 ("GGUF_HARNESS_GEMV_TCR_MINB", GEMV_TCR_MINB, "TCR_MINB", (1, 2, 3, 4))):
+        if not val:
+            continue
+        if not val.isdigit() or int(val) not in ok:
+            raise ValueError(f"{env}={val!r}: expected one of {', '.join(map(str, ok))}")
+        out.append(f"{define}={int(val)}")
+    return tuple(out)
+
+
+def _codes(blocks: np.ndarray) -> np.ndarray:
+    """uint8 [n, 8, 32]: the 4-bit codes of sub-blocks 0..7 of n Q4_K blocks ([n, 144] uint8)
+    (ggml dequantize_row_q4_K: code l of sub-block s = nibble s & 1 of qs[32 (s >> 1) + l])."""
+    qs = blocks[:, 16:].reshape(-1, 4, 32)
+    return np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)
+
+
+def repack_q4_k(mat: np.ndarray) -> np.ndarray:
+    """The v12 layout of a Q4_K matrix. mat: uint8 [rows, 144 nsb] (GGUF bytes, rows % 16 == 0).
+    Returns uint8 [rows * 144 nsb] (kernels/gemv_mma.cu tcr_repack_q4_k). Raises ValueError on
+    another shape."""
+    rows, rb = mat.shape
+    if mat.dtype != np.uint8 or rows % TILE_ROWS or rb % BLOCK_BYTES or rb == 0:
+        raise ValueError(f"Q4_K repack needs uint8 [16 n, 144 m], got {mat.dtype} {mat.shape}")
+    nsb, nt = rb // BLOCK_BYTES, rows // TILE_ROWS
+    blk = mat.reshape(nt, TILE_ROWS, nsb, BLOCK_BYTES)
+    out = np.empty((nt, nsb, SB_BYTES), np.uint8)
+    out[:, :, :256] = blk[..., :16].transpose(0, 2, 1, 3).reshape(nt, nsb, 256)
+    c = _codes(blk.reshape(-1, BLOCK_BYTES)).reshape(nt, 2, 8, nsb, 8, 32)  # [tile, h, g, sb, s, l]
+    slot = c[..., :16] | (c[..., 16:] << 4)                            # [tile, h, g, sb, s, 16]
+    slot = slot.reshape(nt, 2, 8, nsb, 2, 4, 16)                          # s = 4 q + t
+    out[:, :, 256:] = slot.transpose(0, 3, 4, 1, 2, 5, 6).reshape(nt, nsb, 2048)  # [tile, sb, q, h, g, t, n]
+    return out.reshape(-1)
+
+
+def decode_repacked_q4_k(packed: np.ndarray, rows: int, K: int) -> np.ndarray:
+    """float64 [rows, K]: the weights of a repacked Q4_K matrix, read as the kernel reads it
+    (header of row r at 16 r; slot of (row r, sub-block s) at 256 + 1024 (s >> 2) + 512 (r >> 3 & 1)
+    + 16 (4 (r & 7) + (s & 3)); value = d sc code - dmin m, ggml get_scale_min_k4)."""
+    nsb, nt = K // 256, rows // TILE_ROWS
+    sb = packed.reshape(nt, nsb, SB_BYTES)
+    hdr = sb[:, :, :256].reshape(nt, nsb, 16, 16)
+    d = hdr[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    dmin = hdr[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    s = hdr[..., 4:16].astype(np.int64)
+    sc = np.empty(s.shape[:-1] + (8,), np.int64)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    data = sb[:, :, 256:].reshape(nt, nsb, 2, 2, 8, 4, 16)  # [tile, sb, q, h, g, t, n]
+    codes = np.concatenate([data & 15, data >> 4], axis=-1)  # [.., 32]: code n, then n + 16
+    codes = codes.transpose(0, 3, 4, 1, 2, 5, 6).reshape(nt, 16, nsb, 8, 32)  # [tile, row, sb, s, l]
+    w = (d.transpose(0, 2, 1)[..., None, None] * sc.transpose(0, 2, 1, 3)[..., None] * codes
+         - dmin.transpose(0, 2, 1)[..., None, None] * mn.transpose(0, 2, 1, 3)[..., None])
+    return w.reshape(rows, K)
+
+
+def tcr_takes(mode: str, type_ids, K: int, rows_per_seg) -> bool:
+    """Whether v12 takes a q16 node: switch on, every matrix Q4_K, K % 256 == 0, every segment's
+    rows % 16 == 0 (whole tiles). Raises ValueError on a bad switch value."""
+    return (tcr_on() and set(type_ids) == {Q4_K} and K % 256 == 0
+            and all(r % TILE_ROWS == 0 and r > 0 for r in rows_per_seg))
+
+
+def repack_device(w) -> object:
+    """A cupy uint8 buffer holding the v12 layout of the Q4_K matrix `w` (arena.DeviceTensor,
+    16-byte aligned), repacked on the device (tcr_repack_q4_k) on the current stream, which is
+    then synchronised."""
+    import cupy as cp
+    if w.ptr % 16:
+        raise ValueError(f"{w.name}: Q4_K weights must be 16-byte aligned for the v12 repack")
+    out = cp.empty(w.nbytes, dtype=cp.uint8)
+    nsb = w.row_bytes // BLOCK_BYTES
+    chunks = (w.rows // TILE_ROWS) * nsb * (SB_BYTES // 16)
+    k = module.kernel_in("gemv_mma.cu", "tcr_repack_q4_k", tcr_defines())
+    src = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(w.ptr, w.nbytes, None), 0)
+    k((min(-(-chunks // 256), 8 * module.sm_count()),), (256,),
+      (src, out, np.int32(w.rows), np.int32(nsb)))
+    cp.cuda.get_current_stream().synchronize()
+    return out
+
+
+def gemv_tcr(name: str, mode: str, segs, x, K: int, norm, eps: float, rows: int):
+    """The engine v12 node of a checked q16 gemv call (arguments as ops.gemv; rows: the node's
+    output rows, a pair's gate rows), or None when v12 does not take it (tcr_takes). Each segment's
+    weights are repacked into a buffer the node keeps. Grid: the resident blocks, at most one per
+    tile (the kernel walks tiles grid-stride). Raises ValueError on bad switch values."""
+    from .arena import DeviceTensor
+    from .executor import Node
+    from .gemv_mma import mma_smem, mma_tiles
+    from .ops import Seg, seg_table_value
+    if not tcr_takes(mode, [s.w.type_id for s in segs], K, [s.w.rows for s in segs]):
+        return None
+    keep, rsegs = [], []
+    for s in segs:
+        buf = repack_device(s.w)
+        keep.append(buf)
+        w2 = DeviceTensor(s.w.name + "#tcr", int(buf.data.ptr), s.w.type_id, s.w.ne, s.w.row_bytes, s.w.nbytes)
+        rsegs.append(Seg(w2, s.out, s.bias))
+    k = module.kernel_in("gemv_mma.cu", f"gemvtcr_{mode}_q4_k", tcr_defines())
+    smem = mma_smem(K)  # stage_x8, as v11
+    module.allow_smem(k, smem)
+    warps = int(GEMV_TCR_WARPS or WARPS_DEFAULT)
+    ntiles = mma_tiles(mode, [s.w.rows for s in segs])
+    grid = min(ntiles, module.blocks_per_sm(k, warps * 32, smem) * module.sm_count())
+    act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
+    return Node(name, "gemv", k, (grid,), (warps * 32,),
+                (seg_table_value(rsegs), x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
+                 np.int32(ntiles)), smem=smem, bytes=sum(s.w.nbytes for s in segs) + act,
+                flops=2 * K * sum(s.w.rows for s in segs), out=segs[0].out,
+                fmt="+".join("Q4_K" for _ in segs), keep=keep, defines=tcr_defines())
