@@ -24,7 +24,7 @@ Q4_K, Q5_K = 12, 13
 @pytest.fixture(autouse=True)
 def _switches(monkeypatch):
     """Every v12 switch unset (an exported one must not change what these tests see)."""
-    for name in ("GEMV_TCR", "GEMV_TCR_WARPS", "GEMV_TCR_UNROLL", "GEMV_TCR_MINB"):
+    for name in ("GEMV_TCR", "GEMV_TCR_WARPS", "GEMV_TCR_UNROLL", "GEMV_TCR_MINB", "GEMV_TCR_PIPE", "GEMV_TCR_GRID"):
         monkeypatch.setattr(gt, name, "")
 
 
@@ -119,9 +119,23 @@ def test_switches_and_routing(monkeypatch):
     monkeypatch.setattr(gt, "GEMV_TCR_WARPS", "16")
     monkeypatch.setattr(gt, "GEMV_TCR_UNROLL", "3")
     assert gt.tcr_defines() == ("TCR_WARPS=16", "TCR_UNROLL=3")
+    monkeypatch.setattr(gt, "GEMV_TCR_PIPE", "1")
+    assert gt.tcr_defines() == ("TCR_WARPS=16", "TCR_UNROLL=3", "TCR_PIPE=1")
     monkeypatch.setattr(gt, "GEMV_TCR_MINB", "5")
     with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_TCR_MINB"):
         gt.tcr_defines()
+
+
+def test_grid(monkeypatch):
+    assert gt.tcr_grid(640, 264) == 264 and gt.tcr_grid(100, 264) == 100  # resident, <= one per tile
+    monkeypatch.setattr(gt, "GEMV_TCR_GRID", "1")
+    assert gt.tcr_grid(640, 264) == 640
+    monkeypatch.setattr(gt, "GEMV_TCR_GRID", "3")
+    assert gt.tcr_grid(640, 264) == 214
+    for bad in ("0", "x", "-1"):
+        monkeypatch.setattr(gt, "GEMV_TCR_GRID", bad)
+        with pytest.raises(ValueError, match="GGUF_HARNESS_GEMV_TCR_GRID"):
+            gt.tcr_grid(640, 264)
 
 
 # ---- GPU ----
@@ -139,8 +153,10 @@ def test_device_repack_equals_the_numpy_model():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("build", [{}, {"GEMV_TCR_WARPS": "4", "GEMV_TCR_UNROLL": "1"},
-                                   {"GEMV_TCR_WARPS": "16", "GEMV_TCR_UNROLL": "3", "GEMV_TCR_MINB": "1"}],
-                         ids=["default", "w4-u1", "w16-u3"])
+                                   {"GEMV_TCR_WARPS": "16", "GEMV_TCR_UNROLL": "3", "GEMV_TCR_MINB": "1"},
+                                   {"GEMV_TCR_PIPE": "1"}, {"GEMV_TCR_PIPE": "1", "GEMV_TCR_UNROLL": "1"},
+                                   {"GEMV_TCR_GRID": "1"}, {"GEMV_TCR_GRID": "3"}],
+                         ids=["default", "w4-u1", "w16-u3", "pipe", "pipe-u1", "grid1", "grid3"])
 def test_gemv_tcr_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     """Store nodes over many tiles per block (9008 rows), one tile, K = 256 (2 groups: most warps
     without one), the 27B widths; add over two segments onto random values; SwiGLU pairs; rows

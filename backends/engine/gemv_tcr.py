@@ -7,6 +7,11 @@ Switches (read at import, as ops.py's):
   GGUF_HARNESS_GEMV_TCR_WARPS  warps per block (2, 4, 8 or 16; the kernel's default 8).
   GGUF_HARNESS_GEMV_TCR_UNROLL groups in flight per warp (1..4; default 2).
   GGUF_HARNESS_GEMV_TCR_MINB   minBlocks of the launch bounds (1..4; default 2).
+  GGUF_HARNESS_GEMV_TCR_GRID   blocks of a node: "" (default) the resident blocks, at most one per tile
+                               (grid-stride over tiles); N >= 1: ceil(tiles / N) blocks, N tiles per
+                               block (N = 1: the hardware hands tiles to SMs as blocks finish).
+  GGUF_HARNESS_GEMV_TCR_PIPE   1: software-pipelined rounds (the next round's loads before the
+                               current round's arithmetic); 0 (the kernel's default): load, then compute.
 
 The repacked layout (kernels/gemv_mma.cu, the comment above tcr_repack_q4_k, derived from the PTX
 ISA's m16n8k32 fragment layout and ggml's block_q4_K) is a permutation of the matrix's bytes: the
@@ -36,6 +41,19 @@ GEMV_TCR = os.environ.get("GGUF_HARNESS_GEMV_TCR", "")
 GEMV_TCR_WARPS = os.environ.get("GGUF_HARNESS_GEMV_TCR_WARPS", "")
 GEMV_TCR_UNROLL = os.environ.get("GGUF_HARNESS_GEMV_TCR_UNROLL", "")
 GEMV_TCR_MINB = os.environ.get("GGUF_HARNESS_GEMV_TCR_MINB", "")
+GEMV_TCR_PIPE = os.environ.get("GGUF_HARNESS_GEMV_TCR_PIPE", "")
+GEMV_TCR_GRID = os.environ.get("GGUF_HARNESS_GEMV_TCR_GRID", "")
+
+
+def tcr_grid(ntiles: int, resident: int) -> int:
+    """Blocks of a v12 node of `ntiles` tiles when `resident` blocks fit on the GPU at once
+    (GGUF_HARNESS_GEMV_TCR_GRID). Raises ValueError on a value that is not a whole number >= 1."""
+    v = GEMV_TCR_GRID.strip()
+    if not v:
+        return min(ntiles, resident)
+    if not (v.isascii() and v.isdigit()) or int(v) < 1:
+        raise ValueError(f"GGUF_HARNESS_GEMV_TCR_GRID={v!r}: expected tiles per block, a whole number >= 1")
+    return -(-ntiles // int(v))
 
 
 def tcr_on(value: str | None = None) -> bool:
@@ -48,12 +66,13 @@ def tcr_on(value: str | None = None) -> bool:
 
 
 def tcr_defines() -> tuple[str, ...]:
-    """Preprocessor defines of the v12 build (TCR_WARPS, TCR_UNROLL, TCR_MINB from their switches;
+    """Preprocessor defines of the v12 build (TCR_WARPS, TCR_UNROLL, TCR_MINB, TCR_PIPE from their switches;
     unset: the kernel's defaults). Raises ValueError on a value outside the allowed."""
     out = []
     for env, val, define, ok in (("GGUF_HARNESS_GEMV_TCR_WARPS", GEMV_TCR_WARPS, "TCR_WARPS", (2, 4, 8, 16)),
                                  ("GGUF_HARNESS_GEMV_TCR_UNROLL", GEMV_TCR_UNROLL, "TCR_UNROLL", (1, 2, 3, 4)),
-                                 ("GGUF_HARNESS_GEMV_TCR_MINB", GEMV_TCR_MINB, "TCR_MINB", (1, 2, 3, 4))):
+                                 ("GGUF_HARNESS_GEMV_TCR_MINB", GEMV_TCR_MINB, "TCR_MINB", (1, 2, 3, 4)),
+                                 ("GGUF_HARNESS_GEMV_TCR_PIPE", GEMV_TCR_PIPE, "TCR_PIPE", (0, 1))):
         if not val:
             continue
         if not val.isdigit() or int(val) not in ok:
@@ -157,7 +176,7 @@ def gemv_tcr(name: str, mode: str, segs, x, K: int, norm, eps: float, rows: int)
     module.allow_smem(k, smem)
     warps = int(GEMV_TCR_WARPS or WARPS_DEFAULT)
     ntiles = mma_tiles(mode, [s.w.rows for s in segs])
-    grid = min(ntiles, module.blocks_per_sm(k, warps * 32, smem) * module.sm_count())
+    grid = tcr_grid(ntiles, module.blocks_per_sm(k, warps * 32, smem) * module.sm_count())
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
     return Node(name, "gemv", k, (grid,), (warps * 32,),
                 (seg_table_value(rsegs), x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),

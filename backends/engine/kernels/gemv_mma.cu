@@ -387,6 +387,8 @@ MMA_MODES(T_Q4_K, q4_k) MMA_MODES(T_Q5_K, q5_k) MMA_MODES(T_IQ4_XS, iq4_xs)
 // weights, session 10's count). Expected (written before it ran): the bulk of a node at >= the head's
 // rate (~94 % of copy), i.e. [10240x5120] Q4_K 11.3 -> ~8.5 us cold back to back if the tiles'
 // tails allow (2.4 tiles per resident block), and a Q4_K step node -10 to -20 %.
+// Measured (session 38, docs/perf-notes.md): 10-15 % slower than v9 on the step's Q4_K shapes, a tie at
+// 146 MB; ncu: only 14 % fewer warp instructions than v9, both latency-bound on global loads. A/B only.
 //
 // Repacked Q4_K matrix, rows % 16 == 0, K % 256 == 0 (nsb = K / 256 super-blocks per row; rb = 144
 // nsb bytes per row, as the GGUF matrix): tile T (rows 16 T .. 16 T + 15) starts at byte 16 rb T, its
@@ -450,9 +452,23 @@ extern "C" __global__ void tcr_repack_q4_k(const u8* __restrict__ src, u8* __res
     }
 }
 
+// TCR_PIPE (A/B, ops GGUF_HARNESS_GEMV_TCR_PIPE): 0 = each round loads its U groups and then
+// computes them; 1 = software-pipelined: a warp issues the loads of its next round (the next U groups
+// of the tile, or the first of its next tile) before computing the current one, so its loads are in
+// flight while it computes and across the tile's barrier. Why (session 38, first v12 runs): U = 3, 4
+// were slower than U = 2 (12.8 -> 14.1, 14.7 us on [10240x5120]) without spills: the block's warps
+// load together, then compute together, then meet at the tile's barrier, so DRAM and the SM take
+// turns; more groups per round only made the turns longer. Costs 2x the load registers.
+#ifndef TCR_PIPE
+#define TCR_PIPE 0
+#endif
+
 // Blocks and warps as v11 (mma_body): NW warps on one 16-row tile at a time, grid-stride over tiles,
 // warp w takes groups w, w + NW, .. (NW even: the lane's sub-block 4 (w & 1) + t stays), the warps'
 // row sums meet in shared memory. Nodes: Q4_K only, every segment's rows % 16 == 0 (ops gemv_tcr).
+template <int MODE, int NW, int U, int NM>
+struct TcrRound { uint4 hd[U][NM][2], qd[U][NM][2]; };
+
 template <int MODE, int NW>
 __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, const float* norm, float eps, int K,
                                          int ntiles) {
@@ -460,6 +476,7 @@ __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, con
     constexpr int NM = MODE == 2 ? 2 : 1;
     constexpr int U = TCR_UNROLL;
     constexpr int SB = 2304;  // bytes of one super-block of a tile
+    using Round = TcrRound<MODE, NW, U, NM>;
     __shared__ float scratch[32];
     __shared__ float part[2][NW][NM][16];
     int4* xb = smem4;
@@ -467,6 +484,26 @@ __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, con
     float* xm = xd + K / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int NG = K >> 7;
+    const int doff = 256 + 1024 * (warp & 1) + 16 * lane;
+    // the round of tile `tile` whose first group is gi0: the lane's header and data words
+    auto load = [&](int tile, int gi0, Round& r) {
+        int si, r0;
+        tile_seg(tb, tile, MODE == 2, si, r0);
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            const int sj = MODE == 2 ? m : si;
+            const u8* hp = (const u8*)tb.s[sj].w + (size_t)tb.row_bytes[sj] * r0 + (gi0 >> 1) * SB;
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (gi0 + u * NW < NG) {
+                    const u8* p = hp + u * (NW / 2) * SB;
+                    r.hd[u][m][0] = *(const uint4*)(p + 16 * g);
+                    r.hd[u][m][1] = *(const uint4*)(p + 128 + 16 * g);
+                    r.qd[u][m][0] = *(const uint4*)(p + doff);
+                    r.qd[u][m][1] = *(const uint4*)(p + doff + 512);
+                }
+        }
+    };
     {  // L2 prefetch of the warp's first group (header lines and 1024 data bytes) of the first tile
         int si, r0;
         if (warp < NG && lane < 10 && tile_seg(tb, blockIdx.x, MODE == 2, si, r0)) {
@@ -483,18 +520,13 @@ __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, con
     const float rs = stage_x8<false>(x, norm, eps, K, xb, xd, xm, scratch);
     const u32 xba = smem_addr(xb), zero = smem_addr(xb + K / 8), xda = smem_addr(xd), xma = smem_addr(xm);
     const int w8 = 4 * (warp & 1) + t;
-    const int doff = 256 + 1024 * (warp & 1) + 16 * lane;
+    Round cur;
+    if (TCR_PIPE && blockIdx.x < ntiles) load(blockIdx.x, warp, cur);
     int it = 0;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, ++it) {
         int si, r0;
         tile_seg(tb, tile, MODE == 2, si, r0);
         const int rows = tb.s[si].rows;
-        const u8* hp[NM];  // the warp's current super-block of the tile, per matrix
-#pragma unroll
-        for (int m = 0; m < NM; ++m) {
-            const int sj = MODE == 2 ? m : si;
-            hp[m] = (const u8*)tb.s[sj].w + (size_t)tb.row_bytes[sj] * r0 + (warp >> 1) * SB;
-        }
         // B as v11: lane (g, t) holds column g = 2 s' + h of sub-block s' = g >> 1 where t == s'
         const bool bl = (g >> 1) == t;
         u32 ba = (bl ? xba + 64 * (4 * warp + t) : zero) + 8 * (g & 1);
@@ -502,19 +534,14 @@ __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, con
         u32 xo = 4 * (4 * warp + t);
         float acc[NM][2] = {};
         for (int gi0 = warp; gi0 < NG; gi0 += U * NW) {
-            uint4 hd[U][NM][2], qd[U][NM][2];
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (gi0 + u * NW < NG) {
-#pragma unroll
-                    for (int m = 0; m < NM; ++m) {
-                        const u8* p = hp[m] + u * (NW / 2) * SB;
-                        hd[u][m][0] = *(const uint4*)(p + 16 * g);
-                        hd[u][m][1] = *(const uint4*)(p + 128 + 16 * g);
-                        qd[u][m][0] = *(const uint4*)(p + doff);
-                        qd[u][m][1] = *(const uint4*)(p + doff + 512);
-                    }
-                }
+            Round nxt;
+            if (TCR_PIPE) {  // the next round: this tile's next groups, else the next tile's first
+                const bool same = gi0 + U * NW < NG;
+                if (same || tile + (int)gridDim.x < ntiles)
+                    load(same ? tile : tile + gridDim.x, same ? gi0 + U * NW : warp, nxt);
+            } else {
+                load(tile, gi0, cur);
+            }
 #pragma unroll
             for (int u = 0; u < U; ++u)
                 if (gi0 + u * NW < NG) {
@@ -525,8 +552,8 @@ __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, con
                         const u32 mk = j < 2 ? 0x0f0f0f0fu : 0xf0f0f0f0u;
 #pragma unroll
                         for (int m = 0; m < NM; ++m) {
-                            const uint4& r0w = qd[u][m][0];
-                            const uint4& r8w = qd[u][m][1];
+                            const uint4& r0w = cur.qd[u][m][0];
+                            const uint4& r8w = cur.qd[u][m][1];
                             const u32 a0 = ((j & 1) ? r0w.z : r0w.x) & mk, a2 = ((j & 1) ? r0w.w : r0w.y) & mk;
                             const u32 a1 = ((j & 1) ? r8w.z : r8w.x) & mk, a3 = ((j & 1) ? r8w.w : r8w.y) & mk;
                             if (j < 2)
@@ -540,7 +567,7 @@ __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, con
                     for (int m = 0; m < NM; ++m)
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
-                            const uint4& hh = hd[u][m][h];
+                            const uint4& hh = cur.hd[u][m][h];
                             const int dot = 256 * cl[m][2 * h] + cl[m][2 * h + 1] +
                                             ((256 * ch[m][2 * h] + ch[m][2 * h + 1]) >> 4);
                             int sc, mn;
@@ -549,8 +576,7 @@ __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, con
                             acc[m][h] += (dd * (float)sc) * (d * (float)dot) - (dmin * (float)mn) * mm;
                         }
                 }
-#pragma unroll
-            for (int m = 0; m < NM; ++m) hp[m] += U * (NW / 2) * SB;
+            if (TCR_PIPE) cur = nxt;
             ba += U * bst;
             xo += U * 16 * NW;
         }
