@@ -89,6 +89,32 @@ def test_routing(monkeypatch):
 
 # ---- GPU ----
 
+def add_and_swiglu_match(cp, eops, t, mats, x, rng, swiglu_shapes, keep, add_kernel, prefix, what):
+    """(v11 and v12, tests/test_gemv_tcr.py) An add node over the matrices `mats` ((raw, float64
+    weights) of type t, K = len(x)) onto random values runs `add_kernel` and matches the oracle;
+    SwiGLU pairs of the (rows, K) in swiglu_shapes run a kernel named `prefix`..., match the oracle
+    and rerun bitwise. rng: x and the bases; keep: device buffers to keep alive."""
+    K = len(x)
+    bases = [rng.normal(size=raw.shape[0]).astype(np.float32) for raw, _ in mats]
+    accs = [cp.asarray(b) for b in bases]
+    node = eops.gemv("o", "add", [eops.Seg(device_tensor(cp, f"a{j}", raw, t, (K, raw.shape[0]), keep), a)
+                                  for j, ((raw, _), a) in enumerate(zip(mats, accs))], cp.asarray(x), K)
+    assert node.kernel.name == add_kernel, node.kernel.name
+    node.launch()
+    for (raw, w), a, b in zip(mats, accs, bases):
+        _check(a.get().astype(np.float64) - b, w, x, f"{what} add, {len(mats)} segments")
+    for rows, K2 in swiglu_shapes:
+        (rg, wg), (ru, wu) = _matrix(t, rows, K2, seed=rows + 1), _matrix(t, rows, K2, seed=rows + 2)
+        x2 = rng.normal(size=K2).astype(np.float32)
+        h = nan_poisoned(cp, rows)
+        node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K2, rows), keep), h),
+                                         eops.Seg(device_tensor(cp, "u", ru, t, (K2, rows), keep), h)],
+                         cp.asarray(x2), K2)
+        (y,) = _run_twice(node, [h], f"{what} swiglu [{rows}x{K2}]", prefix)
+        v = gemv_check.check_swiglu(y, wg, wu, x2, impl="mma")
+        assert v["ok"], f"{what} swiglu [{rows}x{K2}]: {v}"
+
+
 def _check(y, w, x, what):
     v = gemv_check.check_store(np.asarray(y, np.float64), w, x, impl="mma")
     assert v["ok"], f"{what}: {v}"
@@ -132,26 +158,8 @@ def test_gemv_mma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
                                              eops.Seg(device_tensor(cp, "f", f32.view(np.uint8), 0, (K, 5), keep),
                                                       nan_poisoned(cp, 5))], cp.asarray(x), K)
         assert node.kernel.name.startswith("gemvkq"), node.kernel.name
-        # add over two segments onto random values
-        bases = [rng.normal(size=r).astype(np.float32) for r in (19, 3)]
-        accs = [cp.asarray(b) for b in bases]
-        node = eops.gemv("o", "add", [eops.Seg(device_tensor(cp, f"a{j}", raw, t, (K, raw.shape[0]), keep), a)
-                                      for j, ((raw, _), a) in enumerate(zip(mats[:2], accs))], cp.asarray(x), K)
-        assert node.kernel.name == f"gemvmma_add_{gm.MMA_TYPES[t]}", node.kernel.name
-        node.launch()
-        for (raw, w), a, b in zip(mats[:2], accs, bases):
-            _check(a.get().astype(np.float64) - b, w, x, f"v11 {t} add, two segments")
-        # SwiGLU pairs
-        for rows, K2 in ((23, 5120), (9001, 256), (70, 17408)):
-            (rg, wg), (ru, wu) = _matrix(t, rows, K2, seed=rows + 1), _matrix(t, rows, K2, seed=rows + 2)
-            x2 = rng.normal(size=K2).astype(np.float32)
-            h = nan_poisoned(cp, rows)
-            node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, t, (K2, rows), keep), h),
-                                             eops.Seg(device_tensor(cp, "u", ru, t, (K2, rows), keep), h)],
-                             cp.asarray(x2), K2)
-            (y,) = _run_twice(node, [h], f"v11 {t} swiglu [{rows}x{K2}]", "gemvmma_")
-            v = gemv_check.check_swiglu(y, wg, wu, x2, impl="mma")
-            assert v["ok"], f"v11 {t} swiglu [{rows}x{K2}]: {v}"
+        add_and_swiglu_match(cp, eops, t, mats[:2], x, rng, ((23, 5120), (9001, 256), (70, 17408)), keep,
+                             f"gemvmma_add_{gm.MMA_TYPES[t]}", "gemvmma_", f"v11 {t}")
         # a NaN in x: every row non-finite (the block's scale carries it)
         raw, w = mats[2]
         xb = x.copy()

@@ -163,7 +163,8 @@ def test_gemv_tcr_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     that are not whole tiles stay on v9; a NaN in x reaches every row."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    from test_engine_kernels import _run_twice
+    from test_engine_kernels import _matrix, _run_twice
+    from test_gemv_mma import add_and_swiglu_match
     q16_or_skip("the v12 kernels")
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(eops, "GEMV_TMA", "")
@@ -172,13 +173,8 @@ def test_gemv_tcr_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
         monkeypatch.setattr(gt, knob, val)
     keep = []
     rng = np.random.default_rng(0)
-
-    def mat(rows, K, seed):
-        raw = _q4k(rows, K, seed)
-        return raw, dequantize(raw.reshape(-1), Q4_K, (rows, K)).astype(np.float64)
-
     for rows, K in ((9008, 512), (16, 256), (48, 5120), (320, 17408)):
-        raw, w = mat(rows, K, rows + K)
+        raw, w = _matrix(Q4_K, rows, K, rows + K)
         x = rng.normal(size=K).astype(np.float32)
         out = nan_poisoned(cp, rows)
         node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, Q4_K, (K, rows), keep), out)],
@@ -186,32 +182,14 @@ def test_gemv_tcr_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
         (y,) = _run_twice(node, [out], f"v12 [{rows}x{K}]", "gemvtcr_")
         v = gemv_check.check_store(np.asarray(y, np.float64), w, x, impl="mma")
         assert v["ok"], f"v12 [{rows}x{K}]: {v}"
-    # add over two segments (32 and 16 rows) onto random values
+    # add over two segments (32 and 16 rows) onto random values; SwiGLU pairs
     K = 1024
-    mats = [mat(r, K, r) for r in (32, 16)]
+    mats = [_matrix(Q4_K, r, K, r) for r in (32, 16)]
     x = rng.normal(size=K).astype(np.float32)
-    bases = [rng.normal(size=r).astype(np.float32) for r in (32, 16)]
-    accs = [cp.asarray(b) for b in bases]
-    node = eops.gemv("o", "add", [eops.Seg(device_tensor(cp, f"a{j}", raw, Q4_K, (K, raw.shape[0]), keep), a)
-                                  for j, ((raw, _), a) in enumerate(zip(mats, accs))], cp.asarray(x), K)
-    assert node.kernel.name == "gemvtcr_add_q4_k", node.kernel.name
-    node.launch()
-    for (raw, w), a, b in zip(mats, accs, bases):
-        v = gemv_check.check_store(a.get().astype(np.float64) - b, w, x, impl="mma")
-        assert v["ok"], f"v12 add: {v}"
-    # SwiGLU pairs
-    for rows, K2 in ((32, 5120), (9008, 256), (64, 17408)):
-        (rg, wg), (ru, wu) = mat(rows, K2, rows + 1), mat(rows, K2, rows + 2)
-        x2 = rng.normal(size=K2).astype(np.float32)
-        h = nan_poisoned(cp, rows)
-        node = eops.gemv("f", "swiglu", [eops.Seg(device_tensor(cp, "g", rg, Q4_K, (K2, rows), keep), h),
-                                         eops.Seg(device_tensor(cp, "u", ru, Q4_K, (K2, rows), keep), h)],
-                         cp.asarray(x2), K2)
-        (y,) = _run_twice(node, [h], f"v12 swiglu [{rows}x{K2}]", "gemvtcr_")
-        v = gemv_check.check_swiglu(y, wg, wu, x2, impl="mma")
-        assert v["ok"], f"v12 swiglu [{rows}x{K2}]: {v}"
+    add_and_swiglu_match(cp, eops, Q4_K, mats, x, rng, ((32, 5120), (9008, 256), (64, 17408)), keep,
+                         "gemvtcr_add_q4_k", "gemvtcr_", "v12")
     # rows that are not whole tiles: v9
-    raw, w = mat(16, 256, 5)
+    raw, w = _matrix(Q4_K, 16, 256, 5)
     node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "p", raw[:15], Q4_K, (256, 15), keep),
                                              nan_poisoned(cp, 15))], cp.asarray(x[:256]), 256)
     assert node.kernel.name.startswith("gemvkq"), node.kernel.name

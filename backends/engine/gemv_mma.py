@@ -51,22 +51,17 @@ def mma_defines() -> tuple[str, ...]:
     """Preprocessor defines of the gemv_mma.cu build (MMA_WARPS, MMA_UNROLL, MMA_MINB from their
     switches; unset: the kernel's defaults). Raises ValueError on a value outside the allowed, and
     on a MINB that leaves fewer than 64 registers per thread."""
-    out = []
-    for env, val, define, ok in (("GGUF_HARNESS_GEMV_MMA_WARPS", GEMV_MMA_WARPS, "MMA_WARPS", (4, 8, 16)),
-                                 ("GGUF_HARNESS_GEMV_MMA_UNROLL", GEMV_MMA_UNROLL, "MMA_UNROLL", (1, 2, 3, 4)),
-                                 ("GGUF_HARNESS_GEMV_MMA_MINB", GEMV_MMA_MINB, "MMA_MINB", (1, 2, 3, 4))):
-        if not val:
-            continue
-        if not val.isdigit() or int(val) not in ok:
-            raise ValueError(f"{env}={val!r}: expected one of {', '.join(map(str, ok))}")
-        out.append(f"{define}={int(val)}")
+    out = module.switch_defines((
+        ("GGUF_HARNESS_GEMV_MMA_WARPS", GEMV_MMA_WARPS, "MMA_WARPS", (4, 8, 16)),
+        ("GGUF_HARNESS_GEMV_MMA_UNROLL", GEMV_MMA_UNROLL, "MMA_UNROLL", (1, 2, 3, 4)),
+        ("GGUF_HARNESS_GEMV_MMA_MINB", GEMV_MMA_MINB, "MMA_MINB", (1, 2, 3, 4))))
     warps = int(GEMV_MMA_WARPS or MMA_WARPS_DEFAULT)
     # minBlocks x threads caps ptxas at 65536 / that registers: below 64 the v11 loops spill
     # (they use 69-120 uncapped, NVRTC 13.0 sm_90)
     if 65536 // (warps * 32 * int(GEMV_MMA_MINB or 2)) < 64:
         raise ValueError(f"GGUF_HARNESS_GEMV_MMA_MINB={GEMV_MMA_MINB or 2} with {warps} warps per block caps "
                          "registers below 64 (spills)")
-    return tuple(out)
+    return out
 
 
 def mma_smem(K: int) -> int:
@@ -105,9 +100,7 @@ def gemv_mma(name: str, mode: str, segs, x, K: int, norm, eps: float, rows: int)
     output rows, a pair's gate rows), or None when v11 does not take it (mma_kernel_name). Grid:
     the resident blocks, at most one per tile (the kernel walks tiles grid-stride). Raises
     ValueError on bad switch values and on weights not aligned as the kernel's loads need."""
-    from .executor import Node
     from .formats import ENGINE_TYPES
-    from .ops import seg_table_value
     kname = mma_kernel_name(mode, [s.w.type_id for s in segs], K, rows)
     if kname is None:
         return None
@@ -116,14 +109,26 @@ def gemv_mma(name: str, mode: str, segs, x, K: int, norm, eps: float, rows: int)
         if s.w.ptr % a:
             raise ValueError(f"{s.w.name}: {ENGINE_TYPES[s.w.type_id]} weights must be {a}-byte aligned")
     k = module.kernel_in("gemv_mma.cu", kname, mma_defines())
+    return tile_node(name, mode, k, segs, segs, x, K, norm, eps, rows, int(GEMV_MMA_WARPS or MMA_WARPS_DEFAULT),
+                     min, defines=())
+
+
+def tile_node(name: str, mode: str, k, segs, table_segs, x, K: int, norm, eps: float, rows: int, warps: int,
+              grid_of, keep=(), defines=()):
+    """The Node of a 16-row-tile kernel of gemv_mma.cu (v11 mma_body, v12 tcr_body): kernel k, blocks
+    of `warps` warps, grid_of(tiles, resident blocks) blocks, stage_x8's shared memory (mma_smem);
+    segs: the node's segments (rows, bytes, format); table_segs: the ones whose weight pointers the
+    kernel reads (v12: the repacked copies, kept alive by `keep`)."""
+    from .executor import Node
+    from .formats import ENGINE_TYPES
+    from .ops import seg_table_value
     smem = mma_smem(K)
     module.allow_smem(k, smem)
-    warps = int(GEMV_MMA_WARPS or MMA_WARPS_DEFAULT)
     ntiles = mma_tiles(mode, [s.w.rows for s in segs])
-    grid = min(ntiles, module.blocks_per_sm(k, warps * 32, smem) * module.sm_count())
+    grid = grid_of(ntiles, module.blocks_per_sm(k, warps * 32, smem) * module.sm_count())
     act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
     return Node(name, "gemv", k, (grid,), (warps * 32,),
-                (seg_table_value(segs), x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
+                (seg_table_value(table_segs), x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
                  np.int32(ntiles)), smem=smem, bytes=sum(s.w.nbytes for s in segs) + act,
                 flops=2 * K * sum(s.w.rows for s in segs), out=segs[0].out,
-                fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=[])
+                fmt="+".join(ENGINE_TYPES[s.w.type_id] for s in segs), keep=list(keep), defines=tuple(defines))

@@ -68,17 +68,11 @@ def tcr_on(value: str | None = None) -> bool:
 def tcr_defines() -> tuple[str, ...]:
     """Preprocessor defines of the v12 build (TCR_WARPS, TCR_UNROLL, TCR_MINB, TCR_PIPE from their switches;
     unset: the kernel's defaults). Raises ValueError on a value outside the allowed."""
-    out = []
-    for env, val, define, ok in (("GGUF_HARNESS_GEMV_TCR_WARPS", GEMV_TCR_WARPS, "TCR_WARPS", (2, 4, 8, 16)),
-                                 ("GGUF_HARNESS_GEMV_TCR_UNROLL", GEMV_TCR_UNROLL, "TCR_UNROLL", (1, 2, 3, 4)),
-                                 ("GGUF_HARNESS_GEMV_TCR_MINB", GEMV_TCR_MINB, "TCR_MINB", (1, 2, 3, 4)),
-                                 ("GGUF_HARNESS_GEMV_TCR_PIPE", GEMV_TCR_PIPE, "TCR_PIPE", (0, 1))):
-        if not val:
-            continue
-        if not val.isdigit() or int(val) not in ok:
-            raise ValueError(f"{env}={val!r}: expected one of {', '.join(map(str, ok))}")
-        out.append(f"{define}={int(val)}")
-    return tuple(out)
+    return module.switch_defines((
+        ("GGUF_HARNESS_GEMV_TCR_WARPS", GEMV_TCR_WARPS, "TCR_WARPS", (2, 4, 8, 16)),
+        ("GGUF_HARNESS_GEMV_TCR_UNROLL", GEMV_TCR_UNROLL, "TCR_UNROLL", (1, 2, 3, 4)),
+        ("GGUF_HARNESS_GEMV_TCR_MINB", GEMV_TCR_MINB, "TCR_MINB", (1, 2, 3, 4)),
+        ("GGUF_HARNESS_GEMV_TCR_PIPE", GEMV_TCR_PIPE, "TCR_PIPE", (0, 1))))
 
 
 def _codes(blocks: np.ndarray) -> np.ndarray:
@@ -157,12 +151,12 @@ def repack_device(w) -> object:
 def gemv_tcr(name: str, mode: str, segs, x, K: int, norm, eps: float, rows: int):
     """The engine v12 node of a checked q16 gemv call (arguments as ops.gemv; rows: the node's
     output rows, a pair's gate rows), or None when v12 does not take it (tcr_takes). Each segment's
-    weights are repacked into a buffer the node keeps. Grid: the resident blocks, at most one per
-    tile (the kernel walks tiles grid-stride). Raises ValueError on bad switch values."""
+    weights are repacked into a buffer the node keeps. Grid: tcr_grid (by default the resident
+    blocks, at most one per tile; the kernel walks tiles grid-stride). Raises ValueError on bad
+    switch values."""
     from .arena import DeviceTensor
-    from .executor import Node
-    from .gemv_mma import mma_smem, mma_tiles
-    from .ops import Seg, seg_table_value
+    from .gemv_mma import tile_node
+    from .ops import Seg
     if not tcr_takes(mode, [s.w.type_id for s in segs], K, [s.w.rows for s in segs]):
         return None
     keep, rsegs = [], []
@@ -172,14 +166,5 @@ def gemv_tcr(name: str, mode: str, segs, x, K: int, norm, eps: float, rows: int)
         w2 = DeviceTensor(s.w.name + "#tcr", int(buf.data.ptr), s.w.type_id, s.w.ne, s.w.row_bytes, s.w.nbytes)
         rsegs.append(Seg(w2, s.out, s.bias))
     k = module.kernel_in("gemv_mma.cu", f"gemvtcr_{mode}_q4_k", tcr_defines())
-    smem = mma_smem(K)  # stage_x8, as v11
-    module.allow_smem(k, smem)
-    warps = int(GEMV_TCR_WARPS or WARPS_DEFAULT)
-    ntiles = mma_tiles(mode, [s.w.rows for s in segs])
-    grid = tcr_grid(ntiles, module.blocks_per_sm(k, warps * 32, smem) * module.sm_count())
-    act = 4 * K * (2 if norm else 1) + 4 * rows * (2 if mode == "add" else 1)
-    return Node(name, "gemv", k, (grid,), (warps * 32,),
-                (seg_table_value(rsegs), x, np.uint64(norm.ptr if norm else 0), np.float32(eps), np.int32(K),
-                 np.int32(ntiles)), smem=smem, bytes=sum(s.w.nbytes for s in segs) + act,
-                flops=2 * K * sum(s.w.rows for s in segs), out=segs[0].out,
-                fmt="+".join("Q4_K" for _ in segs), keep=keep, defines=tcr_defines())
+    return tile_node(name, mode, k, segs, rsegs, x, K, norm, eps, rows, int(GEMV_TCR_WARPS or WARPS_DEFAULT),
+                     tcr_grid, keep=keep, defines=tcr_defines())

@@ -36,6 +36,20 @@ def gemv_pf_defines(value: str | None = None) -> tuple[str, ...]:
     return (f"PF_AHEAD={int(value)}",)
 
 
+def switch_defines(switches) -> tuple[str, ...]:
+    """("DEFINE=N", ..) of an A/B build's integer switches: `switches` holds (env name, its value
+    as read, define, allowed ints) per switch; an unset ("") one is left out (the kernel's default).
+    Raises ValueError naming the variable on a value outside `allowed`."""
+    out = []
+    for env, val, define, ok in switches:
+        if not val:
+            continue
+        if not val.isdigit() or int(val) not in ok:
+            raise ValueError(f"{env}={val!r}: expected one of {', '.join(map(str, ok))}")
+        out.append(f"{define}={int(val)}")
+    return tuple(out)
+
+
 # Diagnostic builds (timing only: their outputs are wrong by design), to measure what a cost is worth
 # before building the change that would remove it. GGUF_HARNESS_DIAG is a comma list of
 #   nowait   every engine kernel skips its PDL wait (common.cuh pdl_wait): each node starts on

@@ -965,16 +965,11 @@ def tma_defines() -> tuple[str, ...]:
     and iq4_xil_defines(); unset ones are left to the kernel's defaults (4, 16, 1, 1). Raises
     ValueError on another value, and on a MINB above 1 with 16 consumer warps (ptxas spills
     under that register cap)."""
-    out = []
-    for env, val, define, ok in (("GGUF_HARNESS_GEMV_TMA_NST", GEMV_TMA_NST, "TMA_NST", range(2, 9)),
-                                 ("GGUF_HARNESS_GEMV_TMA_WARPS", GEMV_TMA_WARPS, "TMA_WARPS", (4, 8, 16)),
-                                 ("GGUF_HARNESS_GEMV_TMA_MINB", GEMV_TMA_MINB, "TMA_MINB", range(1, 5)),
-                                 ("GGUF_HARNESS_GEMV_TMA_RPW", GEMV_TMA_RPW, "TMA_RPW", (1, 2))):
-        if not val:
-            continue
-        if not val.isdigit() or int(val) not in ok:
-            raise ValueError(f"{env}={val!r}: expected one of {', '.join(map(str, ok))}")
-        out.append(f"{define}={int(val)}")
+    out = list(module.switch_defines((
+        ("GGUF_HARNESS_GEMV_TMA_NST", GEMV_TMA_NST, "TMA_NST", range(2, 9)),
+        ("GGUF_HARNESS_GEMV_TMA_WARPS", GEMV_TMA_WARPS, "TMA_WARPS", (4, 8, 16)),
+        ("GGUF_HARNESS_GEMV_TMA_MINB", GEMV_TMA_MINB, "TMA_MINB", range(1, 5)),
+        ("GGUF_HARNESS_GEMV_TMA_RPW", GEMV_TMA_RPW, "TMA_RPW", (1, 2)))))
     out += iq4_xil_defines()
     # minBlocks > 1 at 16 + 1 warps caps ptxas at 56 registers or fewer: spills in 9 of 15 instances
     # (MINB 2) or all (3), NVRTC 13.0 sm_90; the default ring leaves one block per SM anyway

@@ -235,6 +235,35 @@ __device__ __forceinline__ bool tile_seg(const SegTable& t, int tile, bool pair,
     return false;
 }
 
+// The end of a 16-row tile (v11 mma_body, v12 tcr_body): lane (g, t)'s acc[m][h] is its part of row
+// g + 8 h of matrix m; the 4 lanes t of a row hold its sub-blocks t, t + 4, .. (summed by shuffles),
+// then the warps' parts meet in `pp` ([NW][NM][16] floats, the tile's half of a buffer double-buffered
+// by tile, so the next tile's writes go to the other half) and warp 0 stores rows r0 .. r0 + 15
+// (those below `rows`), times rs (the RMSNorm's 1 / rms or 1).
+template <int MODE, int NW, int NM>
+__device__ __forceinline__ void tile_finish(const float (&acc)[NM][2], float* pp, const Seg& sg, int r0, int rows,
+                                            float rs) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v = acc[m][h];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if (t == 0) pp[(warp * NM + m) * 16 + g + 8 * h] = v;
+        }
+    __syncthreads();
+    if (warp == 0 && lane < 16 && r0 + lane < rows) {
+        float y = 0.f, up = 0.f;
+        for (int w2 = 0; w2 < NW; ++w2) {
+            y += pp[(w2 * NM) * 16 + lane];
+            if (MODE == 2) up += pp[(w2 * NM + 1) * 16 + lane];
+        }
+        store_row<MODE>(sg, r0 + lane, y * rs, up * rs);
+    }
+}
+
 template <int T, int MODE, int NW>
 __device__ __forceinline__ void mma_body(const SegTable& tb, const float* x, const float* norm, float eps, int K,
                                          int ntiles) {
@@ -337,26 +366,7 @@ __device__ __forceinline__ void mma_body(const SegTable& tb, const float* x, con
             ba += U * bst;
             xo += U * 16 * NW;
         }
-        // rows g, g + 8: the 4 lanes t of a row hold its sub-blocks t, t + 4, ..; then the warps
-        float* pp = &part[it & 1][0][0][0];
-#pragma unroll
-        for (int m = 0; m < NM; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float v = acc[m][h];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                if (t == 0) pp[(warp * NM + m) * 16 + g + 8 * h] = v;
-            }
-        __syncthreads();  // double-buffered by tile: the next tile's writes go to the other half
-        if (warp == 0 && lane < 16 && r0 + lane < rows) {
-            float y = 0.f, up = 0.f;
-            for (int w2 = 0; w2 < NW; ++w2) {
-                y += pp[(w2 * NM) * 16 + lane];
-                if (MODE == 2) up += pp[(w2 * NM + 1) * 16 + lane];
-            }
-            store_row<MODE>(tb.s[si], r0 + lane, y * rs, up * rs);
-        }
+        tile_finish<MODE, NW, NM>(acc, &part[it & 1][0][0][0], tb.s[si], r0, rows, rs);
     }
 }
 
@@ -580,25 +590,7 @@ __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, con
             ba += U * bst;
             xo += U * 16 * NW;
         }
-        float* pp = &part[it & 1][0][0][0];
-#pragma unroll
-        for (int m = 0; m < NM; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float v = acc[m][h];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                if (t == 0) pp[(warp * NM + m) * 16 + g + 8 * h] = v;
-            }
-        __syncthreads();  // double-buffered by tile
-        if (warp == 0 && lane < 16 && r0 + lane < rows) {
-            float y = 0.f, up = 0.f;
-            for (int w2 = 0; w2 < NW; ++w2) {
-                y += pp[(w2 * NM) * 16 + lane];
-                if (MODE == 2) up += pp[(w2 * NM + 1) * 16 + lane];
-            }
-            store_row<MODE>(tb.s[si], r0 + lane, y * rs, up * rs);
-        }
+        tile_finish<MODE, NW, NM>(acc, &part[it & 1][0][0][0], tb.s[si], r0, rows, rs);
     }
 }
 
