@@ -45,6 +45,7 @@ SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "IQ4_KREG=0")), ("gemv_kq.cu", ("KQ_P2=1"
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_WMAJ=1")), ("gemv_kq.cu", ("KQ_P2=1", "KQ_TRACE=1"))]  # session 15: warp-major rows, the timeline build
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_BLOCK_WARPS=32", "KQ_DQ=1", "KQ_TRACE=1"))]  # session 28: the row queue's per-row marks
 # (the wide build of ops.kv9_wide, KQ_P2=1 KQ_BLOCK_WARPS=32 KQ_WMAJ=1: test_v9_wide_build_launch_bounds)
+SOURCES += [("gemv_mma.cu", ("TCR_PIPE=1",)), ("gemv_mma.cu", ("TCR_WARPS=2", "TCR_UNROLL=4"))]  # v12 A/B builds (gemv_tcr.tcr_defines)
 SOURCES += [("gemv_kq.cu", ("KQ_P2=1", "KQ_CSPLIT=1"))]  # session 16: the cluster-split instances alone (ops.kv9_csplit)
 # session 17: the queue build's A/B form with parts, tail rows and contiguous rows (the default queue
 # build, ops.kv9_dq_defines of the wide build: test_v9_wide_build_launch_bounds)

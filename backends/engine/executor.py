@@ -25,7 +25,7 @@ class Node:
     out: Any = None
     fmt: str = ""
     keep: list = field(default_factory=list)  # device arrays the args point into (lifetime)
-    defines: tuple = ()  # preprocessor defines of the kernel's build (v9 GEMVs: ops.gemv's kdefs)
+    defines: tuple = ()  # preprocessor defines of the kernel's build (v9 GEMVs: ops.gemv's kdefs; v12: tcr_defines)
     # runs on a side stream beside the next node that is not `beside` (both after the node before
     # them); the node after that one waits for both (ops.gemv_nodes "beside": qkv's Q6_K rows)
     beside: bool = False

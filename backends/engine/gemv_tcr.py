@@ -67,12 +67,21 @@ def tcr_on(value: str | None = None) -> bool:
 
 def tcr_defines() -> tuple[str, ...]:
     """Preprocessor defines of the v12 build (TCR_WARPS, TCR_UNROLL, TCR_MINB, TCR_PIPE from their switches;
-    unset: the kernel's defaults). Raises ValueError on a value outside the allowed."""
-    return module.switch_defines((
+    unset: the kernel's defaults). Raises ValueError on a value outside the allowed, and on a MINB
+    that leaves fewer than 64 registers per thread."""
+    out = module.switch_defines((
         ("GGUF_HARNESS_GEMV_TCR_WARPS", GEMV_TCR_WARPS, "TCR_WARPS", (2, 4, 8, 16)),
         ("GGUF_HARNESS_GEMV_TCR_UNROLL", GEMV_TCR_UNROLL, "TCR_UNROLL", (1, 2, 3, 4)),
         ("GGUF_HARNESS_GEMV_TCR_MINB", GEMV_TCR_MINB, "TCR_MINB", (1, 2, 3, 4)),
         ("GGUF_HARNESS_GEMV_TCR_PIPE", GEMV_TCR_PIPE, "TCR_PIPE", (0, 1))))
+    # minBlocks x threads caps ptxas at 65536 / that registers: below 64 the store kernels spill too
+    # (NVRTC 13.0 sm_90: 16 warps x minBlocks 4 spills 456 bytes); the SwiGLU pairs already spill at
+    # 64 (16 warps x 2) and with _PIPE=1 or _UNROLL >= 3 at 128 (perf-notes session 38: "C spills")
+    warps = int(GEMV_TCR_WARPS or WARPS_DEFAULT)
+    if 65536 // (warps * 32 * int(GEMV_TCR_MINB or 2)) < 64:
+        raise ValueError(f"GGUF_HARNESS_GEMV_TCR_MINB={GEMV_TCR_MINB or 2} with {warps} warps per block caps "
+                         "registers below 64 (spills)")
+    return out
 
 
 def _codes(blocks: np.ndarray) -> np.ndarray:
@@ -101,9 +110,10 @@ def repack_q4_k(mat: np.ndarray) -> np.ndarray:
 
 
 def decode_repacked_q4_k(packed: np.ndarray, rows: int, K: int) -> np.ndarray:
-    """float64 [rows, K]: the weights of a repacked Q4_K matrix, read as the kernel reads it
-    (header of row r at 16 r; slot of (row r, sub-block s) at 256 + 1024 (s >> 2) + 512 (r >> 3 & 1)
-    + 16 (4 (r & 7) + (s & 3)); value = d sc code - dmin m, ggml get_scale_min_k4)."""
+    """float64 [rows, K]: the weights of a repacked Q4_K matrix, read as the kernel reads it. In the
+    super-block sb of tile T (at byte 16 rb T + 2304 sb), row r of the tile (0..15) has its header at
+    16 r and its sub-block s's slot at 256 + 1024 (s >> 2) + 512 (r >> 3) + 16 (4 (r & 7) + (s & 3));
+    value = d sc code - dmin m (ggml get_scale_min_k4)."""
     nsb, nt = K // 256, rows // TILE_ROWS
     sb = packed.reshape(nt, nsb, SB_BYTES)
     hdr = sb[:, :, :256].reshape(nt, nsb, 16, 16)
@@ -130,6 +140,12 @@ def tcr_takes(mode: str, type_ids, K: int, rows_per_seg) -> bool:
             and all(r % TILE_ROWS == 0 and r > 0 for r in rows_per_seg))
 
 
+def _on_host(ptr: int) -> bool:
+    """Whether a pointer is host memory (cudaPointerGetAttributes type 1: arena.mapped_host)."""
+    import cupy as cp
+    return int(cp.cuda.runtime.pointerGetAttributes(ptr).type) == 1
+
+
 def repack_device(w) -> object:
     """A cupy uint8 buffer holding the v12 layout of the Q4_K matrix `w` (arena.DeviceTensor,
     16-byte aligned), repacked on the device (tcr_repack_q4_k) on the current stream, which is
@@ -152,12 +168,15 @@ def gemv_tcr(name: str, mode: str, segs, x, K: int, norm, eps: float, rows: int)
     """The engine v12 node of a checked q16 gemv call (arguments as ops.gemv; rows: the node's
     output rows, a pair's gate rows), or None when v12 does not take it (tcr_takes). Each segment's
     weights are repacked into a buffer the node keeps. Grid: tcr_grid (by default the resident
-    blocks, at most one per tile; the kernel walks tiles grid-stride). Raises ValueError on bad
-    switch values."""
+    blocks, at most one per tile; the kernel walks tiles grid-stride). Host-resident weights (mapped
+    host memory, e.g. a tied head placed on the host) are not taken: their repacked copy would land
+    on the device. Raises ValueError on bad switch values and on weights not 16-byte aligned."""
     from .arena import DeviceTensor
     from .gemv_mma import tile_node
     from .ops import Seg
     if not tcr_takes(mode, [s.w.type_id for s in segs], K, [s.w.rows for s in segs]):
+        return None
+    if any(_on_host(s.w.ptr) for s in segs):
         return None
     keep, rsegs = [], []
     for s in segs:

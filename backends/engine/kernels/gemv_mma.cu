@@ -393,8 +393,8 @@ MMA_MODES(T_Q4_K, q4_k) MMA_MODES(T_Q5_K, q5_k) MMA_MODES(T_IQ4_XS, iq4_xs)
 // same 32 qs bytes and each kept half), and every lane re-read its rows' headers. Here the matrix is
 // rewritten once (tcr_repack_q4_k, the same bytes in another order) so that one warp load is 512
 // contiguous bytes, every byte loaded is used, and the mma A registers come out of the loaded words
-// with one LOP3 each (v11: shifts and masks per word; v9's dp2a loop: 99 lane instructions per 32
-// weights, session 10's count). Expected (written before it ran): the bulk of a node at >= the head's
+// with one LOP3 each (as v11's Q4_K, but from 512 contiguous bytes per warp load instead of 8 rows'
+// lines; v9's dp2a loop: 99 lane instructions per 32 weights, session 10's count). Expected (written before it ran): the bulk of a node at >= the head's
 // rate (~94 % of copy), i.e. [10240x5120] Q4_K 11.3 -> ~8.5 us cold back to back if the tiles'
 // tails allow (2.4 tiles per resident block), and a Q4_K step node -10 to -20 %.
 // Measured (session 38, docs/perf-notes.md): 10-15 % slower than v9 on the step's Q4_K shapes, a tie at
@@ -416,8 +416,9 @@ MMA_MODES(T_Q4_K, q4_k) MMA_MODES(T_Q5_K, q5_k) MMA_MODES(T_IQ4_XS, iq4_xs)
 // 8 j + 7 as v11's k order (B, stage_x8's natural order, unchanged). Mmas 2 and 3 see 16 x the codes
 // (u8 <= 240) and add into their own accumulator ch; dot = (256 cl0 + cl1) + (256 ch0 + ch1) / 16,
 // exact (every term of ch is a multiple of 16; |256 ch0 + ch1| <= 16 x 32 x 15 x 32639 < 2^28).
-// The float epilogue is v11's MK::sum (d sc (xd dot) - dmin m xm), so the result is v11's up to the
-// float order of the per-sub-block sums, which is also v11's (one lane per sub-block, warps in order).
+// The float epilogue is v11's MK::sum (d sc (xd dot) - dmin m xm) in v11's order (one lane per sub-block,
+// warps in order; v11's 1/16 on odd sub-blocks' x scale is exact), so the outputs should equal v11's
+// bit for bit; not tested (both are judged against the float64 oracle).
 #ifndef TCR_WARPS
 #define TCR_WARPS 8
 #endif
@@ -466,7 +467,7 @@ extern "C" __global__ void tcr_repack_q4_k(const u8* __restrict__ src, u8* __res
 // computes them; 1 = software-pipelined: a warp issues the loads of its next round (the next U groups
 // of the tile, or the first of its next tile) before computing the current one, so its loads are in
 // flight while it computes and across the tile's barrier. Why (session 38, first v12 runs): U = 3, 4
-// were slower than U = 2 (12.8 -> 14.1, 14.7 us on [10240x5120]) without spills: the block's warps
+// were slower than U = 2 (12.8 -> 14.1, 14.7 us on [10240x5120]; the store kernels without spills): the block's warps
 // load together, then compute together, then meet at the tile's barrier, so DRAM and the SM take
 // turns; more groups per round only made the turns longer. Costs 2x the load registers.
 #ifndef TCR_PIPE
@@ -475,7 +476,7 @@ extern "C" __global__ void tcr_repack_q4_k(const u8* __restrict__ src, u8* __res
 
 // Blocks and warps as v11 (mma_body): NW warps on one 16-row tile at a time, grid-stride over tiles,
 // warp w takes groups w, w + NW, .. (NW even: the lane's sub-block 4 (w & 1) + t stays), the warps'
-// row sums meet in shared memory. Nodes: Q4_K only, every segment's rows % 16 == 0 (ops gemv_tcr).
+// row sums meet in shared memory. Nodes: Q4_K only, every segment's rows % 16 == 0 (gemv_tcr.tcr_takes).
 template <int MODE, int NW, int U, int NM>
 struct TcrRound { uint4 hd[U][NM][2], qd[U][NM][2]; };
 
