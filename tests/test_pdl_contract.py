@@ -12,8 +12,10 @@ from backends.engine.module import KERNEL_DIR
 # per-node timers: executor.time_nodes, harness.gpu_timing) and stream_read (bench kernels'
 # roofline, harness/roofline.py launches it with pdl_ok=False). stream_chain (the chain roofline,
 # harness/step_roofline.py) is launched with PDL and scanned like the engine's kernels; its mode 0
-# skips the wait on purpose (test_stream_chain_waits_before_it_reads_x_or_writes).
-PLAIN_ONLY = {"hold_stream", "stream_read"}
+# skips the wait on purpose (test_stream_chain_waits_before_it_reads_x_or_writes). tcr_repack_q4_k
+# (engine v12's load-time repack, gemv_tcr.repack_device: a plain CuPy launch at node build, then a
+# stream synchronisation) reads only weights, never a node's output.
+PLAIN_ONLY = {"hold_stream", "stream_read", "tcr_repack_q4_k"}
 
 
 def _block_after(text: str, start: int) -> str:
