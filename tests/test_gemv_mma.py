@@ -89,6 +89,30 @@ def test_routing(monkeypatch):
 
 # ---- GPU ----
 
+def store_matches(cp, eops, t, rows, K, seed, x, keep, prefix, what):
+    """(v11 and v12) A store node of random type-t blocks [rows x K] (seed) and x runs a kernel
+    named `prefix`..., reruns bitwise and matches the oracle (impl "mma")."""
+    raw, w = _matrix(t, rows, K, seed=seed)
+    out = nan_poisoned(cp, rows)
+    node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep), out)],
+                     cp.asarray(x), K)
+    (y,) = _run_twice(node, [out], f"{what} [{rows}x{K}]", prefix)
+    _check(y, w, x, f"{what} [{rows}x{K}]")
+
+
+def nan_reaches_every_row(cp, eops, t, raw, x, keep, what):
+    """(v11 and v12) With a NaN in x, every output row of a store node over `raw` is non-finite
+    (the x block's scale carries it)."""
+    K, rows = len(x), raw.shape[0]
+    xb = x.copy()
+    xb[77] = np.nan
+    out = nan_poisoned(cp, rows)
+    out.fill(0)
+    eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep), out)], cp.asarray(xb),
+              K).launch()
+    assert not np.isfinite(out.get()).any(), f"{what}: a NaN input was laundered"
+
+
 def add_and_swiglu_match(cp, eops, t, mats, x, rng, swiglu_shapes, keep, add_kernel, prefix, what):
     """(v11 and v12, tests/test_gemv_tcr.py) An add node over the matrices `mats` ((raw, float64
     weights) of type t, K = len(x)) onto random values runs `add_kernel` and matches the oracle;
@@ -140,13 +164,8 @@ def test_gemv_mma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     keep = []
     for t in (Q4_K, Q5_K, IQ4_XS):
         for rows, K in ((9001, 512), (5, 256), (37, 5120), (300, 17408)):
-            raw, w = _matrix(t, rows, K, seed=rows + K + t)
             x = np.random.default_rng(K).normal(size=K).astype(np.float32)
-            out = nan_poisoned(cp, rows)
-            node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, rows), keep), out)],
-                             cp.asarray(x), K)
-            (y,) = _run_twice(node, [out], f"v11 {t} [{rows}x{K}]", "gemvmma_")
-            _check(y, w, x, f"v11 {t} [{rows}x{K}]")
+            store_matches(cp, eops, t, rows, K, rows + K + t, x, keep, "gemvmma_", f"v11 {t}")
         # qkv-like: 3 segments of 19, 3 and 40 rows with biases behind a fused RMSNorm (K = 1024)
         K, rng, x, nw_dev, xn, mats, outs, biases, segs = _normed_biased_segments(cp, eops, t, keep)
         ys = _run_twice(eops.gemv("qkv", "store", segs, cp.asarray(x), K, nw_dev, 1e-6), outs, f"v11 {t} qkv", "gemvmma_")
@@ -160,12 +179,4 @@ def test_gemv_mma_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
         assert node.kernel.name.startswith("gemvkq"), node.kernel.name
         add_and_swiglu_match(cp, eops, t, mats[:2], x, rng, ((23, 5120), (9001, 256), (70, 17408)), keep,
                              f"gemvmma_add_{gm.MMA_TYPES[t]}", "gemvmma_", f"v11 {t}")
-        # a NaN in x: every row non-finite (the block's scale carries it)
-        raw, w = mats[2]
-        xb = x.copy()
-        xb[77] = np.nan
-        out = nan_poisoned(cp, 40)
-        out.fill(0)
-        eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, t, (K, 40), keep), out)], cp.asarray(xb),
-                  K).launch()
-        assert not np.isfinite(out.get()).any(), f"v11 {t}: a NaN input was laundered"
+        nan_reaches_every_row(cp, eops, t, mats[2][0], x, keep, f"v11 {t}")

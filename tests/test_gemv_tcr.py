@@ -14,7 +14,6 @@ import pytest
 from gpu_util import cupy_or_skip, device_tensor, nan_poisoned, q16_or_skip
 
 from backends.engine import gemv_tcr as gt
-from oracles import gemv_check
 from oracles.blocks import random_blocks
 from oracles.dequant import dequantize
 
@@ -170,8 +169,8 @@ def test_gemv_tcr_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     that are not whole tiles stay on v9; a NaN in x reaches every row."""
     cp = cupy_or_skip()
     from backends.engine import ops as eops
-    from test_engine_kernels import _matrix, _run_twice
-    from test_gemv_mma import add_and_swiglu_match
+    from test_engine_kernels import _matrix
+    from test_gemv_mma import add_and_swiglu_match, nan_reaches_every_row, store_matches
     q16_or_skip("the v12 kernels")
     monkeypatch.setattr(eops, "GEMV_KQ", "v9l8")
     monkeypatch.setattr(eops, "GEMV_TMA", "")
@@ -181,14 +180,7 @@ def test_gemv_tcr_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     keep = []
     rng = np.random.default_rng(0)
     for rows, K in ((9008, 512), (1024, 5120), (16, 256), (48, 5120), (320, 17408)):
-        raw, w = _matrix(Q4_K, rows, K, rows + K)
-        x = rng.normal(size=K).astype(np.float32)
-        out = nan_poisoned(cp, rows)
-        node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, Q4_K, (K, rows), keep), out)],
-                         cp.asarray(x), K)
-        (y,) = _run_twice(node, [out], f"v12 [{rows}x{K}]", "gemvtcr_")
-        v = gemv_check.check_store(np.asarray(y, np.float64), w, x, impl="mma")
-        assert v["ok"], f"v12 [{rows}x{K}]: {v}"
+        store_matches(cp, eops, Q4_K, rows, K, rows + K, rng.normal(size=K).astype(np.float32), keep, "gemvtcr_", "v12")
     # add over two segments (32 and 16 rows) onto random values; SwiGLU pairs
     K = 1024
     mats = [_matrix(Q4_K, r, K, r) for r in (32, 16)]
@@ -200,12 +192,4 @@ def test_gemv_tcr_matches_the_oracle_and_reruns_bitwise(build, monkeypatch):
     node = eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "p", raw[:15], Q4_K, (256, 15), keep),
                                              nan_poisoned(cp, 15))], cp.asarray(x[:256]), 256)
     assert node.kernel.name.startswith("gemvkq"), node.kernel.name
-    # a NaN in x: every row non-finite
-    raw, w = mats[0]
-    xb = x.copy()
-    xb[77] = np.nan
-    out = nan_poisoned(cp, 32)
-    out.fill(0)
-    eops.gemv("t", "store", [eops.Seg(device_tensor(cp, "w", raw, Q4_K, (K, 32), keep), out)], cp.asarray(xb),
-              K).launch()
-    assert not np.isfinite(out.get()).any(), "v12: a NaN input was laundered"
+    nan_reaches_every_row(cp, eops, Q4_K, mats[0][0], x, keep, "v12")

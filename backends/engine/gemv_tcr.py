@@ -84,6 +84,14 @@ def tcr_defines() -> tuple[str, ...]:
     return out
 
 
+def check_switches() -> None:
+    """Refuse bad GGUF_HARNESS_GEMV_TCR* values (switches.check calls this before any work).
+    Raises ValueError naming the variable."""
+    tcr_on()
+    tcr_defines()
+    tcr_grid(1, 1)
+
+
 def _codes(blocks: np.ndarray) -> np.ndarray:
     """uint8 [n, 8, 32]: the 4-bit codes of sub-blocks 0..7 of n Q4_K blocks ([n, 144] uint8)
     (ggml dequantize_row_q4_K: code l of sub-block s = nibble s & 1 of qs[32 (s >> 1) + l])."""
@@ -113,18 +121,15 @@ def decode_repacked_q4_k(packed: np.ndarray, rows: int, K: int) -> np.ndarray:
     """float64 [rows, K]: the weights of a repacked Q4_K matrix, read as the kernel reads it. In the
     super-block sb of tile T (at byte 16 rb T + 2304 sb), row r of the tile (0..15) has its header at
     16 r and its sub-block s's slot at 256 + 1024 (s >> 2) + 512 (r >> 3) + 16 (4 (r & 7) + (s & 3));
-    value = d sc code - dmin m (ggml get_scale_min_k4)."""
+    value = d sc code - dmin m (the scales unpacked by gguf-py's Q4_K.get_scale_min)."""
     nsb, nt = K // 256, rows // TILE_ROWS
     sb = packed.reshape(nt, nsb, SB_BYTES)
     hdr = sb[:, :, :256].reshape(nt, nsb, 16, 16)
     d = hdr[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     dmin = hdr[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-    s = hdr[..., 4:16].astype(np.int64)
-    sc = np.empty(s.shape[:-1] + (8,), np.int64)
-    mn = np.empty_like(sc)
-    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
-    sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
-    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    from gguf.quants import Q4_K as GgufQ4K  # the 6-bit scale / min unpacking (ggml get_scale_min_k4)
+    sc, mn = (a.reshape(nt, nsb, 16, 8).astype(np.int64)
+              for a in GgufQ4K.get_scale_min(np.ascontiguousarray(hdr[..., 4:16]).reshape(-1, 12)))
     data = sb[:, :, 256:].reshape(nt, nsb, 2, 2, 8, 4, 16)  # [tile, sb, q, h, g, t, n]
     codes = np.concatenate([data & 15, data >> 4], axis=-1)  # [.., 32]: code n, then n + 16
     codes = codes.transpose(0, 3, 4, 1, 2, 5, 6).reshape(nt, 16, nsb, 8, 32)  # [tile, row, sb, s, l]
@@ -156,7 +161,7 @@ def repack_device(w) -> object:
     out = cp.empty(w.nbytes, dtype=cp.uint8)
     nsb = w.row_bytes // BLOCK_BYTES
     chunks = (w.rows // TILE_ROWS) * nsb * (SB_BYTES // 16)
-    k = module.kernel_in("gemv_mma.cu", "tcr_repack_q4_k", tcr_defines())
+    k = module.kernel_in("gemv_mma.cu", "tcr_repack_q4_k", tcr_defines())  # the v12 GEMVs' module
     src = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(w.ptr, w.nbytes, None), 0)
     k((min(-(-chunks // 256), 8 * module.sm_count()),), (256,),
       (src, out, np.int32(w.rows), np.int32(nsb)))
@@ -171,19 +176,20 @@ def gemv_tcr(name: str, mode: str, segs, x, K: int, norm, eps: float, rows: int)
     blocks, at most one per tile; the kernel walks tiles grid-stride). Host-resident weights (mapped
     host memory, e.g. a tied head placed on the host) are not taken: their repacked copy would land
     on the device. Raises ValueError on bad switch values and on weights not 16-byte aligned."""
-    from .arena import DeviceTensor
-    from .gemv_mma import tile_node
-    from .ops import Seg
     if not tcr_takes(mode, [s.w.type_id for s in segs], K, [s.w.rows for s in segs]):
         return None
     if any(_on_host(s.w.ptr) for s in segs):
         return None
+    from .arena import DeviceTensor
+    from .gemv_mma import tile_node
+    from .ops import Seg
+    defines = tcr_defines()
     keep, rsegs = [], []
     for s in segs:
         buf = repack_device(s.w)
         keep.append(buf)
         w2 = DeviceTensor(s.w.name + "#tcr", int(buf.data.ptr), s.w.type_id, s.w.ne, s.w.row_bytes, s.w.nbytes)
         rsegs.append(Seg(w2, s.out, s.bias))
-    k = module.kernel_in("gemv_mma.cu", f"gemvtcr_{mode}_q4_k", tcr_defines())
+    k = module.kernel_in("gemv_mma.cu", f"gemvtcr_{mode}_q4_k", defines)
     return tile_node(name, mode, k, segs, rsegs, x, K, norm, eps, rows, int(GEMV_TCR_WARPS or WARPS_DEFAULT),
-                     tcr_grid, keep=keep, defines=tcr_defines())
+                     tcr_grid, keep=keep, defines=defines)

@@ -842,20 +842,18 @@ def gemv(name: str, mode: str, segs: list[Seg], x, K: int, norm: DeviceTensor | 
     v9_rows = 1  # rows a warp takes at a time (2 for the gemvkq4_ kernels)
     cs_grid = 0  # a cluster-split node's grid (kv9_csplit)
     kdefs: tuple[str, ...] = ()  # the gemv_kq.cu build's defines (v9 nodes; Node.defines)
+    v9_family = impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8")  # v9 and its A/Bs
     if impl == "f32":
         wpr, nw = warps_per_row(K), WARPS
         k = module.kernel(f"gemvf_{mode}_w{wpr}")
         smem = 4 * (K + K // 8 + 8)  # padded x (kernels/dequant.cuh XPAD)
-    elif (impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8")
-          and (tc := gemv_tcr(name, mode, segs, x, K, norm, eps, rows))):
+    elif v9_family and (tc := gemv_tcr(name, mode, segs, x, K, norm, eps, rows)):
         return tc  # engine v12 (GGUF_HARNESS_GEMV_TCR, gemv_tcr.py)
-    elif (impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8")
-          and (mn := gemv_mma(name, mode, segs, x, K, norm, eps, rows))):
+    elif v9_family and (mn := gemv_mma(name, mode, segs, x, K, norm, eps, rows)):
         return mn  # engine v11 (GGUF_HARNESS_GEMV_MMA, gemv_mma.py)
-    elif (impl == "q16" and GEMV_ARGS == "value" and GEMV_KQ in ("v9", "v9l8")
-          and (tn := gemv_tma(name, mode, segs, x, K, norm, eps, rows))):
+    elif v9_family and (tn := gemv_tma(name, mode, segs, x, K, norm, eps, rows)):
         return tn  # engine v10 (GGUF_HARNESS_GEMV_TMA=1)
-    elif impl == "q16" and GEMV_KQ in ("v9", "v9l8") and GEMV_ARGS == "value" and \
+    elif v9_family and \
             (kname := kv9_kernel(mode, types := [s.w.type_id for s in segs], K, l4 := GEMV_KQ == "v9",
                                  rows=rows)):
         for s in segs:  # F32 rows: 16-byte loads (gemv_kq.cu f32_row)

@@ -57,9 +57,7 @@ def check() -> None:
         ops.tma_defines()
         gemv_mma.mma_defines()
         gemv_mma.mma_types()
-        gemv_tcr.tcr_defines()
-        gemv_tcr.tcr_on()
-        gemv_tcr.tcr_grid(1, 1)
+        gemv_tcr.check_switches()
         deltanet_ops.check_switches()  # GDN_CSPLIT, GDN_EARLY, GDN_CONV and their combinations
         for env, val, ok in (("GGUF_HARNESS_GEMV_KQ_MIXED", ops.GEMV_KQ_MIXED, ("split", "beside", "one")),
                              ("GGUF_HARNESS_GEMV_KQ_Q0", ops.GEMV_KQ_Q0, ("0", "1")),

@@ -477,8 +477,8 @@ extern "C" __global__ void tcr_repack_q4_k(const u8* __restrict__ src, u8* __res
 // Blocks and warps as v11 (mma_body): NW warps on one 16-row tile at a time, grid-stride over tiles,
 // warp w takes groups w, w + NW, .. (NW even: the lane's sub-block 4 (w & 1) + t stays), the warps'
 // row sums meet in shared memory. Nodes: Q4_K only, every segment's rows % 16 == 0 (gemv_tcr.tcr_takes).
-template <int MODE, int NW, int U, int NM>
-struct TcrRound { uint4 hd[U][NM][2], qd[U][NM][2]; };
+template <int U, int NM>
+struct TcrRound { uint4 hd[U][NM][2], qd[U][NM][2]; };  // a round's header and data words, rows g and g + 8
 
 template <int MODE, int NW>
 __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, const float* norm, float eps, int K,
@@ -487,7 +487,7 @@ __device__ __forceinline__ void tcr_body(const SegTable& tb, const float* x, con
     constexpr int NM = MODE == 2 ? 2 : 1;
     constexpr int U = TCR_UNROLL;
     constexpr int SB = 2304;  // bytes of one super-block of a tile
-    using Round = TcrRound<MODE, NW, U, NM>;
+    using Round = TcrRound<U, NM>;
     __shared__ float scratch[32];
     __shared__ float part[2][NW][NM][16];
     int4* xb = smem4;
