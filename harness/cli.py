@@ -39,7 +39,10 @@ def _add_verify_args(p: argparse.ArgumentParser, *, standard: bool) -> None:
     p.add_argument("--model", default=models.DEFAULT_MODEL,
                    help="registry name or GGUF path")
     p.add_argument("--backends", default=None,
-                   help="comma list (default: every backend available on this machine)")
+                   help="comma list (default: every backend available on this machine); "
+                        "NAME@VARIANT runs a backend again under other settings, e.g. "
+                        "llamacpp@no-flash-attn: the reference's agreement with itself "
+                        "(variants: harness/variants.py)")
     p.add_argument("--reference", default="oracle", help="backend all others are compared to")
     p.add_argument("--n-predict", type=int, default=129, help="generated tokens")
     p.add_argument("--contexts", default="512,2048", help="context sizes, comma list")

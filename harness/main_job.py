@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import models, results
+from . import models, results, variants
 from .config import MAX_THREADS, MIN_CTX, ProtocolConfig, RunConfig
 from .errors import ConfigError, HarnessError, ModelError
 from .gguf_file import open_gguf
@@ -39,24 +39,29 @@ def _choose_backends(spec: str | None, reference: str, bench: bool = False) -> t
     avail = available_backends()
     if spec:
         names = list(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))  # once each
-        unknown = [n for n in names if n not in avail]
+        unknown = [n for n in names if variants.base(n) not in avail]
         if unknown:
-            raise ConfigError(f"unknown backend(s) {unknown}; known: {sorted(avail)}")
-        missing = {n: avail[n] for n in names if avail[n]}
+            raise ConfigError(f"unknown backend(s) {unknown}; known: {sorted(avail)} "
+                              f"(a variant: NAME@{'|'.join(sorted(variants.VARIANTS))})")
+        missing = {n: avail[variants.base(n)] for n in names if avail[variants.base(n)]}
         if missing:
             raise ConfigError(f"backend(s) not available here: {missing}")
+        for n in names:
+            variants.overrides(n)  # a contradictory variant before the model is assembled
     else:
         names = [n for n, why in avail.items() if why is None]
-    if reference not in avail:
+    ref_base = variants.base(reference)
+    if ref_base not in avail:
         raise ConfigError(f"unknown reference backend {reference!r}; known: {sorted(avail)}")
-    if avail[reference]:
-        raise ConfigError(f"reference backend {reference!r} unavailable: {avail[reference]}")
+    if avail[ref_base]:
+        raise ConfigError(f"reference backend {reference!r} unavailable: {avail[ref_base]}")
+    variants.overrides(reference)
     if reference not in names:
         names = [reference] + names
     if len(names) < 2 and not bench:
         raise ConfigError(f"nothing to compare: give at least one backend besides the reference "
                           f"{reference!r} (or --bench for a throughput run of it alone)")
-    if "engine" in names:  # a bad GGUF_HARNESS_* switch, or a timing-only build, before the model is assembled
+    if "engine" in {variants.base(n) for n in names}:  # a bad GGUF_HARNESS_* switch, or a timing-only build, before the model is assembled
         from backends.engine import switches
         switches.check_for("run / verify")
     return names, {n: why for n, why in avail.items() if why}
@@ -174,7 +179,7 @@ def run_job(args, console: Console) -> int:
         from backends.registry import create
         with Progress(console) as prog:
             result = verify_model(model, model_meta(info), proto, base, names,
-                                  lambda n: create(n, in_child=(n != "oracle")),
+                                  variants.wrap_create(lambda n: create(n, in_child=(n != "oracle"))),
                                   reference=args.reference, prog=prog, draft=draft)
         result["unavailable_backends"] = unavailable
         result["prompt"]["pieces"] = _pieces(tok, result, console)
@@ -183,7 +188,8 @@ def run_job(args, console: Console) -> int:
             tok.close()
         except HarnessError:  # a dead tokenizer child: nothing left to free
             pass
-    if getattr(args, "bench", False) or (gpu and "engine" in names and not args.no_bench):
+    engine_run = "engine" in {variants.base(n) for n in names}
+    if getattr(args, "bench", False) or (gpu and engine_run and not args.no_bench):
         result["bench"] = _bench(args, model, info, names, ids, base, gpu, console)
     run_dir = results.new_run_dir(Path(args.out) / "runs", git_info().get("sha"))
     results.write_json(run_dir / "result.json", result)
@@ -210,7 +216,8 @@ def _bench(args, model, info, names, ids, base, gpu, console) -> dict:
         console.print(f"device copy bandwidth {copy['gb_s']:.0f} GB/s (read+write)")
     backends = [n for n in names if n != "oracle"]
     out = bench_e2e(model, decode_weight_bytes(info), backends, _contexts(args.contexts), ids,
-                    base, lambda n: create(n, in_child=True), n_decode=args.bench_decode,
+                    base, variants.wrap_create(lambda n: create(n, in_child=True)),
+                    n_decode=args.bench_decode,
                     reps=args.bench_reps, copy_gbs=copy["gb_s"] if copy else None,
                     mem_used=mem, log=lambda m: console.print(m, markup=False, soft_wrap=True))
     out["copy_bandwidth"] = copy

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 import numpy as np
 from rich.markup import escape
 
-from . import machine, metrics
+from . import machine, metrics, variants
 from .config import ModelRef, ProtocolConfig, RunConfig
 from .errors import ConfigError, HarnessError
 from .progress import Progress
@@ -179,7 +179,9 @@ def verify_model(model: ModelRef, model_meta: dict, proto: ProtocolConfig, base:
                      "n_predict": proto.n_predict, "n_prompt": len(proto.prompt_ids),
                      "teacher_forced": proto.teacher_forced, "reference": reference,
                      "draft": draft,
-                     "backends": backends, "gate": vars(gate_cfg)},
+                     "backends": backends, "gate": vars(gate_cfg),
+                     # NAME@VARIANT backends: the settings each changes (harness.variants)
+                     "variants": variants.describe([reference, *backends])},
         "prompt": {"ids": list(proto.prompt_ids), **proto.extra},
         "reference": ref_json,
         "runs": runs,
