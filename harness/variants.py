@@ -20,19 +20,17 @@ from .errors import ConfigError
 
 SEP, JOIN = "@", "+"
 
-# variant -> (backends it applies to, RunConfig fields it sets, what it changes)
-VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any], str]] = {
-    "no-flash-attn": (("llamacpp",), {"flash_attn": False},
-                      "llama.cpp attention without flash attention (ggml soft_max path)"),
-    "flash-attn": (("llamacpp",), {"flash_attn": True}, "llama.cpp flash attention on"),
-    "kv-f32": (("llamacpp",), {"kv_type": "f32"}, "llama.cpp KV cache in f32 instead of f16"),
-    "ubatch-1": (("llamacpp",), {"n_batch": 1, "n_ubatch": 1},
-                 "the prompt fed one token per batch: llama.cpp's batch-1 matrix-vector kernels "
-                 "for the prompt instead of its batched matrix-matrix ones"),
-    "embd-host": (("engine",), {"embd_placement": "host"},
-                  "engine: token_embd in page-locked host memory, one row sent per token"),
-    "embd-device": (("engine",), {"embd_placement": "device"},
-                    "engine: token_embd in device memory"),
+# variant -> (backends it applies to, RunConfig fields it sets)
+VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "no-flash-attn": (("llamacpp",), {"flash_attn": False}),  # ggml's soft_max attention path
+    "flash-attn": (("llamacpp",), {"flash_attn": True}),
+    "kv-f32": (("llamacpp",), {"kv_type": "f32"}),
+    # the prompt fed one token per batch: llama.cpp's batch-1 matrix-vector kernels for the
+    # prompt instead of its batched matrix-matrix ones
+    "ubatch-1": (("llamacpp",), {"n_batch": 1, "n_ubatch": 1}),
+    # token_embd in page-locked host memory (one row sent per token), or in device memory
+    "embd-host": (("engine",), {"embd_placement": "host"}),
+    "embd-device": (("engine",), {"embd_placement": "device"}),
 }
 
 
@@ -45,7 +43,7 @@ def split(spec: str) -> tuple[str, tuple[str, ...]]:
     """(backend name, variant names) of a backend spec; ('llamacpp', ()) for a plain name.
 
     Raises ConfigError for an empty, unknown, repeated or inapplicable variant."""
-    base, sep, rest = spec.partition(SEP)
+    name, sep, rest = spec.partition(SEP)
     if not sep:
         return spec, ()
     names = tuple(rest.split(JOIN))
@@ -53,12 +51,12 @@ def split(spec: str) -> tuple[str, tuple[str, ...]]:
         if v not in VARIANTS:
             raise ConfigError(f"backend {spec!r}: unknown variant {v!r}; known: "
                               f"{', '.join(sorted(VARIANTS))}")
-        if base not in VARIANTS[v][0]:
+        if name not in VARIANTS[v][0]:
             raise ConfigError(f"backend {spec!r}: variant {v!r} applies to "
                               f"{', '.join(VARIANTS[v][0])} only")
     if len(set(names)) != len(names):
         raise ConfigError(f"backend {spec!r} names a variant twice")
-    return base, names
+    return name, names
 
 
 def overrides(spec: str) -> dict[str, Any]:
@@ -80,28 +78,28 @@ def apply(spec: str, cfg: RunConfig) -> RunConfig:
 
 
 class VariantBackend:
-    """A backend whose load() sees the variant's settings; everything else is the inner
-    backend's (tokenize, bench, info, ...). name is the full spec, as results record it."""
+    """A backend whose load() sees the variant's settings (apply); everything else is the
+    inner backend's (tokenize, bench, info, ...). name is the full spec, as results record it."""
 
-    def __init__(self, inner, spec: str):
-        self._inner, self.name, self.variant = inner, spec, overrides(spec)
+    def __init__(self, spec: str, inner):
+        self.name, self._inner = spec, inner
 
     def load(self, model, cfg: RunConfig) -> None:
-        self._inner.load(model, replace(cfg, **self.variant))
+        self._inner.load(model, apply(self.name, cfg))
 
     def __getattr__(self, attr):
         return getattr(self._inner, attr)
 
 
 def wrap_create(create: Callable[[str], Any]) -> Callable[[str], Any]:
-    """create(name) -> backend that also takes NAME@VARIANT specs (the variant checked first,
-    so a bad spec raises ConfigError before any backend starts)."""
+    """create(name) -> backend that also takes NAME@VARIANT specs (the variant is checked
+    before create runs, so a bad spec raises ConfigError before any backend starts)."""
     def make(spec: str):
-        base, names = split(spec)
+        name, names = split(spec)
         if not names:
             return create(spec)
-        overrides(spec)
-        return VariantBackend(create(base), spec)
+        overrides(spec)  # contradicting variants, before a child process starts
+        return VariantBackend(spec, create(name))
     return make
 
 
